@@ -1,0 +1,118 @@
+"""The project's model format: a directory with config.json, model.safetensors and tokenizer files.
+
+config.json = {"format": "aggdec-ckpt v1", "model": ModelConfig fields, "tokenizer": {...},
+"meta": {...}}. The tokenizer entry is either
+  {"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"}   (project models), or
+  {"type": "dictionary", "src_dict": "dict.src.txt", "tgt_dict": "dict.tgt.txt",
+   "bpe": null | "subword_nmt" | "sentencepiece", "bpe_model": "<file>" | null}  (converted fairseq).
+Weights load without pickle. Files are named relative to the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from aggdec.model.config import ModelConfig
+from aggdec.model.transformer import Transformer
+from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
+from aggdec.tokenizers.dictionary import Dictionary
+
+FORMAT = "aggdec-ckpt v1"
+
+
+@dataclass
+class Bundle:
+    """A verifier ready to decode: model plus the tokenizers of both sides."""
+
+    model: Transformer
+    src_tok: Tokenizer
+    tgt_tok: Tokenizer
+    path: Path | None = None
+    meta: dict = field(default_factory=dict)
+    sha: str = ""  # sha256 of the weights file (first 12 hex digits), for signatures and manifests
+
+
+def file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def save(out_dir: str | Path, model: Transformer, tokenizer: dict, files: dict[str, Path],
+         *, dtype: torch.dtype = torch.float16, meta: dict | None = None) -> Path:
+    """Write `model` (weights cast to `dtype`) and copy tokenizer `files` {name_in_dir: source} into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, src in files.items():
+        if Path(src).resolve() != (out / name).resolve():
+            shutil.copyfile(src, out / name)
+    clone = Transformer(model.cfg)
+    clone.load_state_dict(model.state_dict())
+    save_model(clone.to(dtype), str(out / "model.safetensors"))
+    config = {"format": FORMAT, "model": model.cfg.to_dict(), "tokenizer": tokenizer, "meta": meta or {}}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _tokenizers(d: Path, spec: dict) -> tuple[Tokenizer, Tokenizer]:
+    kind = spec.get("type")
+    if kind == "sentencepiece":
+        src = SentencePieceTokenizer(d / spec["src"])
+        tgt = src if spec["tgt"] == spec["src"] else SentencePieceTokenizer(d / spec["tgt"])
+        return src, tgt
+    if kind == "dictionary":
+        bpe_model = d / spec["bpe_model"] if spec.get("bpe_model") else None
+        src = DictionaryTokenizer(Dictionary.load(d / spec["src_dict"]), spec.get("bpe"), bpe_model)
+        tgt = DictionaryTokenizer(Dictionary.load(d / spec["tgt_dict"]), spec.get("bpe"), bpe_model)
+        return src, tgt
+    raise ValueError(f"{d / 'config.json'}: tokenizer.type must be 'sentencepiece' or 'dictionary', got {kind!r}")
+
+
+def vocab_size(tok: Tokenizer) -> int:
+    return len(tok.dict) if isinstance(tok, DictionaryTokenizer) else len(tok)
+
+
+def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str) -> None:
+    for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab)):
+        if vocab_size(tok) != n:
+            raise ValueError(f"{where}: {side} vocabulary has {vocab_size(tok)} entries but the model's "
+                             f"embedding has {n} rows (mismatched dictionary or tokenizer)")
+
+
+def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Bundle:
+    """Load a project-format model directory (no pickle). Errors name the file at fault."""
+    d = Path(path)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{d}: not a model directory (no config.json)")
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{cfg_path}: format is {config.get('format')!r}, expected {FORMAT!r}")
+    cfg = ModelConfig.from_dict(config["model"])
+    src_tok, tgt_tok = _tokenizers(d, config["tokenizer"])
+    check_vocab(cfg, src_tok, tgt_tok, str(d))
+    weights = d / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: missing")
+    model = Transformer(cfg)
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except Exception as e:  # safetensors raises several types for truncated/corrupt files
+        raise ValueError(f"{weights}: cannot read weights ({e})") from e
+    if missing or unexpected:
+        raise ValueError(f"{weights}: weights do not match config.json (missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+    model = model.to(device=device, dtype=dtype).eval()
+    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=config.get("meta", {}), sha=file_sha(weights))

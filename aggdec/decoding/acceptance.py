@@ -1,0 +1,88 @@
+"""Acceptance criteria: how many draft tokens the verifier keeps, and what it adds after them.
+
+Glossary (per row, one verifier call on [last token ; d_1 .. d_n]):
+- verifier prediction p_t: the verifier's choice for the token after position t (t = 0..n).
+- accepted tokens: the longest prefix d_1 .. d_m of the draft that the criterion keeps.
+- bonus token: the verifier's p_m, appended after the accepted tokens. It exists even when the
+  whole draft is accepted, so every call makes progress (it plays the role of the paper's
+  [PAD] sentinel that guarantees a bifurcation).
+The row commits d_1 .. d_m, p_m: m + 1 tokens.
+
+`ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+
+def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor,
+                     pad: int, eos: int, min_len: int = 1) -> torch.Tensor:
+    """Apply fairseq-generate's per-step rules, in place, to verifier logits.
+
+    logits (B, T, V); out_index (B, T) int64 is the output index each position predicts (0 = first
+    target token); max_len (B,). Rules: pad is never produced; eos is forbidden before `min_len`
+    tokens; at index max_len only eos is allowed.
+    """
+    neg = -math.inf
+    logits[..., pad] = neg
+    if min_len > 0:
+        logits[..., eos].masked_fill_(out_index < min_len, neg)
+    force = out_index >= max_len[:, None]  # (B, T)
+    if bool(force.any()):
+        eos_col = logits[..., eos].clone()
+        logits.masked_fill_(force[..., None], neg)
+        logits[..., eos] = torch.where(force, eos_col, logits[..., eos])
+    return logits
+
+
+class Acceptance(Protocol):
+    def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft (B,K), num_draft (B,), constrained logits (B,K+1,V) -> (accepted (B,), bonus (B,))."""
+
+
+def _prefix_len(ok: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in ok (B,K), limited to num_draft."""
+    k = ok.shape[1]
+    valid = torch.arange(k, device=ok.device)[None] < num_draft[:, None]
+    return torch.cumprod((ok & valid).long(), dim=1).sum(dim=1)
+
+
+class ExactMatch:
+    """Accept a draft token iff it is the verifier's argmax (lossless)."""
+
+    name = "exact"
+
+    def accept(self, draft, num_draft, logits):
+        pred = logits.argmax(dim=-1)  # (B, K+1)
+        m = _prefix_len(pred[:, :-1] == draft, num_draft)
+        return m, pred.gather(1, m[:, None]).squeeze(1)
+
+
+class TopKTolerance:
+    """GAD++: accept d_t if it is in the verifier's top-`beta` and log p(top1) - log p(d_t) <= `tau`.
+
+    With beta=1 this is ExactMatch. The bonus token is the verifier's top-1.
+    """
+
+    name = "topk"
+
+    def __init__(self, beta: int, tau: float):
+        if beta < 1:
+            raise ValueError(f"top-beta must be >= 1, got {beta}")
+        if tau < 0:
+            raise ValueError(f"tau must be >= 0, got {tau}")
+        self.beta, self.tau = beta, tau
+
+    def accept(self, draft, num_draft, logits):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(self.beta, dim=-1)  # values/indices (B, K+1, beta)
+        pred = top.indices[..., 0]
+        body_idx = top.indices[:, :-1]
+        in_top = (body_idx == draft[..., None]).any(-1)
+        gap = top.values[:, :-1, 0] - logp[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
+        m = _prefix_len(in_top & (gap <= self.tau), num_draft)
+        return m, pred.gather(1, m[:, None]).squeeze(1)

@@ -1,0 +1,152 @@
+"""Drafters: what the verifier is asked to check at each iteration of the loop.
+
+A drafter is the batched counterpart of HF's CandidateGenerator: `propose` returns a ragged
+DraftBatch for the active rows, `observe` sees how many tokens each row accepted. The loop tells a
+drafter when rows enter (`admit`, continuous batching) and when the batch is compacted
+(`select`), so drafters may keep per-row state aligned with the loop's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.state import DecodeState
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
+        """New sentences were placed in `slots` (1-D index tensor) of `state`."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """The loop kept only `rows`, in that order."""
+
+    def propose(self, state: DecodeState) -> DraftBatch:
+        """Drafts for every active row (possibly empty)."""
+
+    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor) -> None:
+        """accepted (B,): draft tokens kept in the call that just ran (rows not yet removed)."""
+
+
+class NoDraft:
+    """Greedy decoding: every row drafts nothing, so each call adds the verifier's token."""
+
+    name = "greedy"
+
+    def admit(self, state, slots):
+        pass
+
+    def select(self, rows):
+        pass
+
+    def propose(self, state):
+        return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
+
+    def observe(self, state, draft, accepted):
+        pass
+
+
+_BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
+_NO_TOKEN = -2  # source padding, matches nothing
+
+
+class InputCopy:
+    """IAD (Ge et al., Algorithm 1): draft the input's continuation after a unique suffix match.
+
+    Let x = (BOS, x_1 .. x_n, eos) be the input and o = (BOS, o_1 .. o_j) the output so far. Find the
+    smallest q >= 1 such that o's last q tokens occur in x at exactly one end position i; the draft is
+    then x_{i+1} .. (at most `max_draft` tokens). At the start o = (BOS) matches x_0, so the first
+    draft is the whole input. If the suffix occurs nowhere, the row drafts nothing (one AR step).
+
+    `max_draft` caps each row's draft per call (None: no cap). With `adaptive=True` the cap of a row
+    halves after a call whose draft was rejected early and doubles after a fully accepted draft,
+    between `min_draft` and `max_draft`.
+    """
+
+    name = "iad"
+
+    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4):
+        if max_draft is not None and max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
+        if adaptive and max_draft is None:
+            raise ValueError("adaptive draft caps need max_draft")
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
+        self.cap: torch.Tensor | None = None  # (B,) per-row cap when adaptive
+
+    def admit(self, state, slots):
+        if not self.adaptive:
+            return
+        if self.cap is None or self.cap.shape[0] != state.batch_size:
+            cap = torch.full((state.batch_size,), self.max_draft, dtype=torch.long, device=state.out.device)
+            if self.cap is not None:
+                cap[: self.cap.shape[0]] = self.cap
+            self.cap = cap
+        self.cap[slots] = self.max_draft
+
+    def select(self, rows):
+        if self.cap is not None:
+            self.cap = self.cap.index_select(0, rows)
+
+    def match(self, state: DecodeState) -> torch.Tensor:
+        """(B,) end position i in x of the unique suffix match, or -1 where there is none."""
+        bsz = state.batch_size
+        dev = state.out.device
+        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
+        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
+        out = state.out.clone()
+        out[:, 0] = _BOS_MARK
+        j = state.out_len - 1  # index of the last output token
+        cand = torch.ones_like(x, dtype=torch.bool)
+        pos = torch.full((bsz,), -1, dtype=torch.long, device=dev)
+        open_rows = torch.ones(bsz, dtype=torch.bool, device=dev)
+        q = 0
+        while bool(open_rows.any()):
+            idx = j - q
+            tok = out.gather(1, idx.clamp(min=0)[:, None])  # (B, 1)
+            shifted = F.pad(x, (q, 0), value=_NO_TOKEN)[:, : x.shape[1]]  # shifted[b, i] = x[b, i - q]
+            cand &= (shifted == tok) & (idx >= 0)[:, None]
+            count = cand.sum(dim=1)
+            unique = open_rows & (count == 1)
+            pos = torch.where(unique, cand.long().argmax(dim=1), pos)
+            open_rows &= (count > 1) & (idx > 0)
+            q += 1
+        return pos
+
+    def propose(self, state):
+        bsz = state.batch_size
+        dev = state.out.device
+        pos = self.match(state)
+        start = pos + 1  # index in x of the first drafted token; x index i is src index i - 1
+        avail = torch.where(pos >= 0, state.src_len + 1 - start, torch.zeros_like(pos))
+        if self.adaptive:
+            avail = torch.minimum(avail, self.cap)
+        elif self.max_draft is not None:
+            avail = avail.clamp(max=self.max_draft)
+        num = avail.clamp(min=0)
+        k = int(num.max()) if bsz else 0
+        if k == 0:
+            return DraftBatch.empty(bsz, dev, state.pad)
+        offs = torch.arange(k, device=dev)[None]
+        src_idx = (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1)
+        tokens = state.src.gather(1, src_idx)
+        tokens = tokens.masked_fill(offs >= num[:, None], state.pad)
+        return DraftBatch(tokens=tokens, num_draft=num)
+
+    def observe(self, state, draft, accepted):
+        if not self.adaptive:
+            return
+        full = (accepted == draft.num_draft) & (draft.num_draft > 0)
+        early = accepted < draft.num_draft // 2
+        cap = torch.where(full, self.cap * 2, self.cap)
+        cap = torch.where(early, cap // 2, cap)
+        self.cap = cap.clamp(self.min_draft, self.max_draft)
+
+
+DRAFTERS = {"greedy": NoDraft, "iad": InputCopy}

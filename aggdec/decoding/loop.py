@@ -1,0 +1,182 @@
+"""The one batched draft -> verify loop shared by greedy, IAD, GAD, GAD++ and blockwise decoding.
+
+Each iteration, for all active rows at once:
+  1. Propose: the drafter returns a ragged draft per row (possibly empty).
+  2. Verify: the verifier scores [last token ; draft] on top of each row's cached prefix, one call.
+  3. Accept: the acceptance criterion returns, per row, the accepted draft length m and a bonus token.
+  4. Commit: each row appends d_1..d_m + bonus; its cache keeps m + 1 of the fed positions (the rest
+     is rolled back by not advancing its length).
+  5. Observe: the drafter sees the accepted counts (to adapt).
+  6. Retire and refill: rows that produced eos leave; free slots are refilled from the queue of
+     pending sentences (continuous batching), which are encoded as they enter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, constrain_logits
+from aggdec.decoding.drafters import Drafter, NoDraft
+from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.state import DecodeState
+from aggdec.model.transformer import Transformer
+
+
+def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Right-pad int sequences into a (B, max_len) int64 tensor (width at least 1)."""
+    width = max(1, max((len(s) for s in seqs), default=1))
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+class DraftVerifyLoop:
+    """Decode requests with `model` as verifier, `drafter` proposing and `acceptance` deciding.
+
+    `max_batch_size` bounds the active rows; `max_tokens`, if set, bounds the sum of active source
+    lengths (a row is always admitted into an empty batch). With `refill=False` the loop waits for
+    the whole batch to finish before admitting more (static batching, for comparison).
+    """
+
+    def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,
+                 *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.drafter = drafter or NoDraft()
+        self.acceptance = acceptance or ExactMatch()
+        self.max_batch_size = max_batch_size
+        self.max_tokens = max_tokens
+        self.refill = refill
+        self.min_len = min_len
+        self.device = next(model.parameters()).device
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
+        taken = []
+        while queue and len(taken) < free_slots:
+            n = len(queue[-1].src)
+            if self.max_tokens is not None and used_tokens + n > self.max_tokens and (used_tokens or taken):
+                break
+            taken.append(queue.pop())
+            used_tokens += n
+        return taken
+
+    def _new_state(self, reqs: list[Request]) -> DecodeState:
+        cfg = self.model.cfg
+        src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
+        cache = self.model.start(src, capacity=16)
+        return DecodeState(
+            src=src,
+            src_len=torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device),
+            out=torch.full((len(reqs), 16), cfg.pad, dtype=torch.long, device=self.device).index_fill_(1, torch.tensor([0], device=self.device), cfg.eos),
+            out_len=torch.ones(len(reqs), dtype=torch.long, device=self.device),
+            max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
+            cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
+        )
+
+    def _fill(self, state: DecodeState, slots: list[int], reqs: list[Request]) -> None:
+        """Place `reqs` into existing `slots` (same length), encoding them now."""
+        cfg = self.model.cfg
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
+        memory, src_pad = self.model.encode(src)
+        state.cache.replace(idx, self.model.cross_kv(memory, src_pad))
+        if src.shape[1] > state.src.shape[1]:
+            state.src = torch.nn.functional.pad(state.src, (0, src.shape[1] - state.src.shape[1]), value=cfg.pad)
+        state.src[idx] = torch.nn.functional.pad(src, (0, state.src.shape[1] - src.shape[1]), value=cfg.pad)
+        state.src_len[idx] = torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device)
+        state.out[idx] = cfg.pad
+        state.out[idx, 0] = cfg.eos
+        state.out_len[idx] = 1
+        state.max_len[idx] = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device)
+        for s, r in zip(slots, reqs):
+            state.requests[s] = r
+            state.stats[s] = RowStats()
+        self.drafter.admit(state, idx)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, requests: Iterable[Request]) -> Iterator[Hypothesis]:
+        """Yield one Hypothesis per request, in completion order (use `.index` to restore order).
+
+        Pending requests are admitted longest first, so refilled rows never widen the batch's
+        source padding.
+        """
+        cfg = self.model.cfg
+        queue = sorted(requests, key=lambda r: len(r.src))  # pop() takes the longest
+        state: DecodeState | None = None
+        while queue or state is not None:
+            if state is None:
+                state = self._new_state(self._take(queue, self.max_batch_size, 0))
+                self.drafter.admit(state, torch.arange(state.batch_size, device=self.device))
+            t0 = time.perf_counter()
+            # 1. Propose.
+            draft = self.drafter.propose(state)
+            room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
+            num_draft = torch.minimum(draft.num_draft, room)
+            # 2. Verify: [last ; draft] for every row in one call.
+            block = torch.cat([state.last_tokens()[:, None], draft.tokens], dim=1)  # (B, K+1)
+            logits = self.model.decode(block, state.cache)
+            out_index = state.generated[:, None] + torch.arange(block.shape[1], device=self.device)
+            constrain_logits(logits, out_index, state.max_len, cfg.pad, cfg.eos, self.min_len)
+            # 3. Accept.
+            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, logits)
+            # 4. Commit d_1..d_m + bonus; truncate at eos.
+            k1 = block.shape[1]
+            offs = torch.arange(k1, device=self.device)[None]
+            new = torch.cat([draft.tokens, bonus[:, None]], dim=1)
+            new = torch.where(offs < accepted[:, None], new, bonus[:, None])  # (B, K+1); valid for t <= m
+            is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
+            done = is_eos.any(dim=1)
+            n_new = torch.where(done, is_eos.long().argmax(dim=1) + 1, accepted + 1)
+            state.reserve_out(k1)
+            rows = torch.arange(state.batch_size, device=self.device)[:, None].expand(-1, k1)
+            state.out[rows, state.out_len[:, None] + offs] = new
+            state.out_len = state.out_len + n_new
+            state.cache.commit(accepted + 1)
+            # 5. Observe.
+            self.drafter.observe(state, draft, accepted)
+            self._record(state, block.shape[1], num_draft, accepted, time.perf_counter() - t0)
+            # 6. Retire finished rows, refill their slots.
+            done_list = done.tolist()
+            if any(done_list):
+                state = yield from self._retire(state, done_list, queue)
+        return
+
+    def _record(self, state: DecodeState, k1: int, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
+        nd, acc = num_draft.tolist(), accepted.tolist()
+        fed = sum(nd) + len(nd)
+        for s, d, a in zip(state.stats, nd, acc):
+            s.iterations += 1
+            s.drafted += d
+            s.accepted += a
+            s.accepted_per_iter.append(a)
+            s.decode_ms += 1000.0 * seconds * (d + 1) / fed
+
+    def _retire(self, state: DecodeState, done: list[bool], queue: list[Request]):
+        out_len = state.out_len.tolist()
+        finished = [i for i, d in enumerate(done) if d]
+        for i in finished:
+            toks = state.out[i, 1 : out_len[i] - 1].tolist()  # drop the start token and the eos
+            yield Hypothesis(index=state.requests[i].index, tokens=toks, stats=state.stats[i])
+        used = sum(len(r.src) for i, r in enumerate(state.requests) if not done[i])
+        reqs = self._take(queue, len(finished), used) if self.refill else []
+        if reqs:
+            self._fill(state, finished[: len(reqs)], reqs)
+            finished = finished[len(reqs):]
+        if finished:
+            gone = set(finished)
+            keep = [i for i in range(state.batch_size) if i not in gone]
+            if not keep:
+                return None
+            rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+            state.select(rows)
+            self.drafter.select(rows)
+        return state

@@ -1,0 +1,63 @@
+"""Data passed between the loop, drafters and acceptance criteria."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftBatch:
+    """Ragged drafts for the active rows, padded to the longest.
+
+    tokens:    (B, K) int64, row b's draft in tokens[b, :num_draft[b]], the rest is pad.
+    num_draft: (B,) int64, 0 <= num_draft[b] <= K.
+    logits:    (B, K, V) drafter scores for its tokens, or None (IAD has none).
+    """
+
+    tokens: torch.Tensor
+    num_draft: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, batch: int, device: torch.device, pad: int) -> "DraftBatch":
+        return cls(
+            tokens=torch.full((batch, 0), pad, dtype=torch.long, device=device),
+            num_draft=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+
+@dataclass
+class Request:
+    """One sentence to decode. src: token ids ending in eos; max_len: most tokens before the forced eos."""
+
+    index: int
+    src: list[int]
+    max_len: int
+
+
+@dataclass
+class RowStats:
+    """Per-sentence decoding statistics.
+
+    iterations: verifier calls that included this row. drafted: draft tokens proposed.
+    accepted: draft tokens accepted (the verifier's own token at each call is not counted).
+    accepted_per_iter: accepted draft tokens at each call. decode_ms: this row's share of the
+    verifier/drafter time, split between the rows of each call in proportion to tokens fed.
+    """
+
+    iterations: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_iter: list[int] = field(default_factory=list)
+    decode_ms: float = 0.0
+
+
+@dataclass
+class Hypothesis:
+    """A finished row: output tokens (eos excluded), statistics."""
+
+    index: int
+    tokens: list[int]
+    stats: RowStats

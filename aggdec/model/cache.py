@@ -1,0 +1,115 @@
+"""Per-row decoder state: ragged self-attention KV cache with per-row rollback, and cross-attention K/V.
+
+Layout: one row per sentence in the batch ("slot"). Self-attention keys/values live in buffers of
+shape (B, L_cap, D) per layer; row b's valid prefix is `lengths[b]` positions. Writing a block of T
+new tokens puts them at positions lengths[b] .. lengths[b]+T-1 for every row (padding included);
+`commit(n)` then advances each row by its own accepted count n[b] <= T. Anything written past the
+committed length is garbage that later writes overwrite and attention masks out, so rollback is
+free: it is just not advancing the length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CrossKV:
+    """Cross-attention keys/values computed once per sentence.
+
+    k, v: per decoder layer, (B, S, D). src_pad: (B, S) bool, True at padding.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    src_pad: torch.Tensor
+
+
+class DecoderCache:
+    """Self-attention cache for `n_layers` layers plus the cross-attention K/V of each row.
+
+    Invariants: lengths (B,) int64 on the model's device; every row's buffer holds valid K/V for
+    positions < lengths[b]; `capacity >= lengths.max()`.
+    """
+
+    def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64):
+        b = cross.src_pad.shape[0]
+        ref = cross.k[0]
+        self.cross = cross
+        self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
+        self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
+        self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def reserve(self, extra: int) -> None:
+        """Grow buffers so that every row can take `extra` more positions."""
+        need = int(self.lengths.max()) + extra if self.batch_size else extra
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)
+        for buf in (self.k, self.v):
+            for i, t in enumerate(buf):
+                grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
+                grown[:, : t.shape[1]] = t
+                buf[i] = grown
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a block's K/V (B, T, D) at positions lengths[b]+t; return the visible K/V prefix.
+
+        Returns (k_all, v_all) of shape (B, Lmax+T, D) where Lmax = lengths.max(); the caller masks
+        keys at or beyond lengths[b]+t+1 for query t.
+        """
+        bsz, t = k.shape[:2]
+        pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
+        rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
+        self.k[layer][rows, pos] = k
+        self.v[layer][rows, pos] = v
+        span = int(self.lengths.max()) + t
+        return self.k[layer][:, :span], self.v[layer][:, :span]
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Advance row b by n[b] positions of the block just written; the rest is rolled back."""
+        self.lengths = self.lengths + n
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Set each row's valid length (must not exceed what was written)."""
+        self.lengths = lengths.clone()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (1-D index tensor), in that order: finished rows leave, beams reorder."""
+        self.lengths = self.lengths.index_select(0, rows)
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.cross = CrossKV(
+            k=[t.index_select(0, rows) for t in self.cross.k],
+            v=[t.index_select(0, rows) for t in self.cross.v],
+            src_pad=self.cross.src_pad.index_select(0, rows),
+        )
+
+    def replace(self, slots: torch.Tensor, cross: CrossKV) -> None:
+        """Put new sentences into `slots` (continuous batching): their cross K/V, length 0.
+
+        `cross` holds len(slots) rows; its source length may differ from the batch's (padded to fit).
+        """
+        s_old, s_new = self.cross.src_pad.shape[1], cross.src_pad.shape[1]
+        if s_new > s_old:
+            grow = s_new - s_old
+            self.cross = CrossKV(
+                k=[torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.cross.k],
+                v=[torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.cross.v],
+                src_pad=torch.nn.functional.pad(self.cross.src_pad, (0, grow), value=True),
+            )
+            s_old = s_new
+        for dst, src in zip(self.cross.k + self.cross.v, cross.k + cross.v):
+            dst[slots] = torch.nn.functional.pad(src, (0, 0, 0, s_old - s_new))
+        self.cross.src_pad[slots] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
+        self.lengths[slots] = 0

@@ -1,0 +1,65 @@
+"""Model configuration: every field a fairseq `transformer` checkpoint can vary that we support."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family).
+
+    Special token ids follow fairseq's Dictionary: bos=0, pad=1, eos=2, unk=3. The decoder is fed
+    `eos` as its first token (fairseq convention), and positions start at `pad + 1`.
+    """
+
+    src_vocab: int  # rows of encoder.embed_tokens
+    tgt_vocab: int  # rows of decoder.embed_tokens / output projection
+    d_model: int = 512  # encoder and decoder embedding dim (must be equal)
+    enc_layers: int = 6
+    dec_layers: int = 6
+    enc_heads: int = 8
+    dec_heads: int = 8
+    enc_ffn: int = 2048
+    dec_ffn: int = 2048
+    enc_normalize_before: bool = False  # pre-norm encoder (adds a final encoder layer_norm)
+    dec_normalize_before: bool = False  # pre-norm decoder (adds a final decoder layer_norm)
+    enc_learned_pos: bool = False  # learned vs sinusoidal positions
+    dec_learned_pos: bool = False
+    layernorm_embedding: bool = False  # LayerNorm after embeddings + positions
+    no_scale_embedding: bool = False  # fairseq scales token embeddings by sqrt(d_model) unless set
+    share_all_embeddings: bool = False  # encoder and decoder share one embedding matrix
+    share_decoder_input_output_embed: bool = False  # output projection tied to decoder embeddings
+    activation: str = "relu"  # "relu" or "gelu"
+    dropout: float = 0.1  # training only
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    max_source_positions: int = 1024
+    max_target_positions: int = 1024
+    bos: int = 0
+    pad: int = 1
+    eos: int = 2
+    unk: int = 3
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("relu", "gelu"):
+            raise ValueError(f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        for name in ("d_model", "enc_heads", "dec_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.d_model % self.enc_heads or self.d_model % self.dec_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by the number of heads")
+        if self.share_all_embeddings and self.src_vocab != self.tgt_vocab:
+            raise ValueError("share_all_embeddings needs src_vocab == tgt_vocab")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        return cls(**d)

@@ -1,0 +1,262 @@
+"""Encoder-decoder Transformer covering fairseq's `transformer` family, with cached block decoding.
+
+Parameter names equal fairseq's state-dict keys (encoder.layers.0.self_attn.q_proj.weight, ...), so
+a fairseq checkpoint loads with a plain `load_state_dict`. Shapes: B batch, S source length,
+T new target tokens in this call, L visible target prefix, D model dim, H heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aggdec.model.cache import CrossKV, DecoderCache
+from aggdec.model.config import ModelConfig
+
+
+def sinusoidal_table(num: int, dim: int, padding_idx: int) -> torch.Tensor:
+    """fairseq's SinusoidalPositionalEmbedding table (num, dim): [sin | cos] halves, row pad = 0."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float) * -step)
+    angles = torch.arange(num, dtype=torch.float)[:, None] * freqs[None]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num, 1)], dim=1)
+    table[padding_idx] = 0
+    return table
+
+
+class Positions(nn.Module):
+    """Learned or sinusoidal positions; index = pad + 1 + position (fairseq's make_positions)."""
+
+    def __init__(self, max_positions: int, dim: int, padding_idx: int, learned: bool):
+        super().__init__()
+        self.learned = learned
+        self.padding_idx = padding_idx
+        num = max_positions + padding_idx + 1
+        if learned:
+            self.weight = nn.Parameter(torch.empty(num, dim))
+            nn.init.normal_(self.weight, mean=0, std=dim**-0.5)
+            with torch.no_grad():
+                self.weight[padding_idx].zero_()
+        else:
+            self.register_buffer("table", sinusoidal_table(num, dim, padding_idx), persistent=False)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        """index: int64 positions (any shape), already offset by pad + 1 -> (..., D)."""
+        if self.learned:
+            return F.embedding(index, self.weight)
+        return self.table[index]
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """x (B,T,D) queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool -> (B,T,D)."""
+        b, t, d = x.shape
+        h = self.heads
+        q = self.q_proj(x).view(b, t, h, d // h).transpose(1, 2)  # (B,H,T,Dh)
+        k = k.view(b, -1, h, d // h).transpose(1, 2)  # (B,H,L,Dh)
+        v = v.view(b, -1, h, d // h).transpose(1, 2)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    """Mixin for fc1/fc2 with fairseq's names; used by both layer kinds."""
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        h = F.dropout(h, self.activation_dropout, self.training)
+        return F.dropout(self.fc2(h), self.dropout, self.training)
+
+
+class EncoderLayer(FeedForward, nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.pre = cfg.enc_normalize_before
+        self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
+        self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.self_attn = MultiheadAttention(d, cfg.enc_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.enc_ffn)
+        self.fc2 = nn.Linear(cfg.enc_ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x) if self.pre else x
+        h = self.self_attn.attend(h, self.self_attn.k_proj(h), self.self_attn.v_proj(h), keep)
+        x = x + F.dropout(h, self.dropout, self.training)
+        if not self.pre:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre else x
+        x = x + self.ffn(h)
+        return x if self.pre else self.final_layer_norm(x)
+
+
+class DecoderLayer(FeedForward, nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.pre = cfg.dec_normalize_before
+        self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
+        self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.self_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.dec_ffn)
+        self.fc2 = nn.Linear(cfg.dec_ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x, self_kv, self_keep, cross_kv, cross_keep) -> torch.Tensor:
+        """self_kv: callable(h) -> (k, v) visible keys (writes the cache); cross_kv: (k, v)."""
+        h = self.self_attn_layer_norm(x) if self.pre else x
+        k, v = self_kv(h)
+        h = self.self_attn.attend(h, k, v, self_keep)
+        x = x + F.dropout(h, self.dropout, self.training)
+        if not self.pre:
+            x = self.self_attn_layer_norm(x)
+        h = self.encoder_attn_layer_norm(x) if self.pre else x
+        h = self.encoder_attn.attend(h, cross_kv[0], cross_kv[1], cross_keep)
+        x = x + F.dropout(h, self.dropout, self.training)
+        if not self.pre:
+            x = self.encoder_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre else x
+        x = x + self.ffn(h)
+        return x if self.pre else self.final_layer_norm(x)
+
+
+class Stack(nn.Module):
+    """Embeddings + layers of one side, named as fairseq's `encoder.*` / `decoder.*`."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, learned_pos: bool, max_pos: int, pre: bool, layer_cls, n: int):
+        super().__init__()
+        d = cfg.d_model
+        self.dropout = cfg.dropout
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
+        self.embed_tokens = nn.Embedding(vocab, d, padding_idx=cfg.pad)
+        nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
+        with torch.no_grad():
+            self.embed_tokens.weight[cfg.pad].zero_()
+        self.embed_positions = Positions(max_pos, d, cfg.pad, learned_pos)
+        self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
+        self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(n))
+        self.layer_norm = nn.LayerNorm(d) if pre else None
+
+    def embed(self, tokens: torch.Tensor, pos_index: torch.Tensor) -> torch.Tensor:
+        x = self.embed_scale * self.embed_tokens(tokens) + self.embed_positions(pos_index)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return F.dropout(x, self.dropout, self.training)
+
+
+class Transformer(nn.Module):
+    """fairseq-compatible encoder-decoder. See module docstring for shape letters."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Stack(cfg, cfg.src_vocab, cfg.enc_learned_pos, cfg.max_source_positions,
+                             cfg.enc_normalize_before, EncoderLayer, cfg.enc_layers)
+        self.decoder = Stack(cfg, cfg.tgt_vocab, cfg.dec_learned_pos, cfg.max_target_positions,
+                             cfg.dec_normalize_before, DecoderLayer, cfg.dec_layers)
+        if cfg.share_all_embeddings:
+            self.decoder.embed_tokens.weight = self.encoder.embed_tokens.weight
+        if cfg.share_decoder_input_output_embed or cfg.share_all_embeddings:
+            self.decoder.output_projection = None
+        else:
+            self.decoder.output_projection = nn.Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
+            nn.init.normal_(self.decoder.output_projection.weight, mean=0, std=cfg.d_model**-0.5)
+
+    # -- encoder ---------------------------------------------------------------------------------
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B,S) int64, right-padded with pad, each row ending in eos -> (memory (B,S,D), src_pad (B,S))."""
+        pad = self.cfg.pad
+        src_pad = src.eq(pad)
+        nonpad = (~src_pad).long()
+        pos = torch.cumsum(nonpad, dim=1) * nonpad + pad
+        x = self.encoder.embed(src, pos)
+        keep = (~src_pad)[:, None, None, :]  # (B,1,1,S)
+        for layer in self.encoder.layers:
+            x = layer(x, keep)
+        if self.encoder.layer_norm is not None:
+            x = self.encoder.layer_norm(x)
+        return x, src_pad
+
+    def cross_kv(self, memory: torch.Tensor, src_pad: torch.Tensor) -> CrossKV:
+        """Project encoder output to each decoder layer's cross-attention K/V, once per sentence."""
+        ks = [layer.encoder_attn.k_proj(memory) for layer in self.decoder.layers]
+        vs = [layer.encoder_attn.v_proj(memory) for layer in self.decoder.layers]
+        return CrossKV(k=ks, v=vs, src_pad=src_pad)
+
+    def start(self, src: torch.Tensor, capacity: int = 64) -> DecoderCache:
+        """Encode `src` and return an empty decoder cache for it."""
+        memory, src_pad = self.encode(src)
+        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity)
+
+    # -- decoder ---------------------------------------------------------------------------------
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoder.output_projection is None:
+            return F.linear(x, self.decoder.embed_tokens.weight)
+        return self.decoder.output_projection(x)
+
+    def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """Score a block of T new tokens per row on top of each row's cached prefix.
+
+        tokens (B,T) int64: row b's tokens go to positions cache.lengths[b] + t (pad the tail of
+        shorter blocks with anything). Returns logits (B,T,V) where [b, t] predicts the token after
+        tokens[b, t]. All T positions are written to the cache but none is committed: call
+        `cache.commit(n)` with each row's accepted count.
+        """
+        cfg = self.cfg
+        bsz, t = tokens.shape
+        cache.reserve(t)
+        offs = torch.arange(t, device=tokens.device)
+        pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
+        # Padding positions of short blocks may run past the table; their outputs are never used.
+        x = self.decoder.embed(tokens, (pos + cfg.pad + 1).clamp(max=cfg.max_target_positions + cfg.pad))
+        span = int(cache.lengths.max()) + t
+        keys = torch.arange(span, device=tokens.device)
+        self_keep = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (B,1,T,L)
+        cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
+        for i, layer in enumerate(self.decoder.layers):
+            def self_kv(h, i=i, layer=layer):
+                return cache.write(i, layer.self_attn.k_proj(h), layer.self_attn.v_proj(h))
+            x = layer(x, self_kv, self_keep, (cache.cross.k[i], cache.cross.v[i]), cross_keep)
+        if self.decoder.layer_norm is not None:
+            x = self.decoder.layer_norm(x)
+        return self.output_logits(x)
+
+    def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B,T,V) for training: full causal attention, no cache."""
+        memory, src_pad = self.encode(src)
+        cross = self.cross_kv(memory, src_pad)
+        bsz, t = prev_output_tokens.shape
+        pos = torch.arange(t, device=src.device)
+        x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.pad + 1)[None].expand(bsz, t))
+        causal = (pos[None, :] <= pos[:, None])[None, None]  # (1,1,T,T)
+        cross_keep = (~src_pad)[:, None, None, :]
+        for i, layer in enumerate(self.decoder.layers):
+            def self_kv(h, layer=layer):
+                return layer.self_attn.k_proj(h), layer.self_attn.v_proj(h)
+            x = layer(x, self_kv, causal, (cross.k[i], cross.v[i]), cross_keep)
+        if self.decoder.layer_norm is not None:
+            x = self.decoder.layer_norm(x)
+        return self.output_logits(x)
