@@ -1,0 +1,192 @@
+"""Python API: `Translator` turns text into text with any decoding method, plus per-sentence stats.
+
+    from aggdec.api import Translator
+    tr = Translator.load("models/gec-base")
+    results = tr.translate_batch(["She go to school ."], method="iad", max_batch_size=64)
+    results[0].text, results[0].status, results[0].stats.iterations
+
+Every input yields exactly one `TranslationResult`. Statuses: "ok"; "empty" (nothing to decode
+after cleaning: the output is ""); "truncated" (longer than the model's source positions, decoded
+from the first tokens that fit); "error" (decoding this row raised; `error` says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from aggdec import checkpoint
+from aggdec.checkpoint import Bundle
+from aggdec.decoding.acceptance import ExactMatch
+from aggdec.decoding.drafters import InputCopy, NoDraft
+from aggdec.decoding.limits import max_len_for
+from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.stats import SpeedupStats
+from aggdec.text import clean_text
+
+METHODS = ("greedy", "beam", "iad")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode. Lossless methods (greedy, iad) give greedy's output token for token.
+
+    max_batch_size: active rows at once; max_tokens: cap on the sum of active source tokens.
+    max_len_a/b: output length limit a * src_len + b (src_len counts the eos), as fairseq-generate.
+    draft_cap: IAD draft tokens per row and call (None: the whole remaining input).
+    adaptive_draft: IAD per-row cap that halves on early rejection, doubles on full acceptance.
+    """
+
+    method: str = "greedy"
+    beam: int = 5
+    lenpen: float = 1.0
+    max_batch_size: int = 32
+    max_tokens: int | None = None
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    draft_cap: int | None = None
+    adaptive_draft: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.beam < 1:
+            raise ValueError(f"beam must be >= 1, got {self.beam}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_cap is not None and self.draft_cap < 1:
+            raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
+
+    def signature(self, sha: str = "") -> str:
+        parts = [f"aggdec|method:{self.method}"]
+        if self.method == "beam":
+            parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}")
+        if self.method == "iad":
+            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}")
+        parts.append(f"len:{self.max_len_a}x+{self.max_len_b}")
+        if sha:
+            parts.append(f"ckpt:{sha}")
+        return "|".join(parts)
+
+
+@dataclass
+class TranslationResult:
+    source: str
+    text: str
+    tokens: list[int]
+    status: str = "ok"
+    error: str = ""
+    src_len: int = 0  # source tokens incl. eos (after truncation)
+    stats: RowStats = field(default_factory=RowStats)
+
+
+class Translator:
+    """A loaded verifier plus its tokenizers; decodes lists or streams of sentences in-process."""
+
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        self.model = bundle.model
+        self.cfg = bundle.model.cfg
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
+        return cls(checkpoint.load(path, device=device, dtype=dtype))
+
+    # -- building requests -----------------------------------------------------------------------
+
+    def prepare(self, source: str) -> tuple[list[int] | None, str, str]:
+        """-> (source ids ending in eos or None when empty, status, cleaned text)."""
+        text = clean_text(source)
+        if not text:
+            return None, "empty", text
+        ids = self.bundle.src_tok.encode(text)
+        if not ids:
+            return None, "empty", text
+        limit = self.cfg.max_source_positions - 1
+        status = "ok"
+        if len(ids) > limit:
+            ids, status = ids[:limit], "truncated"
+        return ids + [self.cfg.eos], status, text
+
+    def _run(self, reqs: list[Request], opts: DecodeOptions) -> list[Hypothesis]:
+        if opts.method == "beam":
+            from aggdec.decoding.beam import beam_search
+
+            return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size)
+        drafter = NoDraft() if opts.method == "greedy" else InputCopy(
+            max_draft=opts.draft_cap, adaptive=opts.adaptive_draft)
+        loop = DraftVerifyLoop(self.model, drafter, ExactMatch(), max_batch_size=opts.max_batch_size,
+                               max_tokens=opts.max_tokens)
+        return list(loop.run(reqs))
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def translate_batch(self, source: list[str], options: DecodeOptions | None = None, **kwargs) -> list[TranslationResult]:
+        """Decode `source` (any order of lengths); results align with `source`.
+
+        Options come from `options` or keyword arguments (`method="iad", max_batch_size=64`, ...).
+        A batch that fails is retried row by row, so one bad row yields one "error" result.
+        """
+        opts = options or DecodeOptions(**kwargs)
+        results: list[TranslationResult] = []
+        reqs: list[Request] = []
+        for i, s in enumerate(source):
+            ids, status, text = self.prepare(s)
+            results.append(TranslationResult(source=text, text="", tokens=[], status=status,
+                                             src_len=len(ids) if ids else 0))
+            if ids is not None:
+                max_len = max_len_for(len(ids), opts.max_len_a, opts.max_len_b, self.cfg.max_target_positions)
+                reqs.append(Request(index=i, src=ids, max_len=max(1, max_len)))
+        for hyp in self._decode_isolating(reqs, opts, results):
+            r = results[hyp.index]
+            r.tokens, r.stats = hyp.tokens, hyp.stats
+            r.text = self.bundle.tgt_tok.decode(hyp.tokens)
+        return results
+
+    def _decode_isolating(self, reqs: list[Request], opts: DecodeOptions, results: list[TranslationResult]) -> list[Hypothesis]:
+        try:
+            return self._run(reqs, opts)
+        except Exception as e:  # isolate the failing row(s); never lose a row
+            if len(reqs) <= 1:
+                for r in reqs:
+                    results[r.index].status = "error"
+                    results[r.index].error = f"{type(e).__name__}: {e}"[:500]
+                return []
+        hyps = []
+        for r in reqs:
+            hyps.extend(self._decode_isolating([r], opts, results))
+        return hyps
+
+    def translate_iterable(self, source: Iterable[str], options: DecodeOptions | None = None, *,
+                           chunk_size: int = 1024, **kwargs) -> Iterator[TranslationResult]:
+        """Stream results in input order, decoding `chunk_size` sentences at a time."""
+        chunk: list[str] = []
+        for s in source:
+            chunk.append(s)
+            if len(chunk) >= chunk_size:
+                yield from self.translate_batch(chunk, options, **kwargs)
+                chunk = []
+        if chunk:
+            yield from self.translate_batch(chunk, options, **kwargs)
+
+
+def summarize(results: list[TranslationResult], seconds: float | None = None) -> dict:
+    """Corpus totals for a list of results: counts by status and merged SpeedupStats."""
+    total = SpeedupStats()
+    status: dict[str, int] = {}
+    for r in results:
+        status[r.status] = status.get(r.status, 0) + 1
+        if r.status in ("ok", "truncated"):
+            total.add(r.stats, len(r.tokens) + 1)
+    out = {"rows": len(results), "status": status, **total.to_dict()}
+    if seconds is not None:
+        out["seconds"] = seconds
+        out["sentences_per_s"] = len(results) / seconds if seconds > 0 else 0.0
+    return out
+
