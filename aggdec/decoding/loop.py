@@ -57,6 +57,13 @@ class DraftVerifyLoop:
 
     # -- admission -------------------------------------------------------------------------------
 
+    def _check(self, req: Request) -> None:
+        cfg = self.model.cfg
+        if not 1 <= req.max_len < cfg.max_target_positions:
+            raise ValueError(f"request {req.index}: max_len={req.max_len} outside [1, {cfg.max_target_positions - 1}]")
+        if not 1 <= len(req.src) <= cfg.max_source_positions or req.src[-1] != cfg.eos:
+            raise ValueError(f"request {req.index}: source must end in eos and have 1..{cfg.max_source_positions} tokens")
+
     def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
         taken = []
         while queue and len(taken) < free_slots:
@@ -111,6 +118,8 @@ class DraftVerifyLoop:
         """
         cfg = self.model.cfg
         queue = sorted(requests, key=lambda r: len(r.src))  # pop() takes the longest
+        for r in queue:
+            self._check(r)
         state: DecodeState | None = None
         while queue or state is not None:
             if state is None:

@@ -1,0 +1,47 @@
+"""Random tiny models and a naive greedy reference, shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from aggdec.model.config import ModelConfig
+from aggdec.model.transformer import Transformer
+
+CONFIGS = {
+    "postnorm-sinusoidal-shared": dict(share_all_embeddings=True),
+    "prenorm-learned-separate": dict(enc_normalize_before=True, dec_normalize_before=True, enc_learned_pos=True,
+                                     dec_learned_pos=True, layernorm_embedding=True, tgt_vocab=17),
+    "shallow-decoder-tied-output": dict(enc_layers=3, dec_layers=1, share_decoder_input_output_embed=True, activation="gelu"),
+}
+
+
+def tiny_model(kind: str = "postnorm-sinusoidal-shared", seed: int = 0, vocab: int = 13, **over) -> Transformer:
+    """A random float64 model in eval mode. Small vocab makes repeats and early eos likely."""
+    torch.manual_seed(seed)
+    kw = dict(src_vocab=vocab, tgt_vocab=vocab, d_model=16, enc_layers=2, dec_layers=2, enc_heads=2, dec_heads=2,
+              enc_ffn=24, dec_ffn=24, max_source_positions=64, max_target_positions=64)
+    kw.update(CONFIGS[kind])
+    kw.update(over)
+    model = Transformer(ModelConfig(**kw)).double().eval()
+    # Sharpen the output distribution so greedy outputs have structure (copies, repeats, eos).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
+    return model
+
+
+@torch.no_grad()
+def naive_greedy(model: Transformer, src: list[int], max_len: int) -> list[int]:
+    """Greedy by full recomputation of the whole prefix at every step (no cache), fairseq rules."""
+    cfg = model.cfg
+    out = [cfg.eos]
+    for step in range(max_len + 1):
+        logits = model(torch.tensor([src]), torch.tensor([out]))[0, -1].clone()
+        logits[cfg.pad] = -float("inf")
+        if step < 1:
+            logits[cfg.eos] = -float("inf")
+        tok = cfg.eos if step >= max_len else int(logits.argmax())
+        if tok == cfg.eos:
+            break
+        out.append(tok)
+    return out[1:]
