@@ -23,15 +23,15 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
                      pad: int, eos: int, min_len: int = 1) -> torch.Tensor:
     """Apply fairseq-generate's per-step rules, in place, to verifier logits.
 
-    logits (B, T, V); out_index (B, T) int64 is the output index each position predicts (0 = first
-    target token); max_len (B,). Rules: pad is never produced; eos is forbidden before `min_len`
-    tokens; at index max_len only eos is allowed.
+    logits (..., V); out_index (...) int64 is the output index each position predicts (0 = first
+    target token); max_len (...) the row's limit at each position. Rules: pad is never produced;
+    eos is forbidden before `min_len` tokens; at index max_len only eos is allowed.
     """
     neg = -math.inf
     logits[..., pad] = neg
     if min_len > 0:
         logits[..., eos].masked_fill_(out_index < min_len, neg)
-    force = out_index >= max_len[:, None]  # (B, T)
+    force = out_index >= max_len  # (...)
     if bool(force.any()):
         eos_col = logits[..., eos].clone()
         logits.masked_fill_(force[..., None], neg)
@@ -40,8 +40,21 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
 
 
 class Acceptance(Protocol):
-    def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """draft (B,K), num_draft (B,), constrained logits (B,K+1,V) -> (accepted (B,), bonus (B,))."""
+    def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, logits: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide per row.
+
+        draft (B,K) int64; num_draft (B,); valid (B,K+1) bool, True at positions t <= num_draft[b];
+        logits (N,V) constrained verifier logits of the valid positions in row-major order
+        (N = valid.sum()). Returns (accepted (B,) int64, bonus (B,) int64).
+        """
+
+
+def _unpack(values: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
+    """Scatter packed per-position values (N, ...) back to (B, K+1, ...), `fill` elsewhere."""
+    out = values.new_full((*valid.shape, *values.shape[1:]), fill)
+    out[valid] = values
+    return out
 
 
 def _prefix_len(ok: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
@@ -56,8 +69,8 @@ class ExactMatch:
 
     name = "exact"
 
-    def accept(self, draft, num_draft, logits):
-        pred = logits.argmax(dim=-1)  # (B, K+1)
+    def accept(self, draft, num_draft, logits, valid):
+        pred = _unpack(logits.argmax(dim=-1), valid, -1)  # (B, K+1)
         m = _prefix_len(pred[:, :-1] == draft, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -77,12 +90,14 @@ class TopKTolerance:
             raise ValueError(f"tau must be >= 0, got {tau}")
         self.beta, self.tau = beta, tau
 
-    def accept(self, draft, num_draft, logits):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top = logp.topk(self.beta, dim=-1)  # values/indices (B, K+1, beta)
-        pred = top.indices[..., 0]
-        body_idx = top.indices[:, :-1]
-        in_top = (body_idx == draft[..., None]).any(-1)
-        gap = top.values[:, :-1, 0] - logp[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
-        m = _prefix_len(in_top & (gap <= self.tau), num_draft)
+    def accept(self, draft, num_draft, logits, valid):
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+        top = logp.topk(self.beta, dim=-1)  # (N, beta)
+        # the token each valid position would be checked against: the next draft token (or none)
+        nxt = torch.cat([draft, draft.new_full((draft.shape[0], 1), -1)], dim=1)[valid]  # (N,)
+        in_top = (top.indices == nxt[:, None]).any(-1)
+        gap = top.values[:, 0] - logp.gather(1, nxt.clamp(min=0)[:, None]).squeeze(1)
+        ok = _unpack(in_top & (gap <= self.tau), valid, False)[:, :-1]
+        pred = _unpack(top.indices[:, 0], valid, -1)
+        m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,17 @@ def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     return out.to(device)
+
+
+@dataclass
+class LoopCounters:
+    """Verifier work over a run. fed: real tokens scored (last token + draft per row);
+    padded: tokens computed including padding to the longest draft (B * (K + 1) per call)."""
+
+    calls: int = 0
+    fed: int = 0
+    padded: int = 0
+    encoded_rows: int = 0
 
 
 class DraftVerifyLoop:
@@ -54,6 +66,7 @@ class DraftVerifyLoop:
         self.refill = refill
         self.min_len = min_len
         self.device = next(model.parameters()).device
+        self.counters = LoopCounters()
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -78,6 +91,7 @@ class DraftVerifyLoop:
         cfg = self.model.cfg
         src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
         cache = self.model.start(src, capacity=16)
+        self.counters.encoded_rows += len(reqs)
         return DecodeState(
             src=src,
             src_len=torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device),
@@ -93,6 +107,7 @@ class DraftVerifyLoop:
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
         memory, src_pad = self.model.encode(src)
+        self.counters.encoded_rows += len(reqs)
         state.cache.replace(idx, self.model.cross_kv(memory, src_pad))
         if src.shape[1] > state.src.shape[1]:
             state.src = torch.nn.functional.pad(state.src, (0, src.shape[1] - state.src.shape[1]), value=cfg.pad)
@@ -130,16 +145,19 @@ class DraftVerifyLoop:
             draft = self.drafter.propose(state)
             room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
             num_draft = torch.minimum(draft.num_draft, room)
-            # 2. Verify: [last ; draft] for every row in one call.
+            # 2. Verify: [last ; draft] for every row in one call; project only real positions.
             block = torch.cat([state.last_tokens()[:, None], draft.tokens], dim=1)  # (B, K+1)
-            logits = self.model.decode(block, state.cache)
-            out_index = state.generated[:, None] + torch.arange(block.shape[1], device=self.device)
-            constrain_logits(logits, out_index, state.max_len, cfg.pad, cfg.eos, self.min_len)
-            # 3. Accept.
-            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, logits)
-            # 4. Commit d_1..d_m + bonus; truncate at eos.
             k1 = block.shape[1]
             offs = torch.arange(k1, device=self.device)[None]
+            valid = offs <= num_draft[:, None]  # (B, K+1)
+            hidden = self.model.decode_hidden(block, state.cache)
+            logits = self.model.output_logits(hidden[valid])  # (N, V)
+            out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
+            constrain_logits(logits, out_index, state.max_len[:, None].expand_as(valid)[valid],
+                             cfg.pad, cfg.eos, self.min_len)
+            # 3. Accept.
+            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, logits, valid)
+            # 4. Commit d_1..d_m + bonus; truncate at eos.
             new = torch.cat([draft.tokens, bonus[:, None]], dim=1)
             new = torch.where(offs < accepted[:, None], new, bonus[:, None])  # (B, K+1); valid for t <= m
             is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
@@ -152,16 +170,19 @@ class DraftVerifyLoop:
             state.cache.commit(accepted + 1)
             # 5. Observe.
             self.drafter.observe(state, draft, accepted)
-            self._record(state, block.shape[1], num_draft, accepted, time.perf_counter() - t0)
+            self._record(state, num_draft, accepted, time.perf_counter() - t0)
+            self.counters.calls += 1
+            self.counters.padded += block.numel()
             # 6. Retire finished rows, refill their slots.
             done_list = done.tolist()
             if any(done_list):
                 state = yield from self._retire(state, done_list, queue)
         return
 
-    def _record(self, state: DecodeState, k1: int, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
+    def _record(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
         nd, acc = num_draft.tolist(), accepted.tolist()
         fed = sum(nd) + len(nd)
+        self.counters.fed += fed
         for s, d, a in zip(state.stats, nd, acc):
             s.iterations += 1
             s.drafted += d

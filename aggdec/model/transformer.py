@@ -225,6 +225,11 @@ class Transformer(nn.Module):
         tokens[b, t]. All T positions are written to the cache but none is committed: call
         `cache.commit(n)` with each row's accepted count.
         """
+        return self.output_logits(self.decode_hidden(tokens, cache))
+
+    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """As `decode`, but returns the final decoder states (B,T,D), so that callers can project
+        only the positions they need (the output projection dominates a verification call)."""
         cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
@@ -242,7 +247,7 @@ class Transformer(nn.Module):
             x = layer(x, self_kv, self_keep, (cache.cross.k[i], cache.cross.v[i]), cross_keep)
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
-        return self.output_logits(x)
+        return x
 
     def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B,T,V) for training: full causal attention, no cache."""

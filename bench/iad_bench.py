@@ -1,0 +1,200 @@
+"""IAD vs greedy vs beam-5 (and CTranslate2 greedy) on gec/test, CPU, one run, side by side.
+
+    python bench/iad_bench.py --model models/gec-base --data ../shared/data/gec/test.tsv \
+        --batch-sizes 1,8,32,64 --out bench/results/iad.json
+
+Reports per batch size: sentences/s, output tokens/s, speedups (IAD/greedy, IAD/beam), best-vs-best
+throughput, verifier calls per sentence against the oracle bound (1 + edited spans between input and
+greedy output), verifier tokens computed per output token (fed and padded), identical share against
+greedy, and per-sentence speedup by edit-ratio bucket at batch 1 (the paper's Figure 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import difflib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from aggdec.api import Translator
+from aggdec.decoding.beam import beam_search
+from aggdec.decoding.drafters import InputCopy, NoDraft
+from aggdec.decoding.limits import max_len_for
+from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.metadata import Request
+
+
+def read_tsv(path: Path, column: str, limit: int | None) -> list[str]:
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = [r[column] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+    return rows[:limit] if limit else rows
+
+
+def edit_spans(a: list[int], b: list[int]) -> tuple[int, int]:
+    """(number of edited spans, edited tokens) turning a into b."""
+    ops = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
+    return len(ops), sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops)
+
+
+def run_loop(model, reqs, drafter, bs):
+    loop = DraftVerifyLoop(model, drafter, max_batch_size=bs)
+    t0 = time.perf_counter()
+    hyps = {h.index: h for h in loop.run(reqs)}
+    return hyps, time.perf_counter() - t0, loop.counters
+
+
+def run_ct2(ct2_dir: str, pieces: list[list[str]], bs: int, max_lens: list[int]):
+    import ctranslate2
+
+    tr = ctranslate2.Translator(ct2_dir, device="cpu", inter_threads=1, intra_threads=torch.get_num_threads())
+    t0 = time.perf_counter()
+    out = tr.translate_batch(pieces, beam_size=1, max_batch_size=bs, max_decoding_length=max(max_lens) + 1)
+    return [o.hypotheses[0] for o in out], time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/gec-base")
+    ap.add_argument("--data", default="../shared/data/gec/test.tsv")
+    ap.add_argument("--column", default="noisy")
+    ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
+    ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for the batch-1 runs")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--methods", default="beam,greedy,iad")
+    ap.add_argument("--draft-caps", default="none", help="IAD caps to try, e.g. none,16,adaptive32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ct2", default=None, help="CTranslate2 model dir converted from the same weights")
+    ap.add_argument("--out", default="bench/results/iad.json")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    tr = Translator.load(args.model)
+    model, cfg = tr.model, tr.cfg
+    sources = read_tsv(Path(args.data), args.column, args.limit)
+    reqs_all = []
+    for i, s in enumerate(sources):
+        ids, status, _ = tr.prepare(s)
+        if ids is not None:
+            reqs_all.append(Request(i, ids, max_len_for(len(ids), 1.5, 10, cfg.max_target_positions)))
+    results: dict = {"model": args.model, "sha": tr.bundle.sha, "data": args.data, "sentences": len(reqs_all),
+                     "threads": args.threads, "machine": platform.processor() or platform.machine(),
+                     "torch": torch.__version__, "runs": []}
+    greedy_ref: dict[int, list[int]] = {}
+    per_sentence_ms: dict[str, dict[int, float]] = {}
+    caps = [c.strip() for c in args.draft_caps.split(",")]
+    # warm-up
+    run_loop(model, reqs_all[:8], NoDraft(), 8)
+
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        reqs = reqs_all[: args.bs1_limit] if bs == 1 and args.bs1_limit else reqs_all
+        for method in args.methods.split(","):
+            variants = caps if method == "iad" else [None]
+            for cap in variants:
+                name = method if method != "iad" or cap == "none" else f"iad-{cap}"
+                if method == "beam":
+                    t0 = time.perf_counter()
+                    hyp_list = beam_search(model, reqs, beam=5, max_batch_size=bs)
+                    secs = time.perf_counter() - t0
+                    hyps = {h.index: h for h in hyp_list}
+                    counters = None
+                else:
+                    if method == "greedy":
+                        drafter = NoDraft()
+                    elif cap == "none":
+                        drafter = InputCopy()
+                    elif cap.startswith("adaptive"):
+                        drafter = InputCopy(max_draft=int(cap.removeprefix("adaptive")), adaptive=True)
+                    else:
+                        drafter = InputCopy(max_draft=int(cap))
+                    hyps, secs, counters = run_loop(model, reqs, drafter, bs)
+                toks = sum(len(h.tokens) + 1 for h in hyps.values())
+                if method == "greedy":
+                    for i, h in hyps.items():
+                        greedy_ref.setdefault(i, h.tokens)
+                same = [hyps[r.index].tokens == greedy_ref[r.index] for r in reqs if r.index in greedy_ref]
+                run = {"method": name, "batch_size": bs, "sentences": len(reqs), "seconds": secs,
+                       "sentences_per_s": len(reqs) / secs, "tokens_per_s": toks / secs,
+                       "identical_to_greedy": (sum(same) / len(same)) if same else None}
+                if counters is not None:
+                    iters = [h.stats.iterations for h in hyps.values()]
+                    run.update(calls=counters.calls, mean_iterations=statistics.mean(iters),
+                               fed_per_output_token=counters.fed / toks, padded_per_output_token=counters.padded / toks,
+                               mean_accepted_per_iter=sum(h.stats.accepted for h in hyps.values()) / sum(iters))
+                    if method == "iad" and greedy_ref:
+                        bound = [1 + edit_spans(r.src[:-1], greedy_ref[r.index])[0] for r in reqs]
+                        run["oracle_mean_iterations"] = statistics.mean(bound)
+                if bs == 1 and method != "beam":
+                    per_sentence_ms[name] = {i: h.stats.decode_ms for i, h in hyps.items()}
+                results["runs"].append(run)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items()}), flush=True)
+        if args.ct2 and "greedy" in args.methods:
+            from aggdec.checkpoint import Bundle  # noqa: F401  (documents that ct2 uses the same weights)
+
+            sp = tr.bundle.src_tok.sp
+            pieces = [sp.encode(sources[r.index], out_type=str) for r in reqs]
+            outs, secs = run_ct2(args.ct2, pieces, bs, [r.max_len for r in reqs])
+            ct2_ids = [[sp.piece_to_id(p) for p in o] for o in outs]
+            same = [ct2_ids[k] == greedy_ref.get(r.index) for k, r in enumerate(reqs)]
+            toks = sum(len(o) + 1 for o in ct2_ids)
+            run = {"method": "ctranslate2-greedy", "batch_size": bs, "sentences": len(reqs), "seconds": secs,
+                   "sentences_per_s": len(reqs) / secs, "tokens_per_s": toks / secs,
+                   "identical_to_greedy": sum(same) / len(same)}
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+
+    summarize(results, per_sentence_ms, reqs_all, greedy_ref)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summarize(results: dict, per_sentence_ms: dict, reqs: list[Request], greedy_ref: dict) -> None:
+    runs = results["runs"]
+    by = {(r["method"], r["batch_size"]): r for r in runs}
+    methods = sorted({r["method"] for r in runs})
+    table = []
+    for (m, bs), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        g, b = by.get(("greedy", bs)), by.get(("beam", bs))
+        row = {"method": m, "bs": bs, "sent/s": round(r["sentences_per_s"], 2), "tok/s": round(r["tokens_per_s"], 1),
+               "x_greedy": round(r["sentences_per_s"] / g["sentences_per_s"], 2) if g and g["sentences"] == r["sentences"] else None,
+               "x_beam": round(r["sentences_per_s"] / b["sentences_per_s"], 2) if b and b["sentences"] == r["sentences"] else None,
+               "identical": r.get("identical_to_greedy")}
+        table.append(row)
+    best = {m: max((r for r in runs if r["method"] == m), key=lambda r: r["sentences_per_s"]) for m in methods}
+    results["table"] = table
+    results["best_vs_best"] = {m: {"batch_size": r["batch_size"], "sentences_per_s": r["sentences_per_s"]} for m, r in best.items()}
+    if "greedy" in best:
+        for m in best:
+            results["best_vs_best"][m]["x_greedy"] = best[m]["sentences_per_s"] / best["greedy"]["sentences_per_s"]
+    if "greedy" in per_sentence_ms:
+        buckets: dict[str, list[float]] = {}
+        src = {r.index: r.src[:-1] for r in reqs}
+        for name, ms in per_sentence_ms.items():
+            if not name.startswith("iad"):
+                continue
+            for i, t in ms.items():
+                if i not in per_sentence_ms["greedy"] or t <= 0:
+                    continue
+                _, edited = edit_spans(src[i], greedy_ref[i])
+                ratio = edited / max(1, len(src[i]))
+                key = "0" if ratio == 0 else "(0,.1]" if ratio <= 0.1 else "(.1,.2]" if ratio <= 0.2 else "(.2,.4]" if ratio <= 0.4 else ">.4"
+                buckets.setdefault(f"{name}|{key}", []).append(per_sentence_ms["greedy"][i] / t)
+        results["speedup_by_edit_ratio_bs1"] = {k: {"n": len(v), "median_speedup": statistics.median(v)} for k, v in sorted(buckets.items())}
+    print("\n" + " | ".join(table[0].keys()) if table else "")
+    for row in table:
+        print(" | ".join(str(v) for v in row.values()))
+    print("best vs best:", json.dumps(results["best_vs_best"]))
+    if "speedup_by_edit_ratio_bs1" in results:
+        print("per-sentence speedup by edit ratio (bs=1):", json.dumps(results["speedup_by_edit_ratio_bs1"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Acceptance criteria on packed logits, against a per-row reference."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggdec.decoding.acceptance import ExactMatch, TopKTolerance, constrain_logits
+
+
+def _case(seed, bsz, k, vocab):
+    g = torch.Generator().manual_seed(seed)
+    num = torch.randint(0, k + 1, (bsz,), generator=g)
+    logits = torch.randn(bsz, k + 1, vocab, generator=g, dtype=torch.float64)
+    pred = logits.argmax(-1)
+    draft = torch.randint(0, vocab, (bsz, k), generator=g)
+    keep = torch.rand(bsz, k, generator=g) < 0.7  # make long accepted runs likely
+    draft = torch.where(keep, pred[:, :k], draft)
+    valid = torch.arange(k + 1)[None] <= num[:, None]
+    return draft, num, logits, valid
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6), bsz=st.integers(1, 6), k=st.integers(0, 7), vocab=st.integers(2, 9))
+def test_exact_match_reference(seed, bsz, k, vocab):
+    draft, num, logits, valid = _case(seed, bsz, k, vocab)
+    m, bonus = ExactMatch().accept(draft, num, logits[valid], valid)
+    for b in range(bsz):
+        ref = 0
+        while ref < num[b] and int(logits[b, ref].argmax()) == int(draft[b, ref]):
+            ref += 1
+        assert int(m[b]) == ref
+        assert int(bonus[b]) == int(logits[b, ref].argmax())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6), bsz=st.integers(1, 6), k=st.integers(0, 7), vocab=st.integers(2, 9),
+       tau=st.floats(0, 5))
+def test_topk_tolerance(seed, bsz, k, vocab, tau):
+    draft, num, logits, valid = _case(seed, bsz, k, vocab)
+    packed = logits[valid]
+    exact = ExactMatch().accept(draft, num, packed, valid)
+    one = TopKTolerance(beta=1, tau=tau).accept(draft, num, packed, valid)
+    assert torch.equal(exact[0], one[0]) and torch.equal(exact[1], one[1])  # GAD++ with beta=1 is GAD
+    beta = min(3, vocab)
+    m, bonus = TopKTolerance(beta=beta, tau=tau).accept(draft, num, packed, valid)
+    logp = torch.log_softmax(logits, -1)
+    for b in range(bsz):
+        ref = 0
+        while ref < num[b]:
+            lp = logp[b, ref]
+            d = int(draft[b, ref])
+            rank = int((lp > lp[d]).sum())
+            if rank >= beta or float(lp.max() - lp[d]) > tau:
+                break
+            ref += 1
+        assert int(m[b]) == ref >= int(exact[0][b])
+        assert int(bonus[b]) == int(logits[b, ref].argmax())
+
+
+def test_constrain_logits_rules():
+    logits = torch.zeros(3, 6)
+    logits[:, 4] = 1.0
+    out_index = torch.tensor([0, 3, 5])
+    max_len = torch.tensor([5, 5, 5])
+    constrain_logits(logits, out_index, max_len, pad=1, eos=2, min_len=1)
+    assert math.isinf(logits[0, 2]) and logits[0, 2] < 0  # no eos at index 0
+    assert logits[1].argmax() == 4 and math.isinf(logits[1, 1])  # pad never
+    assert logits[2].argmax() == 2 and torch.isinf(logits[2, [0, 1, 3, 4, 5]]).all()  # forced eos
