@@ -29,8 +29,10 @@ class Drafter(Protocol):
     def propose(self, state: DecodeState) -> DraftBatch:
         """Drafts for every active row (possibly empty)."""
 
-    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor) -> None:
-        """accepted (B,): draft tokens kept in the call that just ran (rows not yet removed)."""
+    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
+        """accepted (B,): draft tokens kept in the call that just ran (rows not yet removed);
+        hidden (B,K+1,D): the verifier's final decoder states of that call (blockwise heads use
+        hidden[b, accepted[b]], the state that produced the bonus token)."""
 
 
 class NoDraft:
@@ -47,7 +49,7 @@ class NoDraft:
     def propose(self, state):
         return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
 
-    def observe(self, state, draft, accepted):
+    def observe(self, state, draft, accepted, hidden):
         pass
 
 
@@ -139,7 +141,7 @@ class InputCopy:
         tokens = tokens.masked_fill(offs >= num[:, None], state.pad)
         return DraftBatch(tokens=tokens, num_draft=num)
 
-    def observe(self, state, draft, accepted):
+    def observe(self, state, draft, accepted, hidden):
         if not self.adaptive:
             return
         full = (accepted == draft.num_draft) & (draft.num_draft > 0)

@@ -169,7 +169,7 @@ class DraftVerifyLoop:
             state.out_len = state.out_len + n_new
             state.cache.commit(accepted + 1)
             # 5. Observe.
-            self.drafter.observe(state, draft, accepted)
+            self.drafter.observe(state, draft, accepted, hidden)
             self._record(state, num_draft, accepted, time.perf_counter() - t0)
             self.counters.calls += 1
             self.counters.padded += block.numel()

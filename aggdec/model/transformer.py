@@ -227,9 +227,13 @@ class Transformer(nn.Module):
         """
         return self.output_logits(self.decode_hidden(tokens, cache))
 
-    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache, key_limit: torch.Tensor | None = None) -> torch.Tensor:
         """As `decode`, but returns the final decoder states (B,T,D), so that callers can project
-        only the positions they need (the output projection dominates a verification call)."""
+        only the positions they need (the output projection dominates a verification call).
+
+        key_limit (B,T) int64, optional: query [b, t] attends to positions <= key_limit[b, t]
+        (default: its own position, i.e. causal). The NAR drafter uses it to let mask tokens see
+        each other while the prefix stays causal (and so cacheable)."""
         cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
@@ -239,7 +243,8 @@ class Transformer(nn.Module):
         x = self.decoder.embed(tokens, (pos + cfg.pad + 1).clamp(max=cfg.max_target_positions + cfg.pad))
         span = int(cache.lengths.max()) + t
         keys = torch.arange(span, device=tokens.device)
-        self_keep = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (B,1,T,L)
+        limit = pos if key_limit is None else key_limit
+        self_keep = (keys[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,L)
         cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
         for i, layer in enumerate(self.decoder.layers):
             def self_kv(h, i=i, layer=layer):
@@ -249,14 +254,17 @@ class Transformer(nn.Module):
             x = self.decoder.layer_norm(x)
         return x
 
-    def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits (B,T,V) for training: full causal attention, no cache."""
+    def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor, key_limit: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Teacher-forced logits (B,T,V) for training, no cache (hidden states (B,T,D) if
+        `return_hidden`). key_limit (B,T) as in `decode_hidden`; default causal."""
         memory, src_pad = self.encode(src)
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
         pos = torch.arange(t, device=src.device)
         x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.pad + 1)[None].expand(bsz, t))
-        causal = (pos[None, :] <= pos[:, None])[None, None]  # (1,1,T,T)
+        limit = pos[None].expand(bsz, t) if key_limit is None else key_limit
+        causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]
         for i, layer in enumerate(self.decoder.layers):
             def self_kv(h, layer=layer):
@@ -264,4 +272,4 @@ class Transformer(nn.Module):
             x = layer(x, self_kv, causal, (cross.k[i], cross.v[i]), cross_keep)
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
-        return self.output_logits(x)
+        return x if return_hidden else self.output_logits(x)

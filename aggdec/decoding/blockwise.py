@@ -1,0 +1,83 @@
+"""Blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018): k-1 proposal heads on the verifier.
+
+Head i (i = 1 .. k-1) maps the verifier's final decoder state h_t (which predicts token t+1 through
+the model's own output projection) to a state predicting token t+1+i: h + FFN_i(h), one hidden
+layer with a residual, then the verifier's (frozen) output projection.
+
+Combined scoring and proposal (Section 4): the verification call that scores a block also yields
+h at the bonus position, so the heads' proposals for the next block come from the same call; each
+iteration is one verifier call plus k-1 small head FFNs on one position per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.state import DecodeState
+from aggdec.model.transformer import Transformer
+
+
+class ProposalHeads(nn.Module):
+    """k-1 residual FFN heads. forward(h (N,D)) -> states (N, k-1, D) for the output projection."""
+
+    def __init__(self, d_model: int, num_heads: int, hidden: int):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"need at least one proposal head (block size k >= 2), got {num_heads}")
+        self.fc1 = nn.Parameter(torch.empty(num_heads, d_model, hidden))
+        self.b1 = nn.Parameter(torch.zeros(num_heads, hidden))
+        self.fc2 = nn.Parameter(torch.zeros(num_heads, hidden, d_model))  # heads start as identity
+        self.b2 = nn.Parameter(torch.zeros(num_heads, d_model))
+        nn.init.normal_(self.fc1, std=d_model**-0.5)
+
+    @property
+    def num_heads(self) -> int:
+        return self.fc1.shape[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1) + self.b1)  # (N, k-1, hidden)
+        return h[:, None] + torch.einsum("nkh,khd->nkd", z, self.fc2) + self.b2
+
+
+class BlockwiseHeads:
+    """Drafter for the shared loop: the next draft is the heads' proposals from the last call.
+
+    A row's first call drafts nothing (there is no verifier state yet); afterwards every call
+    proposes k-1 tokens after the bonus token.
+    """
+
+    name = "blockwise"
+
+    def __init__(self, verifier: Transformer, heads: ProposalHeads):
+        self.verifier = verifier
+        self.heads = heads
+        self.pending: torch.Tensor | None = None  # (B, k-1) proposals for the next call
+        self.ready: torch.Tensor | None = None  # (B,) bool: row has proposals
+
+    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
+        b, k1 = state.batch_size, self.heads.num_heads
+        if self.pending is None or self.pending.shape[0] != b or slots.numel() == b:
+            self.pending = torch.full((b, k1), state.pad, dtype=torch.long, device=state.out.device)
+            self.ready = torch.zeros(b, dtype=torch.bool, device=state.out.device)
+        self.ready[slots] = False
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.pending = self.pending.index_select(0, rows)
+        self.ready = self.ready.index_select(0, rows)
+
+    def propose(self, state: DecodeState) -> DraftBatch:
+        num = torch.where(self.ready, self.heads.num_heads, 0)
+        if not bool(self.ready.any()):
+            return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
+        return DraftBatch(tokens=self.pending.clone(), num_draft=num)
+
+    @torch.no_grad()
+    def observe(self, state, draft, accepted, hidden):
+        h = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)  # (B, D)
+        logits = self.verifier.output_logits(self.heads(h))  # (B, k-1, V)
+        logits[..., state.pad] = -float("inf")
+        self.pending = logits.argmax(dim=-1)
+        self.ready = torch.ones_like(self.ready)

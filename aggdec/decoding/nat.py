@@ -1,0 +1,106 @@
+"""GAD's drafter: a non-autoregressive block drafter with its own encoder and a cached prefix.
+
+The drafter is a `Transformer` whose target vocabulary has one extra symbol, `mask_id` (= the
+verifier's vocabulary size). Given the accepted prefix (eos, o_1 .. o_j) and k mask tokens, it
+predicts o_{j+1} .. o_{j+k} in one pass. Unlike the paper's drafter, whose prefix attends
+bidirectionally (so it must be recomputed every iteration), ours keeps the prefix causal and lets
+only the mask tokens attend to each other: prefix K/V are cached and committed like the
+verifier's, and each iteration feeds only the newly accepted tokens plus the masks.
+
+Layout of one drafter call, row b (n_b new prefix tokens, k_b masks, right-padded to the batch):
+    [new_1 .. new_{n_b}, M_1 .. M_{k_b}, pad ...]  at cache positions lengths[b] + t
+Prefix token t attends to keys <= its position; mask tokens attend to keys <= the last mask.
+Only the n_b prefix positions are committed; the masks are rolled back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.state import DecodeState
+from aggdec.model.cache import DecoderCache
+from aggdec.model.transformer import Transformer
+
+
+def block_layout(n_new: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masks of a drafter call. n_new, k, lengths: (B,) int64.
+
+    Returns (is_prefix (B,T), is_mask (B,T), key_limit (B,T)) with T = max(n_new + k).
+    """
+    width = int((n_new + k).max())
+    t = torch.arange(width, device=n_new.device)[None]
+    is_prefix = t < n_new[:, None]
+    is_mask = (t >= n_new[:, None]) & (t < (n_new + k)[:, None])
+    pos = lengths[:, None] + t
+    last_mask = (lengths + n_new + k - 1)[:, None]
+    key_limit = torch.where(is_mask, last_mask.expand_as(pos), pos)
+    return is_prefix, is_mask, key_limit
+
+
+class NATDrafter:
+    """GAD/SpecDec drafter for the shared loop. `block_size` masks per row per call.
+
+    adaptive: per-row block size that doubles after a fully accepted draft and halves after a draft
+    rejected in its first half, between `min_block` and `block_size`.
+    """
+
+    name = "gad"
+
+    def __init__(self, model: Transformer, mask_id: int, block_size: int = 10, adaptive: bool = False, min_block: int = 2):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if mask_id != model.cfg.tgt_vocab - 1:
+            raise ValueError(f"mask_id {mask_id} must be the drafter's last target symbol ({model.cfg.tgt_vocab - 1})")
+        self.model = model
+        self.mask_id = mask_id
+        self.block_size = block_size
+        self.adaptive = adaptive
+        self.min_block = min(min_block, block_size)
+        self.cache: DecoderCache | None = None
+        self.k: torch.Tensor | None = None  # (B,) per-row block size
+
+    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
+        if self.cache is None or self.cache.batch_size != state.batch_size or slots.numel() == state.batch_size:
+            self.cache = self.model.start(state.src, capacity=32)
+            self.k = torch.full((state.batch_size,), self.block_size, dtype=torch.long, device=state.src.device)
+            return
+        memory, src_pad = self.model.encode(state.src[slots, : int(state.src_len[slots].max())])
+        self.cache.replace(slots, self.model.cross_kv(memory, src_pad))
+        self.k[slots] = self.block_size
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.k = self.k.index_select(0, rows)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> DraftBatch:
+        cache = self.cache
+        lengths = cache.lengths
+        n_new = state.out_len - lengths  # tokens the drafter has not seen yet (>= 1)
+        k = self.k
+        is_prefix, is_mask, key_limit = block_layout(n_new, k, lengths)
+        width = is_prefix.shape[1]
+        src_idx = (lengths[:, None] + torch.arange(width, device=lengths.device)).clamp(max=state.out.shape[1] - 1)
+        tokens = state.out.gather(1, src_idx)
+        tokens = torch.where(is_mask, torch.full_like(tokens, self.mask_id), tokens)
+        tokens = torch.where(is_prefix | is_mask, tokens, torch.full_like(tokens, state.pad))
+        hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit)
+        cache.commit(n_new)
+        logits = self.model.output_logits(hidden[is_mask])  # (sum k, V+1)
+        logits[:, self.mask_id] = -float("inf")
+        logits[:, state.pad] = -float("inf")
+        kmax = int(k.max())
+        draft = torch.full((state.batch_size, kmax), state.pad, dtype=torch.long, device=lengths.device)
+        slot = torch.arange(kmax, device=lengths.device)[None] < k[:, None]
+        draft[slot] = logits.argmax(dim=-1)
+        return DraftBatch(tokens=draft, num_draft=k.clone())
+
+    def observe(self, state, draft, accepted, hidden):
+        if not self.adaptive:
+            return
+        full = accepted >= draft.num_draft
+        early = accepted < draft.num_draft // 2
+        k = torch.where(full, self.k * 2, self.k)
+        k = torch.where(early, k // 2, k)
+        self.k = k.clamp(self.min_block, self.block_size)

@@ -1,0 +1,102 @@
+"""GAD (NAR block drafter), GAD++ and blockwise heads in the shared loop: exact-match acceptance is
+lossless for any drafter; the drafter's cached block layout equals its teacher-forced layout."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiny_models import tiny_model
+
+from aggdec.decoding.acceptance import ExactMatch, TopKTolerance
+from aggdec.decoding.blockwise import BlockwiseHeads, ProposalHeads
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.metadata import Request
+from aggdec.decoding.nat import NATDrafter, block_layout
+
+
+def _drafter(verifier, seed=1):
+    v = verifier.cfg.tgt_vocab
+    return tiny_model("prenorm-learned-separate", seed=seed, vocab=verifier.cfg.src_vocab, tgt_vocab=v + 1)
+
+
+def _requests(rng, n, vocab, eos):
+    out = []
+    for i in range(n):
+        length = rng.choice([0, 1, rng.randint(2, 12), 30])
+        src = [rng.randint(4, vocab - 1) for _ in range(length)] + [eos]
+        out.append(Request(i, src, min(60, rng.randint(1, 2 * length + 6))))
+    return out
+
+
+def _tokens(loop, reqs):
+    return {h.index: h.tokens for h in loop.run(reqs)}
+
+
+def test_cached_block_layout_equals_full_forward():
+    drafter = _drafter(tiny_model())
+    mask = drafter.cfg.tgt_vocab - 1
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 4, 2, 1, 1]])
+    prefix = torch.tensor([[2, 5, 6, 7], [2, 9, 9, 9]])
+    k = 3
+    with torch.no_grad():
+        # full: [prefix ; masks] in one sequence, masks see each other, prefix causal
+        seq = torch.cat([prefix, torch.full((2, k), mask)], dim=1)
+        n = torch.tensor([4, 4])
+        _, is_mask, key_limit = block_layout(n, torch.tensor([k, k]), torch.zeros(2, dtype=torch.long))
+        full = drafter(src, seq, key_limit=key_limit)[is_mask].view(2, k, -1)
+        # cached: prefix in two ragged pieces, then masks
+        cache = drafter.start(src)
+        drafter.decode_hidden(prefix[:, :2], cache)
+        cache.commit(torch.tensor([2, 2]))
+        n2 = torch.tensor([2, 2])
+        is_prefix, is_mask2, limit2 = block_layout(n2, torch.tensor([k, k]), cache.lengths)
+        block = torch.cat([prefix[:, 2:], torch.full((2, k), mask)], dim=1)
+        hid = drafter.decode_hidden(block, cache, key_limit=limit2)
+        got = drafter.output_logits(hid[is_mask2]).view(2, k, -1)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-10)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 8), adaptive=st.booleans())
+def test_gad_equals_greedy(seed, bs, k, adaptive):
+    verifier = tiny_model("shallow-decoder-tied-output", vocab=9)
+    rng = random.Random(seed)
+    reqs = _requests(rng, rng.randint(1, 8), 9, verifier.cfg.eos)
+    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=4), reqs)
+    drafter = _drafter(verifier, seed=seed % 7)
+    gad = NATDrafter(drafter, mask_id=drafter.cfg.tgt_vocab - 1, block_size=k, adaptive=adaptive, min_block=1)
+    assert _tokens(DraftVerifyLoop(verifier, gad, max_batch_size=bs), reqs) == greedy
+
+
+def test_gad_plus_plus_beta1_equals_gad_and_tolerance_accepts_more():
+    verifier = tiny_model("shallow-decoder-tied-output", vocab=9)
+    reqs = _requests(random.Random(3), 10, 9, verifier.cfg.eos)
+    drafter = _drafter(verifier)
+
+    def run(acc):
+        loop = DraftVerifyLoop(verifier, NATDrafter(drafter, drafter.cfg.tgt_vocab - 1, 6), acc, max_batch_size=4)
+        hyps = list(loop.run(reqs))
+        return {h.index: h.tokens for h in hyps}, sum(h.stats.accepted for h in hyps)
+
+    gad, acc_gad = run(ExactMatch())
+    one, acc_one = run(TopKTolerance(beta=1, tau=10.0))
+    assert one == gad and acc_one == acc_gad
+    _, acc_loose = run(TopKTolerance(beta=5, tau=100.0))
+    assert acc_loose > acc_gad
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_blockwise_equals_greedy(k):
+    verifier = tiny_model("prenorm-learned-separate")
+    reqs = _requests(random.Random(k), 10, verifier.cfg.src_vocab, verifier.cfg.eos)
+    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=3), reqs)
+    torch.manual_seed(0)
+    heads = ProposalHeads(verifier.cfg.d_model, k - 1, 32).double()
+    with torch.no_grad():
+        heads.fc2.normal_(std=0.3)
+    for bs in (1, 4):
+        assert _tokens(DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs), reqs) == greedy
