@@ -20,15 +20,18 @@ import torch
 
 from aggdec import checkpoint
 from aggdec.checkpoint import Bundle
-from aggdec.decoding.acceptance import ExactMatch
+from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
+from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.drafters import InputCopy, NoDraft
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.nat import NATDrafter
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
 
-METHODS = ("greedy", "beam", "iad")
+METHODS = ("greedy", "beam", "iad", "gad", "gad++", "blockwise")
+NEEDS_DRAFTER = ("gad", "gad++", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,12 @@ class DecodeOptions:
     max_batch_size: active rows at once; max_tokens: cap on the sum of active source tokens.
     max_len_a/b: output length limit a * src_len + b (src_len counts the eos), as fairseq-generate.
     draft_cap: IAD draft tokens per row and call (None: the whole remaining input).
-    adaptive_draft: IAD per-row cap that halves on early rejection, doubles on full acceptance.
+    adaptive_draft: IAD per-row cap / GAD per-row block size that halves on early rejection and
+        doubles on full acceptance.
+    drafter: GAD/GAD++: NAR drafter model directory; blockwise: proposal-heads directory.
+    block_size: GAD block size k (masks per call); blockwise k is fixed by its heads.
+    top_beta, tau: GAD++ acceptance (top-beta and log-prob gap). min_block: blockwise approximate
+        acceptance that always keeps the first `min_block` proposals (Stern et al. 5.3; lossy).
     """
 
     method: str = "greedy"
@@ -50,8 +58,20 @@ class DecodeOptions:
     max_len_b: int = 10
     draft_cap: int | None = None
     adaptive_draft: bool = False
+    drafter: str | None = None
+    block_size: int = 10
+    top_beta: int = 3
+    tau: float = 1.0
+    top_k_accept: int = 1
+    min_block: int = 0
 
     def __post_init__(self) -> None:
+        if self.method in NEEDS_DRAFTER and not self.drafter:
+            raise ValueError(f"method {self.method} needs a drafter (a NAR drafter or proposal-heads directory)")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.top_beta < 1 or self.tau < 0:
+            raise ValueError(f"top_beta must be >= 1 and tau >= 0; got {self.top_beta}, {self.tau}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.beam < 1:
@@ -69,6 +89,10 @@ class DecodeOptions:
             parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}")
         if self.method == "iad":
             parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}")
+        if self.method in ("gad", "gad++"):
+            parts.append(f"k:{self.block_size}|adaptive:{int(self.adaptive_draft)}")
+        if self.method == "gad++":
+            parts.append(f"beta:{self.top_beta}|tau:{self.tau}")
         parts.append(f"len:{self.max_len_a}x+{self.max_len_b}")
         if sha:
             parts.append(f"ckpt:{sha}")
@@ -93,6 +117,23 @@ class Translator:
         self.bundle = bundle
         self.model = bundle.model
         self.cfg = bundle.model.cfg
+        self._drafters: dict[str, object] = {}
+
+    def _drafter_model(self, path: str):
+        """Load (once) a NAR drafter or proposal heads for this verifier."""
+        if path not in self._drafters:
+            device = next(self.model.parameters()).device
+            dtype = next(self.model.parameters()).dtype
+            if (Path(path) / "heads.safetensors").is_file():
+                self._drafters[path] = checkpoint.load_heads(path, self.bundle.sha).to(device=device, dtype=dtype)
+            else:
+                bundle = checkpoint.load(path, device=device, dtype=dtype)
+                if bundle.meta.get("role") != "nar-drafter":
+                    raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {bundle.meta.get('role')!r})")
+                if bundle.model.cfg.tgt_vocab != self.cfg.tgt_vocab + 1:
+                    raise ValueError(f"{path}: drafter vocabulary ({bundle.model.cfg.tgt_vocab - 1}) differs from the verifier's ({self.cfg.tgt_vocab})")
+                self._drafters[path] = bundle
+        return self._drafters[path]
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
@@ -119,9 +160,23 @@ class Translator:
             from aggdec.decoding.beam import beam_search
 
             return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size)
-        drafter = NoDraft() if opts.method == "greedy" else InputCopy(
-            max_draft=opts.draft_cap, adaptive=opts.adaptive_draft)
-        loop = DraftVerifyLoop(self.model, drafter, ExactMatch(), max_batch_size=opts.max_batch_size,
+        acceptance = ExactMatch()
+        if opts.method == "greedy":
+            drafter = NoDraft()
+        elif opts.method == "iad":
+            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft)
+        elif opts.method == "blockwise":
+            drafter = BlockwiseHeads(self.model, self._drafter_model(opts.drafter))
+            if opts.top_k_accept > 1:
+                acceptance = TopKTolerance(opts.top_k_accept, float("inf"))
+        else:
+            nat = self._drafter_model(opts.drafter)
+            drafter = NATDrafter(nat.model, nat.meta["mask_id"], opts.block_size, adaptive=opts.adaptive_draft)
+            if opts.method == "gad++":
+                acceptance = TopKTolerance(opts.top_beta, opts.tau)
+        if opts.min_block:
+            acceptance = MinBlock(acceptance, opts.min_block)
+        loop = DraftVerifyLoop(self.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                                max_tokens=opts.max_tokens)
         return list(loop.run(reqs))
 
@@ -134,6 +189,8 @@ class Translator:
         A batch that fails is retried row by row, so one bad row yields one "error" result.
         """
         opts = options or DecodeOptions(**kwargs)
+        if opts.method in NEEDS_DRAFTER:
+            self._drafter_model(opts.drafter)  # a bad drafter is a configuration error: raise now
         results: list[TranslationResult] = []
         reqs: list[Request] = []
         for i, s in enumerate(source):

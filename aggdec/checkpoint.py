@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
+from aggdec.decoding.blockwise import ProposalHeads
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
 from aggdec.tokenizers.dictionary import Dictionary
 
 FORMAT = "aggdec-ckpt v1"
+HEADS_FORMAT = "aggdec-heads v1"
 
 
 @dataclass
@@ -81,8 +83,9 @@ def vocab_size(tok: Tokenizer) -> int:
     return len(tok.dict) if isinstance(tok, DictionaryTokenizer) else len(tok)
 
 
-def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str) -> None:
-    for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab)):
+def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, extra_target: int = 0) -> None:
+    """Embedding rows must equal vocabulary sizes (a NAR drafter has `extra_target` = 1: its mask)."""
+    for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab - extra_target)):
         if vocab_size(tok) != n:
             raise ValueError(f"{where}: {side} vocabulary has {vocab_size(tok)} entries but the model's "
                              f"embedding has {n} rows (mismatched dictionary or tokenizer)")
@@ -102,7 +105,8 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
         raise ValueError(f"{cfg_path}: format is {config.get('format')!r}, expected {FORMAT!r}")
     cfg = ModelConfig.from_dict(config["model"])
     src_tok, tgt_tok = _tokenizers(d, config["tokenizer"])
-    check_vocab(cfg, src_tok, tgt_tok, str(d))
+    meta = config.get("meta", {})
+    check_vocab(cfg, src_tok, tgt_tok, str(d), extra_target=1 if meta.get("role") == "nar-drafter" else 0)
     weights = d / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing")
@@ -115,4 +119,29 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
         raise ValueError(f"{weights}: weights do not match config.json (missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
     model = model.to(device=device, dtype=dtype).eval()
-    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=config.get("meta", {}), sha=file_sha(weights))
+    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=meta, sha=file_sha(weights))
+
+
+def save_heads(out: Path, heads: ProposalHeads, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(heads.half(), str(out / "heads.safetensors"))
+    cfg = {"format": HEADS_FORMAT, "d_model": heads.fc1.shape[1], "num_heads": heads.num_heads,
+           "hidden": heads.fc1.shape[2], "meta": meta}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_heads(path: str | Path, verifier_sha: str | None = None) -> ProposalHeads:
+    """Load blockwise proposal heads (no pickle); the verifier hash must match when given."""
+    d = Path(path)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{d}: not a proposal-heads directory (no config.json)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("format") != HEADS_FORMAT:
+        raise ValueError(f"{cfg_path}: format is {cfg.get('format')!r}, expected {HEADS_FORMAT!r}")
+    want = cfg.get("meta", {}).get("verifier_sha")
+    if verifier_sha and want and want != verifier_sha:
+        raise ValueError(f"{d}: heads were trained for verifier {want}, not {verifier_sha}")
+    heads = ProposalHeads(cfg["d_model"], cfg["num_heads"], cfg["hidden"])
+    load_model(heads, str(d / "heads.safetensors"))
+    return heads.float().eval()

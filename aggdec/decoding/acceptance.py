@@ -101,3 +101,24 @@ class TopKTolerance:
         pred = _unpack(top.indices[:, 0], valid, -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
+
+
+class MinBlock:
+    """Stern et al.'s minimum block size (approximate): always keep the first `min_block` draft
+    tokens (as far as drafted), then apply `inner` to decide the rest of the prefix."""
+
+    name = "minblock"
+
+    def __init__(self, inner: Acceptance, min_block: int):
+        if min_block < 1:
+            raise ValueError(f"min_block must be >= 1, got {min_block}")
+        self.inner, self.min_block = inner, min_block
+
+    def accept(self, draft, num_draft, logits, valid):
+        m, bonus = self.inner.accept(draft, num_draft, logits, valid)
+        forced = torch.minimum(num_draft, torch.full_like(num_draft, self.min_block))
+        if bool((forced > m).any()):
+            pred = _unpack(logits.argmax(dim=-1), valid, -1)
+            m = torch.maximum(m, forced)
+            bonus = pred.gather(1, m[:, None]).squeeze(1)
+        return m, bonus

@@ -1,0 +1,47 @@
+"""Seq-KD -> drafter and proposal-heads training -> GAD / GAD++ / blockwise through the public API."""
+
+import pytest
+import torch
+
+from conftest import synthetic_sentences
+
+from aggdec.api import DecodeOptions, Translator
+from aggdec.train import drafter as drafter_train
+from aggdec.train.seqkd import generate
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gad")
+    kd = tmp / "kd.tsv"
+    torch.set_num_threads(1)
+    assert generate(tiny_model_dir, synthetic_sentences(120, seed=5), kd, batch_size=32) > 100
+    common = ["--verifier", str(tiny_model_dir), "--data", str(kd), "--max-minutes", "0.05", "--threads", "1",
+              "--max-tokens", "512", "--warmup", "20", "--log-interval", "1000"]
+    drafter_train.main(["drafter", *common, "--out", str(tmp / "drafter"), "--block-size", "4"])
+    drafter_train.main(["heads", *common, "--out", str(tmp / "heads"), "--block-size", "3", "--hidden", "32"])
+    return tmp
+
+
+def test_gad_family_is_lossless_through_the_api(tiny_model_dir, trained):
+    tr = Translator.load(tiny_model_dir)
+    src = synthetic_sentences(40, seed=9) + ["", "   "]
+    greedy = [r.text for r in tr.translate_batch(src, method="greedy", max_batch_size=8)]
+    for opts in (DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, max_batch_size=8),
+                 DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, adaptive_draft=True),
+                 DecodeOptions(method="gad++", drafter=str(trained / "drafter"), top_beta=1, tau=3.0),
+                 DecodeOptions(method="blockwise", drafter=str(trained / "heads"), max_batch_size=5)):
+        res = tr.translate_batch(src, opts)
+        assert [r.text for r in res] == greedy, opts
+        assert [r.status for r in res][-2:] == ["empty", "empty"]
+        assert all(r.stats.iterations >= 1 for r in res[:-2])
+
+
+def test_drafter_errors_name_the_directory(tiny_model_dir, trained):
+    tr = Translator.load(tiny_model_dir)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        DecodeOptions(method="gad")
+    with pytest.raises(ValueError, match="not a NAR drafter"):
+        tr.translate_batch(["a b c"], method="gad", drafter=str(tiny_model_dir))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        tr.translate_batch(["a b c"], method="blockwise", drafter=str(trained / "missing"))
