@@ -43,6 +43,8 @@ class DecodeOptions:
     draft_cap: IAD draft tokens per row and call (None: the whole remaining input).
     adaptive_draft: IAD per-row cap / GAD per-row block size that halves on early rejection and
         doubles on full acceptance.
+    substitution: IAD fallback after a rejection with no unique re-alignment: keep copying the input
+        after the rejected token (a substitution guess) instead of one AR step.
     drafter: GAD/GAD++: NAR drafter model directory; blockwise: proposal-heads directory.
     block_size: GAD block size k (masks per call); blockwise k is fixed by its heads.
     top_beta, tau: GAD++ acceptance (top-beta and log-prob gap). min_block: blockwise approximate
@@ -58,6 +60,7 @@ class DecodeOptions:
     max_len_b: int = 10
     draft_cap: int | None = None
     adaptive_draft: bool = False
+    substitution: bool = False
     drafter: str | None = None
     block_size: int = 10
     top_beta: int = 3
@@ -88,7 +91,7 @@ class DecodeOptions:
         if self.method == "beam":
             parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}")
         if self.method == "iad":
-            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}")
+            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}|subst:{int(self.substitution)}")
         if self.method in ("gad", "gad++"):
             parts.append(f"k:{self.block_size}|adaptive:{int(self.adaptive_draft)}")
         if self.method == "gad++":
@@ -164,7 +167,7 @@ class Translator:
         if opts.method == "greedy":
             drafter = NoDraft()
         elif opts.method == "iad":
-            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft)
+            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution)
         elif opts.method == "blockwise":
             drafter = BlockwiseHeads(self.model, self._drafter_model(opts.drafter))
             if opts.top_k_accept > 1:

@@ -66,14 +66,15 @@ def test_greedy_loop_equals_naive_recompute(kind):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 8), cap=st.one_of(st.none(), st.integers(1, 6)),
        adaptive=st.booleans(), refill=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
-       repeat=st.booleans())
-def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat):
+       repeat=st.booleans(), substitution=st.booleans())
+def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution):
     model = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 10), model.cfg.src_vocab, model.cfg.eos, repeat=repeat)
     rng.shuffle(reqs)  # refill order
     greedy = _decode(model, NoDraft(), reqs, max_batch_size=3)
-    drafter = InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1) if adaptive else InputCopy(max_draft=cap)
+    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, substitution=substitution) if adaptive
+               else InputCopy(max_draft=cap, substitution=substitution))
     iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens)
     assert {i: h.tokens for i, h in iad.items()} == {i: h.tokens for i, h in greedy.items()}
     for h in iad.values():

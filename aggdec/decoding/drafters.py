@@ -68,11 +68,17 @@ class InputCopy:
     `max_draft` caps each row's draft per call (None: no cap). With `adaptive=True` the cap of a row
     halves after a call whose draft was rejected early and doubles after a fully accepted draft,
     between `min_draft` and `max_draft`.
+
+    `substitution=True` goes beyond Algorithm 1: where no unique match exists right after a
+    rejected draft token, assume the verifier's token replaced it (the most common edit) and keep
+    copying the input after the rejected token, instead of drafting nothing. Like every draft, this
+    cannot change the output; it only saves the AR steps that re-alignment would take.
     """
 
     name = "iad"
 
-    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4):
+    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
+                 substitution: bool = False):
         if max_draft is not None and max_draft < 1:
             raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
         if adaptive and max_draft is None:
@@ -80,21 +86,34 @@ class InputCopy:
         self.max_draft = max_draft
         self.adaptive = adaptive
         self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
+        self.substitution = substitution
         self.cap: torch.Tensor | None = None  # (B,) per-row cap when adaptive
+        self.resume: torch.Tensor | None = None  # (B,) x index to copy from after a rejection, or -1
+        self.start: torch.Tensor | None = None  # (B,) x index of the last draft's first token
+
+    def _rows(self, t: torch.Tensor | None, b: int, fill: int, device) -> torch.Tensor:
+        if t is None or t.shape[0] != b:
+            grown = torch.full((b,), fill, dtype=torch.long, device=device)
+            if t is not None:
+                grown[: t.shape[0]] = t[:b]
+            return grown
+        return t
 
     def admit(self, state, slots):
-        if not self.adaptive:
-            return
-        if self.cap is None or self.cap.shape[0] != state.batch_size:
-            cap = torch.full((state.batch_size,), self.max_draft, dtype=torch.long, device=state.out.device)
-            if self.cap is not None:
-                cap[: self.cap.shape[0]] = self.cap
-            self.cap = cap
-        self.cap[slots] = self.max_draft
+        b, dev = state.batch_size, state.out.device
+        if self.adaptive:
+            self.cap = self._rows(self.cap, b, self.max_draft, dev)
+            self.cap[slots] = self.max_draft
+        self.resume = self._rows(self.resume, b, -1, dev)
+        self.start = self._rows(self.start, b, -1, dev)
+        self.resume[slots] = -1
+        self.start[slots] = -1
 
     def select(self, rows):
         if self.cap is not None:
             self.cap = self.cap.index_select(0, rows)
+        self.resume = self.resume.index_select(0, rows)
+        self.start = self.start.index_select(0, rows)
 
     def match(self, state: DecodeState) -> torch.Tensor:
         """(B,) end position i in x of the unique suffix match, or -1 where there is none."""
@@ -125,7 +144,10 @@ class InputCopy:
         bsz = state.batch_size
         dev = state.out.device
         pos = self.match(state)
+        if self.substitution:
+            pos = torch.where((pos < 0) & (self.resume >= 0), self.resume - 1, pos)
         start = pos + 1  # index in x of the first drafted token; x index i is src index i - 1
+        self.start = torch.where(pos >= 0, start, torch.full_like(start, -1))
         avail = torch.where(pos >= 0, state.src_len + 1 - start, torch.zeros_like(pos))
         if self.adaptive:
             avail = torch.minimum(avail, self.cap)
@@ -142,6 +164,10 @@ class InputCopy:
         return DraftBatch(tokens=tokens, num_draft=num)
 
     def observe(self, state, draft, accepted, hidden):
+        if self.substitution:
+            # after rejecting draft token m (x index start+m), resume copying at start+m+1
+            rejected = (accepted < draft.num_draft) & (self.start >= 0)
+            self.resume = torch.where(rejected, self.start + accepted + 1, torch.full_like(self.resume, -1))
         if not self.adaptive:
             return
         full = (accepted == draft.num_draft) & (draft.num_draft > 0)
