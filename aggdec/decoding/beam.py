@@ -1,0 +1,212 @@
+"""Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch`.
+
+Per step, for every active sentence (beam K, vocabulary V), exactly as fairseq does:
+  - lprobs = log_softmax(logits) (in float32, or float64 for float64 models); NaN, pad -> -inf;
+    at step >= max_len everything but eos is -inf; at step < min_len eos is -inf.
+  - Step 0 uses only the first beam (all beams are equal); later steps add each beam's cumulative
+    score. The 2K best of K*V (step 0: of V) are the candidates.
+  - eos candidates among the first K candidates (not ignored, finite score) are finalized with the
+    normalized score cumulative / (len ** lenpen), len counting the eos. A sentence is finished once
+    it holds K finalized hypotheses, or at step == max_len; finished sentences leave the batch.
+  - The K active hypotheses are the first K non-eos candidates (if fewer exist, eos candidates fill
+    in and are marked "ignored", fairseq's `cands_to_ignore`, including its indexing quirk).
+  - The result is the finalized hypothesis with the best normalized score (fairseq sorts the
+    scores, converted to a float tensor, with torch.sort descending and takes the first).
+
+Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
+batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
+Beam reordering uses the model's cache: `cache.select(rows)` picks the parent row of every beam.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from aggdec.decoding.loop import pad_batch
+from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.model.transformer import Transformer
+
+
+@torch.no_grad()
+def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
+                max_batch_size: int = 16, min_len: int = 1) -> list[Hypothesis]:
+    """Beam-search `requests` (each: source ids ending in eos, max_len); results in input order.
+
+    Sentences are grouped by source length into batches of at most `max_batch_size` sentences
+    (each takes `beam` rows). `stats.iterations` is the number of decoder calls a sentence took.
+    """
+    if beam < 1:
+        raise ValueError(f"beam must be >= 1, got {beam}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    for r in requests:
+        if r.max_len < min_len:
+            raise ValueError(f"request {r.index}: max_len={r.max_len} is below min_len={min_len} "
+                             "(fairseq: 'min_len cannot be larger than max_len')")
+        if not r.src:
+            raise ValueError(f"request {r.index}: empty source (it must at least hold eos)")
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
+    results: dict[int, Hypothesis] = {}
+    for start in range(0, len(order), max_batch_size):
+        batch = [requests[i] for i in order[start: start + max_batch_size]]
+        for pos, hyp in _search(model, batch, beam, lenpen, min_len):
+            results[order[start + pos]] = hyp
+    return [results[i] for i in range(len(requests))]
+
+
+def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int):
+    """Yield (position in reqs, Hypothesis) for one static batch; mirrors SequenceGenerator._generate."""
+    cfg = model.cfg
+    pad, eos = cfg.pad, cfg.eos
+    vocab = cfg.tgt_vocab
+    k = min(beam, vocab - 1)  # fairseq: the max beam size is the dictionary size - 1 (pad is never chosen)
+    device = next(model.parameters()).device
+    bsz = len(reqs)
+    n_sent = bsz
+    sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)  # (bsz,)
+    longest = int(sent_max.max())
+
+    src = pad_batch([r.src for r in reqs], pad, device)
+    cache = model.start(src, capacity=min(longest + 1, 64))
+    cache.select(torch.arange(bsz, device=device).repeat_interleave(k))
+
+    sent_ids = list(range(bsz))  # current batch position -> position in reqs
+    scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
+    tokens = torch.full((bsz * k, longest + 2), pad, dtype=torch.long, device=device)
+    tokens[:, 0] = eos
+    cands_to_ignore = torch.zeros(bsz, k, dtype=torch.bool, device=device)
+    finalized: list[list[tuple[torch.Tensor, float]]] = [[] for _ in range(bsz)]
+    calls = [0] * bsz
+    ms = [0.0] * bsz
+    cand_size = 2 * k
+    cand_offsets = torch.arange(cand_size, device=device)
+    neg = -math.inf
+
+    step = 0
+    while True:
+        t0 = time.perf_counter()
+        n = bsz * k
+        logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)
+        cache.commit(torch.ones(n, dtype=torch.long, device=device))
+        lp_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lprobs = torch.log_softmax(logits.to(lp_dtype), dim=-1)
+        if scores is None:
+            scores = torch.zeros(n, longest + 1, dtype=lp_dtype, device=device)
+
+        lprobs[lprobs != lprobs] = neg
+        lprobs[:, pad] = neg
+        row_max = sent_max.repeat_interleave(k)  # (n,)
+        force = step >= row_max
+        if bool(force.any()):
+            lprobs[force, :eos] = neg
+            lprobs[force, eos + 1:] = neg
+        if step < min_len:
+            lprobs[:, eos] = neg
+
+        # search.BeamSearch.step
+        lp = lprobs.view(bsz, k, vocab)
+        if step == 0:
+            lp = lp[:, ::k, :].contiguous()
+        else:
+            lp = lp + scores.view(bsz, k, -1)[:, :, step - 1].unsqueeze(-1)
+        flat = lp.view(bsz, -1)
+        cand_scores, cand_flat = torch.topk(flat, k=min(cand_size, flat.size(1) - 1))
+        cand_beams = torch.div(cand_flat, vocab, rounding_mode="trunc")
+        cand_indices = cand_flat.fmod(vocab)
+        bbsz_offsets = (torch.arange(bsz, device=device) * k).unsqueeze(1)
+        cand_bbsz_idx = cand_beams + bbsz_offsets
+
+        eos_mask = cand_indices.eq(eos) & cand_scores.ne(neg)
+        eos_mask[:, :k][cands_to_ignore] = False  # fairseq's quirk: beam-indexed mask on candidate positions
+        eos_bbsz_idx = torch.masked_select(cand_bbsz_idx[:, :k], mask=eos_mask[:, :k])
+
+        newly: list[int] = []
+        if eos_bbsz_idx.numel() > 0:
+            eos_scores = torch.masked_select(cand_scores[:, :k], mask=eos_mask[:, :k])
+            newly = _finalize(step, eos_bbsz_idx, eos_scores, tokens, k, lenpen, eos, sent_ids, finalized, sent_max)
+        # A sentence at its max_len always gets an eos finalized above; this guards the impossible.
+        if step >= int(sent_max.min()):
+            newly += [b for b in (step >= sent_max).nonzero().flatten().tolist() if b not in newly]
+
+        elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
+        for b in range(bsz):
+            calls[sent_ids[b]] += 1
+            ms[sent_ids[b]] += elapsed
+        for b in sorted(newly):
+            pos = sent_ids[b]
+            yield pos, _best(reqs[pos], finalized[pos], tokens, scores, b, k, step, eos, pad, calls[pos], ms[pos])
+        n_sent -= len(newly)
+        if n_sent == 0:
+            return
+
+        old_cand_bbsz_idx = cand_bbsz_idx  # rows of the cache before sentences leave
+        if newly:
+            keep_mask = torch.ones(bsz, dtype=torch.bool, device=device)
+            keep_mask[newly] = False
+            batch_idxs = torch.arange(bsz, device=device).masked_select(keep_mask)
+            new_bsz = batch_idxs.numel()
+            eos_mask = eos_mask[batch_idxs]
+            cand_beams = cand_beams[batch_idxs]
+            old_cand_bbsz_idx = cand_bbsz_idx[batch_idxs]
+            cand_bbsz_idx = cand_beams + (torch.arange(new_bsz, device=device) * k).unsqueeze(1)
+            cand_scores = cand_scores[batch_idxs]
+            cand_indices = cand_indices[batch_idxs]
+            cands_to_ignore = cands_to_ignore[batch_idxs]
+            scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
+            tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
+            sent_max = sent_max[batch_idxs]
+            keep = batch_idxs.tolist()
+            sent_ids = [sent_ids[i] for i in keep]
+            bsz = new_bsz
+
+        # Active hypotheses: the first k candidates that are not (unignored) eos.
+        eos_mask[:, :k] = ~((~cands_to_ignore) & (~eos_mask[:, :k]))
+        active_mask = eos_mask.long() * cand_size + cand_offsets[: eos_mask.size(1)]
+        new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=k, dim=1, largest=False)
+        cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :k]
+        active_bbsz_idx = torch.gather(cand_bbsz_idx, dim=1, index=active_hypos).view(-1)
+        cache_rows = torch.gather(old_cand_bbsz_idx, dim=1, index=active_hypos).view(-1)
+
+        tokens[:, : step + 1] = torch.index_select(tokens[:, : step + 1], dim=0, index=active_bbsz_idx)
+        tokens.view(bsz, k, -1)[:, :, step + 1] = torch.gather(cand_indices, dim=1, index=active_hypos)
+        if step > 0:
+            scores[:, :step] = torch.index_select(scores[:, :step], dim=0, index=active_bbsz_idx)
+        scores.view(bsz, k, -1)[:, :, step] = torch.gather(cand_scores, dim=1, index=active_hypos)
+        cache.select(cache_rows)
+        step += 1
+
+
+def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, tokens: torch.Tensor, k: int,
+              lenpen: float, eos: int, sent_ids: list[int], finalized: list[list], sent_max: torch.Tensor) -> list[int]:
+    """fairseq's finalize_hypos: store eos-ending hypotheses; return batch positions now finished."""
+    toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the leading eos
+    toks[:, step] = eos
+    eos_scores = eos_scores / (step + 1) ** lenpen
+    unfin = torch.div(bbsz_idx, k, rounding_mode="trunc").tolist()
+    score_list = eos_scores.tolist()
+    for i, b in enumerate(unfin):
+        slot = finalized[sent_ids[b]]
+        if len(slot) < k:
+            slot.append((toks[i], score_list[i]))
+    newly = []
+    for b in sorted(set(unfin)):
+        if len(finalized[sent_ids[b]]) == k or step == int(sent_max[b]):
+            newly.append(b)
+    return newly
+
+
+def _best(req: Request, hyps: list[tuple[torch.Tensor, float]], tokens: torch.Tensor, scores: torch.Tensor,
+          b: int, k: int, step: int, eos: int, pad: int, calls: int, ms: float) -> Hypothesis:
+    stats = RowStats(iterations=calls, accepted_per_iter=[0] * calls, decode_ms=ms)
+    if not hyps:  # unreachable with fairseq's rules; fall back to the best live beam
+        row = b * k + int(scores.view(-1, k, scores.size(1))[b, :, step].argmax())
+        seq = tokens[row, 1: step + 2].tolist()
+    else:
+        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        order = torch.sort(torch.tensor([s for _, s in hyps], dtype=dtype), descending=True).indices
+        seq = hyps[int(order[0])][0].tolist()
+    # fairseq strips eos (and pad) from the output string; an eos can sit inside an "ignored" beam.
+    return Hypothesis(index=req.index, tokens=[t for t in seq if t != eos and t != pad], stats=stats)
