@@ -105,3 +105,28 @@ def test_config_validation():
         ModelConfig(src_vocab=8, tgt_vocab=8, d_model=10, enc_heads=3)
     with pytest.raises(ValueError, match="share_all_embeddings"):
         ModelConfig(src_vocab=8, tgt_vocab=9, share_all_embeddings=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_valid_positions_equal_padded(kind):
+    """decode_hidden(valid=...) computes only a prefix of each row's block, packed, and equals the
+    padded computation there; later calls see the same cache either way."""
+    import random
+
+    model = tiny_model(kind)
+    src, tgt = _random_batch(model, random.Random(4), 4, 10, 9)
+    n = torch.tensor([1, 4, 2, 6])
+    with torch.no_grad():
+        a, b = model.start(src), model.start(src)
+        for cache in (a, b):
+            model.decode(tgt[:, :2], cache)
+            cache.commit(torch.full((4,), 2))
+        block = tgt[:, 2:8]
+        valid = torch.arange(6)[None] < n[:, None]
+        padded = model.decode_hidden(block, a)[valid]
+        packed = model.decode_hidden(block, b, valid=valid)
+        torch.testing.assert_close(packed, padded, rtol=0, atol=1e-10)
+        a.commit(n)
+        b.commit(n)
+        nxt = torch.stack([tgt[r, 2 + int(n[r]) : 3 + int(n[r])] for r in range(4)])
+        torch.testing.assert_close(model.decode(nxt, b), model.decode(nxt, a), rtol=0, atol=1e-10)

@@ -76,8 +76,7 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        h = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)  # (B, D)
-        logits = self.verifier.output_logits(self.heads(h))  # (B, k-1, V)
+        logits = self.verifier.output_logits(self.heads(hidden))  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.pending = logits.argmax(dim=-1)
         self.ready = torch.ones_like(self.ready)

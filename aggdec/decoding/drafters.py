@@ -31,8 +31,8 @@ class Drafter(Protocol):
 
     def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
         """accepted (B,): draft tokens kept in the call that just ran (rows not yet removed);
-        hidden (B,K+1,D): the verifier's final decoder states of that call (blockwise heads use
-        hidden[b, accepted[b]], the state that produced the bonus token)."""
+        hidden (B,D): the verifier's final decoder state that produced each row's bonus token
+        (blockwise heads propose from it)."""
 
 
 class NoDraft:

@@ -6,7 +6,7 @@ Each iteration, for all active rows at once:
   3. Accept: the acceptance criterion returns, per row, the accepted draft length m and a bonus token.
   4. Commit: each row appends d_1..d_m + bonus; its cache keeps m + 1 of the fed positions (the rest
      is rolled back by not advancing its length).
-  5. Observe: the drafter sees the accepted counts (to adapt).
+  5. Observe: the drafter sees the accepted counts and the verifier state behind each bonus token.
   6. Retire and refill: rows that produced eos leave; free slots are refilled from the queue of
      pending sentences (continuous batching), which are encoded as they enter.
 """
@@ -150,8 +150,10 @@ class DraftVerifyLoop:
             k1 = block.shape[1]
             offs = torch.arange(k1, device=self.device)[None]
             valid = offs <= num_draft[:, None]  # (B, K+1)
-            hidden = self.model.decode_hidden(block, state.cache)
-            logits = self.model.output_logits(hidden[valid])  # (N, V)
+            hidden = self.model.decode_hidden(block, state.cache, valid=None if bool(valid.all()) else valid)
+            if hidden.dim() == 3:
+                hidden = hidden[valid]
+            logits = self.model.output_logits(hidden)  # (N, V)
             out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
             constrain_logits(logits, out_index, state.max_len[:, None].expand_as(valid)[valid],
                              cfg.pad, cfg.eos, self.min_len)
@@ -169,7 +171,8 @@ class DraftVerifyLoop:
             state.out_len = state.out_len + n_new
             state.cache.commit(accepted + 1)
             # 5. Observe.
-            self.drafter.observe(state, draft, accepted, hidden)
+            n_fed = valid.sum(dim=1)
+            self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
             self._record(state, num_draft, accepted, time.perf_counter() - t0)
             self.counters.calls += 1
             self.counters.padded += block.numel()

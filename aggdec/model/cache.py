@@ -62,18 +62,22 @@ class DecoderCache:
                 grown[:, : t.shape[1]] = t
                 buf[i] = grown
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a block's K/V (B, T, D) at positions lengths[b]+t; return the visible K/V prefix.
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              where: tuple[torch.Tensor, torch.Tensor] | None = None, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a block's K/V and return the visible prefix (B, span, D) of this layer.
 
-        Returns (k_all, v_all) of shape (B, Lmax+T, D) where Lmax = lengths.max(); the caller masks
-        keys at or beyond lengths[b]+t+1 for query t.
+        k, v: (B, T, D), stored at positions lengths[b] + t; or packed (N, D) with `where` = (rows,
+        positions), each (N,). `span` defaults to lengths.max() + T. The caller masks keys at or
+        beyond each query's own limit.
         """
-        bsz, t = k.shape[:2]
-        pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
-        rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
-        self.k[layer][rows, pos] = k
-        self.v[layer][rows, pos] = v
-        span = int(self.lengths.max()) + t
+        if where is None:
+            bsz, t = k.shape[:2]
+            pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
+            rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
+            where = (rows, pos)
+            span = span or int(self.lengths.max()) + t
+        self.k[layer][where] = k
+        self.v[layer][where] = v
         return self.k[layer][:, :span], self.v[layer][:, :span]
 
     def commit(self, n: torch.Tensor) -> None:

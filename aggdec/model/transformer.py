@@ -63,16 +63,21 @@ class MultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """x (B,T,D) queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool -> (B,T,D)."""
-        b, t, d = x.shape
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
+        -> (B,T,D) attention output before out_proj."""
+        b, t, d = q.shape
         h = self.heads
-        q = self.q_proj(x).view(b, t, h, d // h).transpose(1, 2)  # (B,H,T,Dh)
+        q = q.view(b, t, h, d // h).transpose(1, 2)  # (B,H,T,Dh)
         k = k.view(b, -1, h, d // h).transpose(1, 2)  # (B,H,L,Dh)
         v = v.view(b, -1, h, d // h).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+        return out.transpose(1, 2).reshape(b, t, d)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """x (B,T,D) queries -> (B,T,D): q_proj, attention over projected k/v, out_proj."""
+        return self.out_proj(self.core(self.q_proj(x), k, v, keep))
 
 
 class FeedForward(nn.Module):
@@ -123,17 +128,15 @@ class DecoderLayer(FeedForward, nn.Module):
         self.fc2 = nn.Linear(cfg.dec_ffn, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x, self_kv, self_keep, cross_kv, cross_keep) -> torch.Tensor:
-        """self_kv: callable(h) -> (k, v) visible keys (writes the cache); cross_kv: (k, v)."""
+    def forward(self, x: torch.Tensor, self_attn, cross_attn) -> torch.Tensor:
+        """x: token states, (B,T,D) or packed (N,D). self_attn(h) / cross_attn(h) return attention
+        outputs in the same layout as h (they own projections, the cache and the layout)."""
         h = self.self_attn_layer_norm(x) if self.pre else x
-        k, v = self_kv(h)
-        h = self.self_attn.attend(h, k, v, self_keep)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = x + F.dropout(self_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.self_attn_layer_norm(x)
         h = self.encoder_attn_layer_norm(x) if self.pre else x
-        h = self.encoder_attn.attend(h, cross_kv[0], cross_kv[1], cross_keep)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = x + F.dropout(cross_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.encoder_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre else x
@@ -227,29 +230,57 @@ class Transformer(nn.Module):
         """
         return self.output_logits(self.decode_hidden(tokens, cache))
 
-    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache, key_limit: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache, key_limit: torch.Tensor | None = None,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
         """As `decode`, but returns the final decoder states (B,T,D), so that callers can project
         only the positions they need (the output projection dominates a verification call).
 
         key_limit (B,T) int64, optional: query [b, t] attends to positions <= key_limit[b, t]
         (default: its own position, i.e. causal). The NAR drafter uses it to let mask tokens see
-        each other while the prefix stays causal (and so cacheable)."""
+        each other while the prefix stays causal (and so cacheable).
+        valid (B,T) bool, optional: the positions that matter, a prefix of each row's block. Then
+        only they are computed (packed: linear layers, FFN and norms run on N = valid.sum() tokens,
+        attention alone on the padded layout), only they are written to the cache, and the result
+        is (N,D) in row-major order. Ragged drafts then cost their own length, not the longest.
+        """
         cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
         offs = torch.arange(t, device=tokens.device)
         pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
-        # Padding positions of short blocks may run past the table; their outputs are never used.
-        x = self.decoder.embed(tokens, (pos + cfg.pad + 1).clamp(max=cfg.max_target_positions + cfg.pad))
         span = int(cache.lengths.max()) + t
         keys = torch.arange(span, device=tokens.device)
         limit = pos if key_limit is None else key_limit
         self_keep = (keys[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,L)
         cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
+        if valid is not None:
+            rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
+            where = (rows, pos[valid])
+            tokens, pos = tokens[valid], pos[valid]
+        # Padding positions of short blocks may run past the table; their outputs are never used.
+        x = self.decoder.embed(tokens, (pos + cfg.pad + 1).clamp(max=cfg.max_target_positions + cfg.pad))
+
+        def unpack(y: torch.Tensor) -> torch.Tensor:
+            if valid is None:
+                return y
+            full = y.new_zeros(bsz, t, y.shape[-1])
+            full[valid] = y
+            return full
+
+        def pack(y: torch.Tensor) -> torch.Tensor:
+            return y if valid is None else y[valid]
+
         for i, layer in enumerate(self.decoder.layers):
-            def self_kv(h, i=i, layer=layer):
-                return cache.write(i, layer.self_attn.k_proj(h), layer.self_attn.v_proj(h))
-            x = layer(x, self_kv, self_keep, (cache.cross.k[i], cache.cross.v[i]), cross_keep)
+            sa, ca = layer.self_attn, layer.encoder_attn
+
+            def self_attn(h, i=i, sa=sa):
+                k, v = cache.write(i, sa.k_proj(h), sa.v_proj(h), where if valid is not None else None, span)
+                return sa.out_proj(pack(sa.core(unpack(sa.q_proj(h)), k, v, self_keep)))
+
+            def cross_attn(h, i=i, ca=ca):
+                return ca.out_proj(pack(ca.core(unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i], cross_keep)))
+
+            x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
         return x
@@ -267,9 +298,9 @@ class Transformer(nn.Module):
         causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]
         for i, layer in enumerate(self.decoder.layers):
-            def self_kv(h, layer=layer):
-                return layer.self_attn.k_proj(h), layer.self_attn.v_proj(h)
-            x = layer(x, self_kv, causal, (cross.k[i], cross.v[i]), cross_keep)
+            sa, ca = layer.self_attn, layer.encoder_attn
+            x = layer(x, lambda h, sa=sa: sa.attend(h, sa.k_proj(h), sa.v_proj(h), causal),
+                      lambda h, i=i, ca=ca: ca.attend(h, cross.k[i], cross.v[i], cross_keep))
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
         return x if return_hidden else self.output_logits(x)
