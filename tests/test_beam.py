@@ -214,3 +214,12 @@ def test_save_fairseq_sentencepiece_project_model(tiny_model_dir, tmp_path):
     assert back.src_tok.encode(text) == proj.src_tok.encode(text)
     reqs = [Request(0, proj.src_tok.encode(text) + [2], 20)]
     assert beam_search(back.model, reqs)[0].tokens == beam_search(proj.model, reqs)[0].tokens
+
+
+def test_dictionary_overwrite_maps_to_the_later_id(tmp_path):
+    from aggdec.tokenizers.dictionary import Dictionary
+
+    p = tmp_path / "dict.txt"
+    p.write_text("hello 5\nworld 3\nhello 1 #fairseq:overwrite\n", encoding="utf-8")
+    d = Dictionary.load(p)
+    assert len(d) == 7 and d.index("hello") == 6 and d.index("world") == 5 and d.index("nope") == 3

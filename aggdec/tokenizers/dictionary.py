@@ -12,9 +12,8 @@ class Dictionary:
         if symbols[:4] != SPECIALS:
             raise ValueError(f"a dictionary must start with {SPECIALS}")
         self.symbols = symbols
-        self._index = {}
-        for i, s in enumerate(symbols):
-            self._index.setdefault(s, i)
+        # A symbol listed twice (allowed by fairseq only with `#fairseq:overwrite`) maps to its last id.
+        self._index = {s: i for i, s in enumerate(symbols)}
 
     @classmethod
     def load(cls, path: str | Path) -> "Dictionary":
