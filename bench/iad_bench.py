@@ -43,6 +43,17 @@ def edit_spans(a: list[int], b: list[int]) -> tuple[int, int]:
     return len(ops), sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops)
 
 
+def iad_drafter(variant: str) -> InputCopy:
+    """'none' | 'N' | 'adaptiveN', optionally suffixed '+sub' (substitution fallback)."""
+    cap, _, extra = variant.partition("+")
+    sub = extra == "sub"
+    if cap == "none":
+        return InputCopy(substitution=sub)
+    if cap.startswith("adaptive"):
+        return InputCopy(max_draft=int(cap.removeprefix("adaptive")), adaptive=True, substitution=sub)
+    return InputCopy(max_draft=int(cap), substitution=sub)
+
+
 def run_loop(model, reqs, drafter, bs):
     loop = DraftVerifyLoop(model, drafter, max_batch_size=bs)
     t0 = time.perf_counter()
@@ -68,7 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for the batch-1 runs")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--methods", default="beam,greedy,iad")
-    ap.add_argument("--draft-caps", default="none", help="IAD caps to try, e.g. none,16,adaptive32")
+    ap.add_argument("--draft-caps", default="none",
+                    help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
+                         "substitution fallback, e.g. none,16,adaptive32+sub")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ct2", default=None, help="CTranslate2 model dir converted from the same weights")
     ap.add_argument("--out", default="bench/results/iad.json")
@@ -105,14 +118,7 @@ def main(argv=None) -> int:
                     hyps = {h.index: h for h in hyp_list}
                     counters = None
                 else:
-                    if method == "greedy":
-                        drafter = NoDraft()
-                    elif cap == "none":
-                        drafter = InputCopy()
-                    elif cap.startswith("adaptive"):
-                        drafter = InputCopy(max_draft=int(cap.removeprefix("adaptive")), adaptive=True)
-                    else:
-                        drafter = InputCopy(max_draft=int(cap))
+                    drafter = NoDraft() if method == "greedy" else iad_drafter(cap)
                     hyps, secs, counters = run_loop(model, reqs, drafter, bs)
                 toks = sum(len(h.tokens) + 1 for h in hyps.values())
                 if method == "greedy":
