@@ -141,5 +141,194 @@ def train_ar(ctx) -> None:
     sys.exit(ar.main(ctx.args))
 
 
+# -- corpus jobs on Ray -------------------------------------------------------------------------
+
+DEFAULT_SPEC = str(Path(__file__).resolve().parent / "examples" / "correct.toml")
+
+
+def _overrides(sets: tuple[str, ...], **flags) -> list[str]:
+    """Explicit flags become dotted overrides (applied after --set, so they win)."""
+    names = {"input_path": "input.path", "output": "output.dir", "model": "model", "method": "decode.method",
+             "drafter": "drafter",
+             "actors": "resources.actors", "gpus_per_actor": "resources.gpus_per_actor"}
+    out = list(sets)
+    for key, value in flags.items():
+        if value is not None:
+            out.append(f"{names[key]}={json.dumps(value)}")  # a JSON string or number is a TOML value
+    return out
+
+
+def _load_spec(spec_path: str | None, overrides: list[str], check_model: bool = True):
+    from jobs.spec import SpecError, load_spec
+
+    try:
+        return load_spec(spec_path, overrides, check_model=check_model)
+    except SpecError as e:
+        raise click.ClickException(str(e)) from e
+
+
+_spec_overrides = [
+    click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                 help="Override a spec field, e.g. --set decode.method=iad --set batching.max_tokens=4096."),
+    click.option("--input", "input_path", default=None, help="Same as --set input.path=PATH."),
+    click.option("--output", "-o", "output", default=None, help="Same as --set output.dir=DIR."),
+    click.option("--model", "-m", "model", default=None, help="Same as --set model=DIR."),
+    click.option("--method", default=None,
+                 help="Same as --set decode.method=METHOD (greedy, beam, iad, gad, gad++, blockwise)."),
+    click.option("--drafter", default=None, help="Same as --set drafter=DIR (gad, gad++, blockwise)."),
+    click.option("--actors", type=click.IntRange(min=0), default=None, help="Same as --set resources.actors=N."),
+    click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=None,
+                 help="Same as --set resources.gpus_per_actor=G (1: one actor per GPU)."),
+]
+
+
+def _with_spec_overrides(fn):
+    for option in reversed(_spec_overrides):
+        fn = option(fn)
+    return fn
+
+
+@main.command("run")
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.option("--address", default=None,
+              help="Ray cluster to join (HOST:6379 or 'auto'); default: an embedded local Ray, or RAY_ADDRESS if set.")
+@click.option("--num-cpus", type=click.IntRange(min=1), default=None, help="CPUs of the embedded local Ray (default: all).")
+@_with_spec_overrides
+def run_cmd(spec, address, num_cpus, sets, input_path, output, model, method, drafter, actors, gpus_per_actor) -> None:
+    """Run a corpus job (a TOML spec) on Ray: Parquet in, one Parquet file per input file out.
+
+    Without SPEC, runs the embedded default examples/correct.toml (IAD correction of the sample
+    corpus with models/gec-base into out/gec-sample). Inputs are checked before Ray starts; shards
+    already committed in the output directory are skipped, so rerunning resumes a killed job.
+    Paths in the spec file are relative to the file; paths on the command line to the current directory.
+
+    \b
+    Examples:
+      aggdec run
+      aggdec run examples/correct.toml --set decode.method=greedy --output out/greedy
+      aggdec run job.toml --input 'data/*.parquet' --actors 2 --set batching.max_tokens=4096
+      aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
+    """
+    from cluster.connection import connect, disconnect
+    from jobs.inputs import inspect_inputs
+    from jobs.run import run_job
+    from jobs.spec import SpecError
+
+    job = _load_spec(spec or DEFAULT_SPEC, _overrides(sets, input_path=input_path, output=output, model=model,
+                                                      method=method, drafter=drafter, actors=actors,
+                                                      gpus_per_actor=gpus_per_actor))
+    try:
+        shards = inspect_inputs(job)  # fail on bad inputs before starting Ray
+    except SpecError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{len(shards)} input shard(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
+               f"output {job.output.dir}", err=True)
+    conn = connect(address, num_cpus=num_cpus)
+    try:
+        result = run_job(job, log=lambda msg: click.echo(msg, err=True), timings={"ray_init_s": round(conn.seconds, 3)})
+    except SpecError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        disconnect(conn)
+    click.echo(result.summary_line())
+
+
+@main.command("submit")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS",
+              help="Ray dashboard / Jobs API address, e.g. http://HEAD:8265.")
+@click.option("--pip", "pip", multiple=True, help="Extra pip requirement for the job's runtime_env (repeatable).")
+@click.option("--submission-id", default=None, help="Job id to use (default: generated by Ray).")
+@_with_spec_overrides
+def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, model, method, drafter, actors,
+               gpus_per_actor) -> None:
+    """Submit `aggdec run SPEC` to a running Ray cluster through the Ray Jobs API.
+
+    The repository is uploaded as the job's working_dir, so SPEC and the paths in it are resolved
+    on the cluster relative to the repository root; the output directory must be storage the
+    cluster's head can write (a mounted volume). The spec's fields are checked here first.
+
+    \b
+    Examples:
+      aggdec submit examples/correct.toml --address http://HEAD:8265
+      aggdec submit job.toml --address http://HEAD:8265 --gpus-per-actor 1 --actors 0 --output /mnt/out/job1
+      aggdec logs raysubmit_XXXX --address http://HEAD:8265 --follow
+    """
+    from cluster import jobs_api
+
+    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
+                           actors=actors, gpus_per_actor=gpus_per_actor)
+    _load_spec(spec, overrides, check_model=False)
+    path = Path(spec).resolve()
+    try:
+        spec_arg = str(path.relative_to(jobs_api.REPO_ROOT))
+    except ValueError:
+        spec_arg = spec
+    run_args = [a for o in overrides for a in ("--set", o)]
+    job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
+    click.echo(job_id)
+    click.echo(f"follow with: aggdec logs {job_id} --address {address} --follow", err=True)
+
+
+_address_option = click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS",
+                               help="Ray dashboard / Jobs API address, e.g. http://HEAD:8265.")
+
+
+@main.command("status")
+@click.argument("job_id")
+@_address_option
+def status_cmd(job_id, address) -> None:
+    """Show a submitted job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED).
+
+    \b
+    Example:
+      aggdec status raysubmit_XXXX --address http://HEAD:8265
+    """
+    from cluster import jobs_api
+
+    click.echo(json.dumps(jobs_api.info(address, job_id), indent=2, default=str))
+
+
+@main.command("logs")
+@click.argument("job_id")
+@_address_option
+@click.option("--follow", "-f", is_flag=True, help="Stream the logs until the job ends.")
+def logs_cmd(job_id, address, follow) -> None:
+    """Print a submitted job's driver logs.
+
+    \b
+    Example:
+      aggdec logs raysubmit_XXXX --address http://HEAD:8265 --follow
+    """
+    from cluster import jobs_api
+
+    if not follow:
+        click.echo(jobs_api.logs(address, job_id), nl=False)
+        return
+    import asyncio
+
+    async def _follow():
+        async for lines in jobs_api.tail_logs(address, job_id):
+            click.echo(lines, nl=False)
+
+    asyncio.run(_follow())
+
+
+@main.command("stop")
+@click.argument("job_id")
+@_address_option
+def stop_cmd(job_id, address) -> None:
+    """Stop a submitted job. Committed shards stay; `aggdec run` with the same spec resumes.
+
+    \b
+    Example:
+      aggdec stop raysubmit_XXXX --address http://HEAD:8265
+    """
+    from cluster import jobs_api
+
+    stopped = jobs_api.stop(address, job_id)
+    click.echo(f"{job_id}: {'stop requested' if stopped else 'not running'}")
+
+
 if __name__ == "__main__":
     main()

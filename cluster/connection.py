@@ -1,0 +1,52 @@
+"""Connecting to Ray. The only place (with cli.py) that calls ray.init; nothing here runs at import.
+
+`connect(None)` starts an embedded local Ray (no dashboard) unless RAY_ADDRESS is set, which is the
+case inside a job submitted with the Jobs API: then it joins that cluster. `connect("HOST:6379")`
+or `connect("auto")` joins a running cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Connection:
+    address: str | None  # None: embedded local Ray started by this process
+    resources: dict[str, float]  # ray.cluster_resources() at connect time
+    seconds: float  # time spent in ray.init (0 when Ray was already initialized)
+    started: bool  # this call started Ray (so disconnect() should stop it)
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> Connection:
+    """Initialize Ray once. `num_cpus` only applies to an embedded local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return Connection(address=address, resources=ray.cluster_resources(), seconds=0.0, started=False)
+    t0 = time.perf_counter()
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=log_to_driver)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
+                      started=True)
+
+
+def disconnect(conn: Connection | None = None) -> None:
+    """Shut Ray down if `conn` started it (or unconditionally when conn is None)."""
+    import ray
+
+    if conn is None or conn.started:
+        ray.shutdown()
+
+
+def cluster_resources() -> dict[str, float]:
+    """ray.cluster_resources() of the connected cluster; raises if Ray is not initialized."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not initialized: call cluster.connection.connect() first")
+    return dict(ray.cluster_resources())

@@ -1,0 +1,60 @@
+"""`_manifest.json`: what a job was (spec, versions, model sha, method signature) and what it produced.
+
+    {"format": "aggdec-job-manifest v1", "complete": true, "spec": {...}, "aggdec_version": "0.1.0",
+     "ray_version": "2.60.0", "model": {"path": ..., "sha": ...}, "signature": "aggdec|method:iad|...",
+     "shards": {"part-00000": {marker record}, ...},
+     "totals": {"rows", "ok", "error", "status": {...}, "speedup": SpeedupStats.to_dict()},
+     "timings": {...}, "run": {"committed": [...], "skipped": [...], "stale_tmp_deleted": [...]}}
+
+Totals are merged from the per-shard records (SpeedupStats is additive), so shards committed by an
+earlier run count exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from aggdec.stats import SpeedupStats
+
+FORMAT = "aggdec-job-manifest v1"
+
+
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def totals(records: dict[str, dict]) -> dict[str, Any]:
+    """Merge per-shard records into job totals."""
+    stats = SpeedupStats()
+    status: dict[str, int] = {}
+    rows = 0
+    for rec in records.values():
+        rows += rec["rows"]
+        for k, v in rec["status"].items():
+            status[k] = status.get(k, 0) + v
+        fields = {k: rec["speedup"][k] for k in ("sentences", "iterations", "drafted", "accepted",
+                                                  "output_tokens", "decode_ms")}
+        stats = stats.merge(SpeedupStats(**fields))
+    return {"rows": rows, "ok": status.get("ok", 0), "error": status.get("error", 0), "status": status,
+            "speedup": stats.to_dict()}
+
+
+def build_manifest(*, spec: dict, model_path: str, model_sha: str, signature: str, records: dict[str, dict],
+                   complete: bool, timings: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "complete": complete,
+        "spec": spec,
+        "aggdec_version": package_version("aggdec"),
+        "ray_version": package_version("ray"),
+        "model": {"path": model_path, "sha": model_sha},
+        "signature": signature,
+        "shards": dict(sorted(records.items())),
+        "totals": totals(records),
+        "timings": timings,
+        "run": run,
+    }

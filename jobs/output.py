@@ -1,0 +1,64 @@
+"""The output table of a shard and its statistics.
+
+Output columns, in order: id (string), src (the input text as stored), hyp, <passthrough columns,
+types unchanged>, status, error, method, src_len, hyp_len, iterations, drafted, accepted,
+accepted_per_iter (list<int32>), decode_ms. Row i of the output is row i of the input file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from aggdec.stats import SpeedupStats
+from cluster.actors import OUTPUT_SCHEMA
+from jobs.inputs import Shard
+
+DECODED = ("status", "error", "src_len", "hyp_len", "iterations", "drafted", "accepted", "accepted_per_iter", "decode_ms")
+
+
+def build_output_table(shard: Shard, decoded: pa.Table, *, text_column: str, id_column: str | None,
+                       method: str) -> pa.Table:
+    """Join `decoded` (OUTPUT_SCHEMA rows in input-row order, one per row) with the input file's columns."""
+    if decoded.num_rows != shard.rows:
+        raise RuntimeError(f"{shard.path}: {decoded.num_rows} decoded rows for {shard.rows} input rows")
+    columns = [text_column, *([id_column] if id_column else []), *shard.passthrough]
+    source = pq.read_table(shard.path, columns=columns)
+    if source.num_rows != shard.rows:
+        raise RuntimeError(f"{shard.path}: has {source.num_rows} rows now, {shard.rows} when the job started")
+    if id_column:
+        ids = pc.cast(source.column(id_column), pa.string())
+    else:
+        ids = pa.array([f"{shard.stem}:{i}" for i in range(shard.rows)], type=pa.string())
+    out = {"id": ids, "src": source.column(text_column), "hyp": decoded.column("hyp")}
+    for name in shard.passthrough:
+        out[name] = source.column(name)
+    out["status"] = decoded.column("status")
+    out["error"] = decoded.column("error")
+    out["method"] = pa.array([method] * shard.rows, type=pa.string())
+    for name in DECODED[2:]:
+        out[name] = decoded.column(name)
+    return pa.table(out)
+
+
+def empty_decoded() -> pa.Table:
+    return OUTPUT_SCHEMA.empty_table()
+
+
+def shard_stats(decoded: pa.Table) -> tuple[dict[str, int], SpeedupStats]:
+    """(rows per status, SpeedupStats over the ok/truncated rows) -- as aggdec.api.summarize."""
+    status = decoded.column("status").to_pylist()
+    counts: dict[str, int] = {}
+    for s in status:
+        counts[s] = counts.get(s, 0) + 1
+    mask = np.isin(np.asarray(status, dtype=object), ["ok", "truncated"])
+
+    def total(name: str) -> np.ndarray:
+        return decoded.column(name).to_numpy(zero_copy_only=False)[mask]
+
+    stats = SpeedupStats(sentences=int(mask.sum()), iterations=int(total("iterations").sum()),
+                         drafted=int(total("drafted").sum()), accepted=int(total("accepted").sum()),
+                         output_tokens=int((total("hyp_len") + 1).sum()), decode_ms=float(total("decode_ms").sum()))
+    return counts, stats

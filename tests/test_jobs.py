@@ -1,0 +1,354 @@
+"""Corpus jobs on a real local Ray (2 CPUs) with real Parquet files and the tiny model fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+from aggdec.api import Translator  # noqa: E402
+from cluster.resources import plan_actors  # noqa: E402
+from jobs.assemble import ShardAssembler, row_hashes  # noqa: E402
+from jobs.inputs import inspect_inputs  # noqa: E402
+from jobs.run import run_job  # noqa: E402
+from jobs.spec import SpecError, load_spec  # noqa: E402
+from conftest import synthetic_sentences  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHARDS, ROWS = 3, 20
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def write_corpus(root: Path, shards: int = SHARDS, rows: int = ROWS, seed: int = 1) -> Path:
+    """`shards` Parquet files part-0000k.parquet with columns src, ref (string), n (int64)."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(shards * rows, seed)
+    for k in range(shards):
+        chunk = texts[k * rows:(k + 1) * rows]
+        pq.write_table(pa.table({"src": chunk, "ref": [t.lower() for t in chunk], "n": list(range(k * rows, (k + 1) * rows))}),
+                       root / f"part-{k:05d}.parquet")
+    return root
+
+
+def write_spec(path: Path, model: Path, inp: Path, out: Path, **sections) -> Path:
+    """A spec file; `sections` maps section name -> {key: TOML literal}."""
+    lines = ['kind = "correct"', f'model = "{model}"', "[input]", f'path = "{inp}"', "[output]", f'dir = "{out}"']
+    sections.setdefault("batching", {}).setdefault("rows_per_task", "8")
+    for name, fields in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {v}" for k, v in fields.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def read_outputs(out: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
+
+
+def in_process(model: Path, texts: list[str], spec) -> list:
+    return Translator.load(model).translate_batch(texts, spec.decode_options())
+
+
+def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in")
+    out = tmp_path / "out"
+    spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out,
+                                resources={"actors": "2"}, decode={"method": '"iad"'}))
+    result = run_job(spec)
+
+    # rows in == rows out, ids unique, one file + marker per shard, row order = input order
+    table = read_outputs(out)
+    assert result.rows == table.num_rows == SHARDS * ROWS and result.decoded_rows == SHARDS * ROWS
+    assert len(set(table.column("id").to_pylist())) == table.num_rows
+    assert table.column("n").to_pylist() == list(range(SHARDS * ROWS))
+    assert sorted(p.name for p in out.glob("_SUCCESS.*")) == [f"_SUCCESS.part-{k:05d}" for k in range(SHARDS)]
+    assert not list(out.glob(".*.tmp"))
+    assert table.column_names == ["id", "src", "hyp", "ref", "n", "status", "error", "method", "src_len", "hyp_len",
+                                  "iterations", "drafted", "accepted", "accepted_per_iter", "decode_ms"]
+    assert table.schema.field("accepted_per_iter").type == pa.list_(pa.int32())
+    assert table.column("id").to_pylist()[:2] == ["part-00000:0", "part-00000:1"]
+    assert set(table.column("method").to_pylist()) == {"iad"}
+
+    # outputs equal in-process decoding of the same sentences with the same options
+    src = table.column("src").to_pylist()
+    ref = in_process(tiny_model_dir, src, spec)
+    assert table.column("hyp").to_pylist() == [r.text for r in ref]
+    assert table.column("status").to_pylist() == [r.status for r in ref]
+    assert table.column("hyp_len").to_pylist() == [len(r.tokens) for r in ref]
+    assert table.column("accepted").to_pylist() == [r.stats.accepted for r in ref]
+
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["complete"] and manifest["totals"]["rows"] == SHARDS * ROWS
+    assert manifest["totals"]["ok"] == result.ok == sum(r.status == "ok" for r in ref)
+    assert manifest["model"]["sha"] == Translator.load(tiny_model_dir).bundle.sha
+    assert manifest["signature"].startswith("aggdec|method:iad") and manifest["signature"].endswith(manifest["model"]["sha"])
+    assert manifest["totals"]["speedup"]["accepted"] == sum(r.stats.accepted for r in ref)
+    assert manifest["timings"]["actors"]["actors"] == 2 and manifest["aggdec_version"]
+    first = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
+
+    # "kill" the driver: shard 1 left as output without marker (partial), shard 2 lost, a stale tmp file
+    (out / "_SUCCESS.part-00001").unlink()
+    (out / "part-00002.parquet").unlink()
+    (out / "_SUCCESS.part-00002").unlink()
+    (out / ".part-00002.parquet.tmp").write_bytes(b"half a parquet file")
+    rerun = run_job(spec)
+    assert rerun.skipped == ["part-00000"] and sorted(rerun.committed) == ["part-00001", "part-00002"]
+    assert rerun.decoded_rows == 2 * ROWS and rerun.rows == SHARDS * ROWS
+    again = read_outputs(out)
+    assert again.num_rows == SHARDS * ROWS and len(set(again.column("id").to_pylist())) == SHARDS * ROWS
+    assert again.column("hyp").to_pylist() == table.column("hyp").to_pylist()
+    assert (out / "part-00000.parquet").read_bytes() == first["part-00000.parquet"]  # untouched
+    assert not list(out.glob(".*.tmp"))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["run"]["stale_tmp_deleted"] == [".part-00002.parquet.tmp"]
+    assert manifest["totals"]["rows"] == SHARDS * ROWS
+
+    # everything committed: no Ray work at all
+    done = run_job(spec)
+    assert done.decoded_rows == 0 and done.skipped == [f"part-{k:05d}" for k in range(SHARDS)]
+
+    # the same output dir with another method is refused, not mixed
+    with pytest.raises(SpecError, match="different job"):
+        run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                                 "decode.method=greedy"]))
+
+
+def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in", seed=2)
+    out = tmp_path / "out"
+    marker = tmp_path / "killed-once"
+    spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out, resources={"actors": "1"},
+                                decode={"method": '"greedy"'}, debug={"fail_once_marker": f'"{marker}"'}))
+    result = run_job(spec)
+    assert marker.is_file()  # an actor did call os._exit(1) on its first batch
+    table = read_outputs(out)
+    assert table.num_rows == result.rows == SHARDS * ROWS
+    assert sorted(table.column("n").to_pylist()) == list(range(SHARDS * ROWS))
+    assert len(set(table.column("id").to_pylist())) == SHARDS * ROWS
+    ref = in_process(tiny_model_dir, table.column("src").to_pylist(), spec)
+    assert table.column("hyp").to_pylist() == [r.text for r in ref]
+
+
+def test_malformed_rows_become_status_rows(ray_local, tiny_model_dir, tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    rows = ["", "   \t  ", None, "the cat \x00 goes\x07 to\x1b school .", "long " * 400,
+            "caf\u00e9 \u4e2d\u6587 \U0001f600 \u202eabc", "the dog runs ."]
+    pq.write_table(pa.table({"text": pa.array(rows, pa.string()), "key": list(range(100, 100 + len(rows)))}),
+                   inp / "weird.parquet")
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "input.text_column=text", "input.id_column=key", "decode.method=iad"])
+    result = run_job(spec)
+    table = pq.read_table(out / "weird.parquet")
+    assert table.column("id").to_pylist() == [str(k) for k in range(100, 100 + len(rows))]
+    assert table.column("status").to_pylist() == ["empty", "empty", "empty", "ok", "truncated", "ok", "ok"]
+    assert table.column("hyp").to_pylist()[:3] == ["", "", ""]
+    assert table.column("src").to_pylist() == rows  # stored input, not the cleaned text
+    assert result.rows == len(rows) and result.errors == 0
+
+
+def test_surrogates_cannot_be_stored_but_the_engine_handles_them(tiny_model_dir):
+    with pytest.raises((UnicodeEncodeError, pa.ArrowException)):
+        pa.array(["bad \ud800 text"], pa.string())
+    [res] = Translator.load(tiny_model_dir).translate_batch(["the cat \ud800 runs ."], method="greedy")
+    assert res.status == "ok" and "\ud800" not in res.source and res.source.startswith("the cat ")
+
+
+def test_decode_worker_turns_a_failing_row_into_an_error_row(tiny_model_dir):
+    from aggdec.api import DecodeOptions
+    from cluster.actors import DecodeWorker
+
+    worker = DecodeWorker(str(tiny_model_dir), DecodeOptions(method="greedy"), "src")
+    run = worker.translator._run
+
+    def flaky(reqs, opts):
+        if any(r.index == 1 for r in reqs):
+            raise RuntimeError("boom on row 1")
+        return run(reqs, opts)
+
+    worker.translator._run = flaky
+    batch = {"src": np.array(["the cat .", "the dog .", "we go ."], dtype=object),
+             "path": np.array(["/x.parquet"] * 3, dtype=object), "row_hash": np.array([7, 8, 9], dtype=np.uint64)}
+    out = worker(batch)
+    assert out.column("status").to_pylist() == ["ok", "error", "ok"]
+    assert "boom on row 1" in out.column("error")[1].as_py()
+    assert out.column("row_hash").to_pylist() == [7, 8, 9]
+
+
+def test_bad_inputs_are_named_before_any_ray_work(tiny_model_dir, tmp_path):
+    def spec_for(inp, **extra):
+        return load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'o'}",
+                                *[f"{k}={v}" for k, v in extra.items()]])
+
+    inp = write_corpus(tmp_path / "corrupt", rows=4)
+    (inp / "part-00001.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(SpecError, match=r"part-00001\.parquet: not a readable Parquet file"):
+        inspect_inputs(spec_for(inp))
+
+    inp = write_corpus(tmp_path / "nocol", rows=4)
+    pq.write_table(pa.table({"text": ["a"], "ref": ["b"], "n": [1]}), inp / "part-00002.parquet")
+    with pytest.raises(SpecError, match=r"part-00002\.parquet: no column 'src' \(input\.text_column\)"):
+        inspect_inputs(spec_for(inp))
+
+    inp = write_corpus(tmp_path / "wrongtype", rows=4)
+    pq.write_table(pa.table({"src": [1, 2], "ref": ["a", "b"], "n": [1, 2]}), inp / "part-00001.parquet")
+    with pytest.raises(SpecError, match=r"part-00001\.parquet: column 'src' \(input\.text_column\) must be string, got int64"):
+        inspect_inputs(spec_for(inp))
+
+    inp = write_corpus(tmp_path / "noid", rows=4)
+    with pytest.raises(SpecError, match=r"part-00000\.parquet: no column 'key' \(input\.id_column\)"):
+        inspect_inputs(spec_for(inp, **{"input.id_column": "key"}))
+    with pytest.raises(SpecError, match=r"input\.path: .*missing.* does not exist"):
+        inspect_inputs(spec_for(tmp_path / "missing"))
+    with pytest.raises(SpecError, match="input.path: no files match"):
+        inspect_inputs(spec_for(tmp_path / "nothing-*.parquet"))
+    pq.write_table(pa.table({"src": ["a"], "status": ["x"]}), tmp_path / "clash.parquet")
+    with pytest.raises(SpecError, match=r"clash\.parquet: column 'status' clashes"):
+        inspect_inputs(spec_for(tmp_path / "clash.parquet"))
+
+
+def test_spec_fields_overrides_and_paths(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "jobs").mkdir()
+    spec_file = write_spec(tmp_path / "jobs" / "job.toml", tiny_model_dir, Path("data"), Path("../out"),
+                           decode={"draft_cap": "8"})
+    spec = load_spec(spec_file)
+    assert spec.input.path == str(tmp_path / "jobs" / "data")  # relative to the spec file
+    assert spec.output.dir == str(tmp_path / "out")
+    assert spec.method == "iad" and spec.decode_options().draft_cap == 8
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(spec_file, ["output.dir=elsewhere", "resources.cpus_per_actor=0.25", "decode.adaptive_draft=true",
+                                 "kind=translate"])
+    assert spec.output.dir == str(tmp_path / "elsewhere")  # relative to the current directory
+    assert spec.resources.cpus_per_actor == 0.25 and spec.decode.adaptive_draft and spec.method == "greedy"
+    for override, message in [("decode.method=foo", "decode.method: must be one of greedy, beam, iad.*; got 'foo'"),
+                              ("decode.method=gad", "drafter: decode.method 'gad' needs a drafter"),
+                              ("decode.beems=2", "decode.beems: unknown field"),
+                              ("batching.max_batch_size=0", "batching.max_batch_size: must be >= 1"),
+                              ("resources.actors=two", "resources.actors: must be int"),
+                              ("kind=summarize", "kind: must be one of correct, translate, distill"),
+                              ("model=/nonexistent", "model: /nonexistent is not a model directory")]:
+        with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_spec(spec_file, [override])
+
+
+def test_decode_section_mirrors_decode_options():
+    import dataclasses
+
+    from aggdec.api import DecodeOptions
+    from jobs.spec import DecodeSpec
+
+    spec_fields = {f.name for f in dataclasses.fields(DecodeSpec)} | {"max_batch_size", "max_tokens", "drafter"}
+    assert spec_fields == {f.name for f in dataclasses.fields(DecodeOptions)}
+
+
+def test_actor_plans_leave_a_cpu_for_reads():
+    one = plan_actors({"CPU": 2.0}, actors=1)
+    two = plan_actors({"CPU": 2.0}, actors=2)
+    assert one.device == "cpu" and one.num_cpus <= 0.5 and one.torch_threads == 1 and one.num_gpus == 0
+    assert two.actors == 2 and 2 * two.num_cpus <= 1.0
+    with pytest.raises(ValueError, match="resources.cpus_per_actor: .*deadlock"):
+        plan_actors({"CPU": 2.0}, actors=2, cpus_per_actor=1.0)
+    gpu = plan_actors({"CPU": 32.0, "GPU": 4.0}, actors=0, gpus_per_actor=1)
+    assert (gpu.actors, gpu.num_gpus, gpu.device, gpu.num_cpus) == (4, 1, "cuda", 1.0)
+    with pytest.raises(ValueError, match="resources.gpus_per_actor: .*0 GPUs"):
+        plan_actors({"CPU": 8.0}, gpus_per_actor=1)
+    kwargs = one.map_batches_kwargs()
+    assert kwargs["compute"].min_size == kwargs["compute"].max_size == 1
+    assert kwargs["max_restarts"] == 3 and kwargs["max_task_retries"] == 3
+
+
+def test_assembler_drops_duplicates_and_restores_row_order(tmp_path):
+    path = str(write_corpus(tmp_path / "in", shards=1, rows=6) / "part-00000.parquet")
+    [shard] = inspect_inputs(load_spec(None, ["model=x", f"input.path={path}", f"output.dir={tmp_path}"],
+                                       check_model=False))
+    hashes = row_hashes(path, 6)
+
+    def batch(rows):
+        return pa.table({"path": [path] * len(rows), "row_hash": pa.array(hashes[rows], pa.uint64()),
+                         "hyp": [f"h{r}" for r in rows]})
+
+    asm = ShardAssembler([shard])
+    assert asm.add(batch([4, 1, 3])) == []
+    assert asm.add(batch([3, 1])) == []  # a retried task delivering rows again
+    [(done, table)] = asm.add(batch([5, 0, 2, 0]))
+    assert done == shard and table.column("hyp").to_pylist() == [f"h{r}" for r in range(6)]
+    assert asm.duplicates == 3 and asm.missing() == {}
+    assert asm.add(batch([2])) == [] and asm.duplicates == 4  # late duplicate of a committed shard
+    with pytest.raises(RuntimeError, match="row_hash"):
+        ShardAssembler([shard]).add(pa.table({"path": [path], "row_hash": pa.array([123], pa.uint64())}))
+
+
+def test_cli_run(ray_local, tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    inp = write_corpus(tmp_path / "in", shards=2, rows=5, seed=4)
+    spec = write_spec(tmp_path / "job.toml", tiny_model_dir, inp, tmp_path / "unused")
+    out = tmp_path / "cli-out"
+    res = CliRunner().invoke(main, ["run", str(spec), "--output", str(out), "--method", "greedy",
+                                    "--set", "batching.max_tokens=256"])
+    assert res.exit_code == 0, res.output
+    assert "10 rows (" in res.stdout and f"output {out}" in res.stdout and "sentences/s" in res.stdout
+    assert read_outputs(out).num_rows == 10
+    assert ray.is_initialized()  # the CLI joined the running Ray and left it running
+
+    res = CliRunner().invoke(main, ["run", str(spec), "--set", "decode.method=foo"])
+    assert res.exit_code != 0 and "decode.method: must be one of greedy, beam, iad" in res.output
+    assert "got 'foo'" in res.output
+    (inp / "part-00001.parquet").write_bytes(b"garbage")
+    res = CliRunner().invoke(main, ["run", str(spec), "--output", str(tmp_path / "never")])
+    assert res.exit_code != 0 and "part-00001.parquet: not a readable Parquet file" in res.output
+    assert not (tmp_path / "never").exists()
+
+
+def test_submit_entrypoint_and_runtime_env(tmp_path):
+    # No Jobs API server here (the dashboard needs aiohttp): check what would be sent, and that a bad
+    # spec is refused before any connection is attempted.
+    from click.testing import CliRunner
+
+    from cli import main
+    from cluster import jobs_api
+
+    cmd = jobs_api.entrypoint("examples/correct.toml", ["--set", 'output.dir="/mnt/out dir"'])
+    assert cmd == "python -m cli run examples/correct.toml --set 'output.dir=\"/mnt/out dir\"'"
+    env = jobs_api.runtime_env(["torch>=2.2"])
+    assert env["working_dir"] == str(REPO) and ".git" in env["excludes"] and env["pip"] == ["torch>=2.2"]
+    res = CliRunner().invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", "http://127.0.0.1:1",
+                                    "--set", "decode.method=nope"])
+    assert res.exit_code != 0 and "decode.method: must be one of" in res.output
+
+
+def test_cluster_configs_parse():
+    yaml = pytest.importorskip("yaml")
+    launcher = yaml.safe_load((REPO / "cluster" / "ray-cluster-gpu.yaml").read_text())
+    assert launcher["cluster_name"] and launcher["head_node_type"] in launcher["available_node_types"]
+    assert any(t.get("resources", {}).get("GPU") for t in launcher["available_node_types"].values())
+    cluster = yaml.safe_load((REPO / "cluster" / "kuberay" / "raycluster.yaml").read_text())
+    assert cluster["kind"] == "RayCluster"
+    workers = cluster["spec"]["workerGroupSpecs"]
+    limits = workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "nvidia.com/gpu" in limits
+    job = yaml.safe_load((REPO / "cluster" / "kuberay" / "rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob" and "-m cli run" in job["spec"]["entrypoint"]
+    assert "working_dir" in yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert "nvidia.com/gpu" in job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
