@@ -38,7 +38,8 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 @main.command()
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Project model directory, or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
-@click.option("--method", type=click.Choice(["greedy", "beam", "iad"]), default="greedy", show_default=True)
+@click.option("--method", type=click.Choice(["greedy", "beam", "iad", "gad", "gad++", "blockwise"]), default="greedy",
+              show_default=True, help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
 @click.option("--beam", type=click.IntRange(min=1), default=5, show_default=True, help="Beam size for --method beam.")
 @click.option("--lenpen", type=float, default=1.0, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Most sentences decoded at once.")
@@ -46,7 +47,19 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 @click.option("--max-len-a", type=float, default=1.5, show_default=True, help="Output limit a*src_len + b.")
 @click.option("--max-len-b", type=int, default=10, show_default=True)
 @click.option("--draft-cap", type=click.IntRange(min=1), default=None, help="IAD: most draft tokens per row and call.")
-@click.option("--adaptive-draft", is_flag=True, help="IAD: per-row draft cap that adapts to acceptance (needs --draft-cap).")
+@click.option("--adaptive-draft", is_flag=True,
+              help="IAD: per-row draft cap that adapts to acceptance (needs --draft-cap); GAD: adaptive block size.")
+@click.option("--substitution", is_flag=True,
+              help="IAD: after a rejection with no unique re-alignment, keep copying (substitution guess).")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False), default=None,
+              help="gad/gad++: NAR drafter directory; blockwise: proposal-heads directory.")
+@click.option("--block-size", type=click.IntRange(min=1), default=10, show_default=True, help="GAD block size k.")
+@click.option("--top-beta", type=click.IntRange(min=1), default=3, show_default=True, help="GAD++: top-beta.")
+@click.option("--tau", type=click.FloatRange(min=0), default=1.0, show_default=True, help="GAD++: log-prob gap tau.")
+@click.option("--top-k-accept", type=click.IntRange(min=1), default=1, show_default=True,
+              help="blockwise: accept proposals in the verifier's top-k (1 = exact, lossless).")
+@click.option("--min-block", type=click.IntRange(min=0), default=0, show_default=True,
+              help="blockwise/gad: always keep this many proposals (approximate; 0 = off).")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
@@ -56,23 +69,27 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 @click.option("--input", "-i", "input_path", type=click.File("r", encoding="utf-8", errors="surrogateescape"), default="-",
               help="Input text, one sentence per line (default: stdin).")
 def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_len_b, draft_cap, adaptive_draft,
-           data_dir, bpe, bpe_model, trust_checkpoint, stats_path, input_path) -> None:
+           substitution, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint, stats_path, input_path) -> None:
     """Decode text in-process (no Ray): one sentence per line in, one output line out.
 
     \b
     Examples:
       aggdec decode --method iad < noisy.txt > corrected.txt
       aggdec decode -m models/ende-base --method beam --beam 5 < en.txt > de.txt
+      aggdec decode -m models/ende-base --method gad --drafter models/ende-base-drafter --block-size 10 < en.txt
+      aggdec decode -m models/ende-base --method gad++ --drafter models/ende-base-drafter --top-beta 3 --tau 1
       aggdec decode -m ckpt/checkpoint_best.pt --data-dir data-bin --trust-checkpoint --method greedy < in.txt
     """
     from aggdec.api import DecodeOptions, summarize
 
     try:
         opts = DecodeOptions(method=method, beam=beam, lenpen=lenpen, max_batch_size=batch_size, max_tokens=max_tokens,
-                             max_len_a=max_len_a, max_len_b=max_len_b, draft_cap=draft_cap, adaptive_draft=adaptive_draft)
+                             max_len_a=max_len_a, max_len_b=max_len_b, draft_cap=draft_cap, adaptive_draft=adaptive_draft,
+                             substitution=substitution, drafter=drafter, block_size=block_size, top_beta=top_beta, tau=tau,
+                             top_k_accept=top_k_accept, min_block=min_block)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
-    if adaptive_draft and draft_cap is None:
+    if adaptive_draft and method == "iad" and draft_cap is None:
         raise click.BadParameter("--adaptive-draft needs --draft-cap", param_hint="--adaptive-draft")
     translator = _load_translator(model, trust_checkpoint, data_dir, bpe, bpe_model)
     lines = [line.rstrip("\n") for line in input_path]
@@ -132,13 +149,44 @@ def train() -> None:
     """Train models (AR verifier)."""
 
 
-@train.command("ar", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+_PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@train.command("ar", context_settings=_PASS_THROUGH)
 @click.pass_context
 def train_ar(ctx) -> None:
     """Train an AR encoder-decoder; options as `python -m aggdec.train.ar --help`."""
     from aggdec.train import ar
 
     sys.exit(ar.main(ctx.args))
+
+
+@train.command("drafter", context_settings=_PASS_THROUGH)
+@click.pass_context
+def train_drafter(ctx) -> None:
+    """Train GAD's NAR block drafter on Seq-KD data; options as `python -m aggdec.train.drafter drafter --help`."""
+    from aggdec.train import drafter
+
+    sys.exit(drafter.main(["drafter", *ctx.args]))
+
+
+@train.command("heads", context_settings=_PASS_THROUGH)
+@click.pass_context
+def train_heads(ctx) -> None:
+    """Train blockwise proposal heads on a frozen verifier; options as `python -m aggdec.train.drafter heads --help`."""
+    from aggdec.train import drafter
+
+    sys.exit(drafter.main(["heads", *ctx.args]))
+
+
+@train.command("seqkd", context_settings=_PASS_THROUGH)
+@click.pass_context
+def train_seqkd(ctx) -> None:
+    """Make Seq-KD data (the verifier's own outputs) in-process; options as `python -m aggdec.train.seqkd --help`."""
+    from aggdec.train import seqkd
+
+    sys.exit(seqkd.main(ctx.args))
+
 
 
 # -- corpus jobs on Ray -------------------------------------------------------------------------
@@ -328,6 +376,167 @@ def stop_cmd(job_id, address) -> None:
 
     stopped = jobs_api.stop(address, job_id)
     click.echo(f"{job_id}: {'stop requested' if stopped else 'not running'}")
+
+
+# -- evaluation, reports, exports ---------------------------------------------------------------
+
+TASK_OF_KIND = {"correct": "gec", "translate": "translation"}
+
+
+def _eval_inputs(out_dir, hyp_file, ref_file, src_file, ref_column, task) -> tuple[dict, str]:
+    """(hyps/refs/srcs plus provenance, task) from an output directory or from text files."""
+    from aggdec.evaluate import read_lines, read_manifest, read_outputs
+
+    if out_dir and (hyp_file or ref_file or src_file):
+        raise click.UsageError("give OUT_DIR or --hyp/--ref/--src files, not both")
+    if out_dir:
+        manifest = read_manifest(out_dir) if Path(out_dir).is_dir() else None
+        kind = ((manifest or {}).get("spec") or {}).get("kind")
+        task = task or TASK_OF_KIND.get(kind)
+        if task is None:
+            raise click.UsageError(f"{out_dir}: the job manifest does not say the task; give --task")
+        table = read_outputs(out_dir, ["src", "hyp", ref_column, "status"])
+        status: dict[str, int] = {}
+        for s in table.column("status").to_pylist():
+            status[s] = status.get(s, 0) + 1
+        text = {name: ["" if v is None else str(v) for v in table.column(col).to_pylist()]
+                for name, col in (("src", "src"), ("hyp", "hyp"), ("ref", ref_column))}
+        return {**text, "input": {"out_dir": out_dir, "ref_column": ref_column, "status": status,
+                                  "job_signature": (manifest or {}).get("signature")}}, task
+    if not (hyp_file and ref_file):
+        raise click.UsageError("give OUT_DIR, or --hyp and --ref (and --src for --task gec)")
+    if task is None:
+        raise click.UsageError("--task is required with --hyp/--ref files")
+    if task == "gec" and not src_file:
+        raise click.UsageError("--task gec needs the uncorrected sources: --src FILE")
+    text = {"hyp": read_lines(hyp_file), "ref": read_lines(ref_file), "src": read_lines(src_file) if src_file else None}
+    return {**text, "input": {"hyp": hyp_file, "ref": ref_file, "src": src_file}}, task
+
+
+@main.command("eval")
+@click.argument("out_dir", required=False, type=click.Path(exists=True))
+@click.option("--task", type=click.Choice(["translation", "gec"]), default=None,
+              help="translation: sacrebleu BLEU + chrF; gec: ERRANT P/R/F0.5 + exact match. "
+                   "Default for OUT_DIR: from the job's kind (translate/correct).")
+@click.option("--ref-column", default="ref", show_default=True, help="OUT_DIR: the reference column.")
+@click.option("--hyp", "hyp_file", type=click.Path(exists=True, dir_okay=False), help="Hypotheses, one per line.")
+@click.option("--ref", "ref_file", type=click.Path(exists=True, dir_okay=False), help="References, one per line.")
+@click.option("--src", "src_file", type=click.Path(exists=True, dir_okay=False),
+              help="Sources, one per line (--task gec: the uncorrected text).")
+@click.option("--tokenise", is_flag=True,
+              help="gec: tokenise with spaCy (for detokenised text); default: the text is already tokenised.")
+@click.option("--compare", "compare_dir", type=click.Path(exists=True),
+              help="Another output directory: check by id that both have identical hyps (losslessness).")
+@click.option("--examples", type=click.IntRange(min=0), default=5, show_default=True,
+              help="--compare: differing rows to show.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the full result as JSON here.")
+def eval_cmd(out_dir, task, ref_column, hyp_file, ref_file, src_file, tokenise, compare_dir, examples,
+             json_path) -> None:
+    """Score a job's output directory (or text files) against references, or compare two runs.
+
+    With --compare, exits with status 1 when any id's hyp differs or an id is missing on one side.
+
+    \b
+    Examples:
+      aggdec eval out/ende --ref-column ref --task translation
+      aggdec eval out/gec-sample --task gec --tokenise --json scores.json
+      aggdec eval --hyp hyp.txt --ref ref.txt --src src.txt --task gec
+      aggdec eval out/iad --compare out/greedy
+    """
+    from aggdec.evaluate import bleu_chrf, compare_outputs, gec_scores, read_by_id
+
+    try:
+        if compare_dir:
+            if not out_dir:
+                raise click.UsageError("--compare needs OUT_DIR (the first run's output directory)")
+            result = {"a": out_dir, "b": compare_dir,
+                      **compare_outputs(read_by_id(out_dir), read_by_id(compare_dir), examples=examples)}
+        else:
+            data, task = _eval_inputs(out_dir, hyp_file, ref_file, src_file, ref_column, task)
+            scores = (bleu_chrf(data["hyp"], data["ref"]) if task == "translation"
+                      else gec_scores(data["src"], data["hyp"], data["ref"], tokenise=tokenise))
+            result = {"task": task, **data["input"], "scores": scores}
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        raise click.ClickException(str(e)) from e
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if compare_dir:
+        _echo_comparison(result)
+        if result["different"] or result["missing_in_a"] or result["missing_in_b"]:
+            sys.exit(1)
+        return
+    s = result["scores"]
+    if "status" in result and set(result["status"]) - {"ok"}:
+        click.echo(f"rows by status: {result['status']} (all rows are scored)")
+    if task == "translation":
+        p = "/".join(f"{x:.1f}" for x in s["bleu_precisions"])
+        click.echo(f"BLEU  {s['bleu']:6.2f}  {p} (BP {s['bleu_bp']:.3f}, hyp_len {s['sys_len']}, "
+                   f"ref_len {s['ref_len']})  {s['bleu_signature']}")
+        click.echo(f"chrF  {s['chrf']:6.2f}  {s['chrf_signature']}")
+    else:
+        click.echo(f"ERRANT span correction: TP {s['tp']} FP {s['fp']} FN {s['fn']}  P {s['precision']:.4f} "
+                   f"R {s['recall']:.4f} F0.5 {s['f0.5']:.4f}  ({s['scored']} of {s['sentences']} sentences scored)")
+        click.echo(f"exact match {s['exact_match']:.2%}  {s['signature']}")
+
+
+def _echo_comparison(r: dict) -> None:
+    click.echo(f"{r['identical']}/{r['common']} shared ids identical ({r['identical_share']:.2%}); "
+               f"{r['a']}: {r['a_rows']} rows, {r['b']}: {r['b_rows']} rows")
+    for side, ids in (("missing in " + r["a"], r["missing_in_a"]), ("missing in " + r["b"], r["missing_in_b"])):
+        if ids:
+            click.echo(f"{len(ids)} ids {side}: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
+    for ex in r["examples"]:
+        click.echo(f"--- {ex['id']}\n  a: {ex['a']}\n  b: {ex['b']}")
+
+
+@main.command("report")
+@click.argument("out_dir", type=click.Path(exists=True))
+@click.option("--bench", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Benchmark results JSON (bench/*.py --out), repeatable: adds a method comparison.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), default="report.html",
+              show_default=True, help="The HTML file to write (self-contained: plots are embedded).")
+def report_cmd(out_dir, bench, out_path) -> None:
+    """Write one self-contained HTML page about a job's output: verifier calls and speedup vs edit
+    ratio, accepted tokens per call, throughput by length, acceptance by position, benchmarks.
+
+    \b
+    Examples:
+      aggdec report out/gec-sample --out report.html
+      aggdec report out/gec-sample --bench bench/results/iad.json --out report.html
+    """
+    from aggdec.report import build_report
+
+    try:
+        page = build_report(out_dir, list(bench))
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        raise click.ClickException(str(e)) from e
+    Path(out_path).write_text(page, encoding="utf-8")
+    click.echo(f"wrote {out_path}")
+
+
+@main.command("export")
+@click.argument("out_dir", type=click.Path(exists=True))
+@click.option("--format", "fmt", type=click.Choice(["fairseq"]), default="fairseq", show_default=True,
+              help="fairseq: fairseq-generate-style S-/T-/H-/D- lines plus I-<id> iteration counts.")
+@click.option("--out", "out_file", type=click.File("w", encoding="utf-8"), default="-",
+              help="File to write (default: stdout).")
+@click.option("--ref-column", default=None, help="Also write T-<id> lines from this reference column.")
+def export_cmd(out_dir, fmt, out_file, ref_column) -> None:
+    """Export a job's output directory as text, rows in natural id order.
+
+    \b
+    Examples:
+      aggdec export out/ende --format fairseq --out generate-test.txt
+      aggdec export out/ende --ref-column ref | grep ^D- | cut -f3 > hyp.txt
+    """
+    from aggdec.export import fairseq_lines
+
+    try:
+        for line in fairseq_lines(out_dir, ref_column=ref_column):
+            out_file.write(line + "\n")
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
 
 
 if __name__ == "__main__":
