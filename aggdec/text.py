@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def clean_text(text: object) -> str:
@@ -14,14 +17,7 @@ def clean_text(text: object) -> str:
         return ""
     if not isinstance(text, str):
         text = str(text)
-    text = text.encode("utf-8", "replace").decode("utf-8") if _has_surrogates(text) else text
+    text = _SURROGATE.sub("\ufffd", text)
     text = "".join(" " if unicodedata.category(c) == "Cc" else c for c in text)
     return " ".join(text.split())
 
-
-def _has_surrogates(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False

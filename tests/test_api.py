@@ -1,0 +1,61 @@
+"""Public API: every input yields one result with a status; bad input never crashes."""
+
+import pytest
+
+from conftest import synthetic_sentences
+
+from aggdec.api import DecodeOptions, Translator, summarize
+from aggdec.text import clean_text
+
+
+def test_clean_text():
+    assert clean_text("a\ud800b\x07c\n  d") == "a\ufffdb c d"
+    assert clean_text(None) == "" and clean_text("  \t ") == ""
+    assert clean_text(12) == "12"
+
+
+def test_bad_rows_get_statuses(tiny_model_dir):
+    tr = Translator.load(tiny_model_dir)
+    long = " ".join(["the cat"] * 200)
+    src = ["", "   ", "She go to school .", long, "bad\x00ctrl\x1bchars", "lone \ud800 surrogate", "日本語 ☃ ünïcödé"]
+    res = tr.translate_batch(src, method="iad", max_batch_size=3)
+    assert len(res) == len(src)
+    assert [r.status for r in res] == ["empty", "empty", "ok", "truncated", "ok", "ok", "ok"]
+    assert res[0].text == "" and res[3].src_len == tr.cfg.max_source_positions
+    assert tr.cfg.unk in tr.bundle.src_tok.encode("☃")  # characters outside the vocabulary -> unknown token
+    summary = summarize(res)
+    assert summary["rows"] == 7 and summary["status"] == {"empty": 2, "ok": 4, "truncated": 1}
+
+
+def test_lossless_methods_agree_and_options_validate(tiny_model_dir):
+    tr = Translator.load(tiny_model_dir)
+    src = synthetic_sentences(30, seed=3)
+    greedy = [r.text for r in tr.translate_batch(src, method="greedy", max_batch_size=4)]
+    for opts in (DecodeOptions(method="iad", max_batch_size=7), DecodeOptions(method="iad", draft_cap=3, substitution=True),
+                 DecodeOptions(method="iad", draft_cap=8, adaptive_draft=True, max_tokens=50)):
+        assert [r.text for r in tr.translate_batch(src, opts)] == greedy
+    beam1 = [r.text for r in tr.translate_batch(src, method="beam", beam=1)]
+    assert beam1 == greedy
+    with pytest.raises(ValueError, match="method must be one of"):
+        DecodeOptions(method="nope")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        DecodeOptions(max_batch_size=0)
+
+
+def test_translate_iterable_keeps_order(tiny_model_dir):
+    tr = Translator.load(tiny_model_dir)
+    src = synthetic_sentences(11, seed=4)
+    streamed = [r.text for r in tr.translate_iterable(iter(src), chunk_size=4, method="iad")]
+    assert streamed == [r.text for r in tr.translate_batch(src)]
+
+
+def test_model_dir_errors_name_the_file(tmp_path, tiny_model_dir):
+    import shutil
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Translator.load(tmp_path)
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        Translator.load(bad)
