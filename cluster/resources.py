@@ -72,7 +72,9 @@ def plan_actors(cluster: dict[str, float], *, actors: int = 1, gpus_per_actor: f
     if n * share > max(cpus - RESERVED_CPUS, 0.0) + 1e-9 and cpus > 0:
         raise ValueError(f"resources.cpus_per_actor: {n} actors x {share:g} CPUs leave less than {RESERVED_CPUS:g} of the "
                          f"cluster's {cpus:g} CPUs for reads; Ray Data would deadlock (ray-project/ray#44687)")
-    threads = torch_threads or max(1, math.floor(max(cpus - RESERVED_CPUS, 1.0) / n))
+    # The reserved CPU is a logical reservation that lets Ray Data schedule its (light) read tasks;
+    # the decode actors still compute on every core, so threads split all CPUs between actors.
+    threads = torch_threads or max(1, math.floor(max(cpus, 1.0) / n))
     if device == "cuda":
         threads = torch_threads or max(1, math.floor(share))
     return ActorPlan(actors=n, num_cpus=round(share, 4), num_gpus=gpus_per_actor, device=device,

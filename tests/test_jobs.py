@@ -263,8 +263,8 @@ def test_decode_section_mirrors_decode_options():
 def test_actor_plans_leave_a_cpu_for_reads():
     one = plan_actors({"CPU": 2.0}, actors=1)
     two = plan_actors({"CPU": 2.0}, actors=2)
-    assert one.device == "cpu" and one.num_cpus <= 0.5 and one.torch_threads == 1 and one.num_gpus == 0
-    assert two.actors == 2 and 2 * two.num_cpus <= 1.0
+    assert one.device == "cpu" and one.num_cpus <= 0.5 and one.torch_threads == 2 and one.num_gpus == 0
+    assert two.actors == 2 and 2 * two.num_cpus <= 1.0 and two.torch_threads == 1
     with pytest.raises(ValueError, match="resources.cpus_per_actor: .*deadlock"):
         plan_actors({"CPU": 2.0}, actors=2, cpus_per_actor=1.0)
     gpu = plan_actors({"CPU": 32.0, "GPU": 4.0}, actors=0, gpus_per_actor=1)
