@@ -24,7 +24,7 @@ from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.drafters import InputCopy, NoDraft
 from aggdec.decoding.limits import max_len_for
-from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.loop import DraftVerifyLoop, pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.nat import NATDrafter
 from aggdec.stats import SpeedupStats
@@ -49,6 +49,8 @@ class DecodeOptions:
     block_size: GAD block size k (masks per call); blockwise k is fixed by its heads.
     top_beta, tau: GAD++ acceptance (top-beta and log-prob gap). min_block: blockwise approximate
         acceptance that always keeps the first `min_block` proposals (Stern et al. 5.3; lossy).
+    nbest: results also carry the `nbest` best beam hypotheses (TranslationResult.nbest); > 1 needs
+        method beam with beam >= nbest.
     """
 
     method: str = "greedy"
@@ -67,6 +69,7 @@ class DecodeOptions:
     tau: float = 1.0
     top_k_accept: int = 1
     min_block: int = 0
+    nbest: int = 1
 
     def __post_init__(self) -> None:
         if self.method in NEEDS_DRAFTER and not self.drafter:
@@ -85,11 +88,16 @@ class DecodeOptions:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.draft_cap is not None and self.draft_cap < 1:
             raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
+        if self.nbest < 1:
+            raise ValueError(f"nbest must be >= 1, got {self.nbest}")
+        if self.nbest > 1 and (self.method != "beam" or self.beam < self.nbest):
+            raise ValueError(f"nbest > 1 needs method beam with beam >= nbest; got method {self.method}, "
+                             f"beam {self.beam}, nbest {self.nbest}")
 
     def signature(self, sha: str = "") -> str:
         parts = [f"aggdec|method:{self.method}"]
         if self.method == "beam":
-            parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}")
+            parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}" + (f"|nbest:{self.nbest}" if self.nbest > 1 else ""))
         if self.method == "iad":
             parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}|subst:{int(self.substitution)}")
         if self.method in ("gad", "gad++"):
@@ -104,6 +112,16 @@ class DecodeOptions:
 
 @dataclass
 class TranslationResult:
+    """One decoded sentence.
+
+    score: method beam: the output's normalized score (sum of log-probs incl. eos / len ** lenpen,
+        len counting the eos; fairseq's). Other methods: None, since the draft-verify loop keeps no
+        log-probs; `Translator.rescore` fills in the sum of log-probs incl. eos at the cost of one
+        teacher-forced verifier pass. Always None for "empty" and "error" rows.
+    nbest: [(text, normalized score)] of the best `DecodeOptions.nbest` beam hypotheses, best first,
+        nbest[0] being (text, score); empty unless nbest > 1 was asked for.
+    """
+
     source: str
     text: str
     tokens: list[int]
@@ -111,6 +129,8 @@ class TranslationResult:
     error: str = ""
     src_len: int = 0  # source tokens incl. eos (after truncation)
     stats: RowStats = field(default_factory=RowStats)
+    score: float | None = None
+    nbest: list[tuple[str, float]] = field(default_factory=list)
 
 
 class Translator:
@@ -162,7 +182,8 @@ class Translator:
         if opts.method == "beam":
             from aggdec.decoding.beam import beam_search
 
-            return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size)
+            return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
+                               nbest=opts.nbest)
         acceptance = ExactMatch()
         if opts.method == "greedy":
             drafter = NoDraft()
@@ -207,7 +228,34 @@ class Translator:
             r = results[hyp.index]
             r.tokens, r.stats = hyp.tokens, hyp.stats
             r.text = self.bundle.tgt_tok.decode(hyp.tokens)
+            r.score = getattr(hyp, "score", None)  # beam.BeamHypothesis carries score and nbest
+            if opts.nbest > 1:
+                r.nbest = [(self.bundle.tgt_tok.decode(toks), score) for toks, score in hyp.nbest]
         return results
+
+    @torch.no_grad()
+    def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32) -> None:
+        """Set `score` of every "ok"/"truncated" result whose score is None to the verifier's sum of
+        log-probs of its tokens plus eos given its (cleaned, truncated) source.
+
+        One teacher-forced pass per batch of `max_batch_size` rows, sorted by length; the log-probs
+        are unconstrained (as beam's, an eos forced at max_len scores its own probability).
+        """
+        todo = [r for r in results if r.score is None and r.status in ("ok", "truncated")]
+        todo.sort(key=lambda r: len(r.tokens))
+        cfg = self.cfg
+        device = next(self.model.parameters()).device
+        for start in range(0, len(todo), max_batch_size):
+            batch = todo[start: start + max_batch_size]
+            src = pad_batch([self.prepare(r.source)[0] for r in batch], cfg.pad, device)
+            prev = pad_batch([[cfg.eos] + r.tokens for r in batch], cfg.pad, device)
+            gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)
+            logits = self.model(src, prev)
+            dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            lprobs = torch.log_softmax(logits.to(dtype), dim=-1).gather(2, gold[:, :, None])[:, :, 0]
+            sums = lprobs.masked_fill(gold.eq(cfg.pad), 0.0).sum(dim=1).tolist()
+            for r, score in zip(batch, sums):
+                r.score = score
 
     def _decode_isolating(self, reqs: list[Request], opts: DecodeOptions, results: list[TranslationResult]) -> list[Hypothesis]:
         try:

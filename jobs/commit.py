@@ -2,6 +2,7 @@
 
 Layout of output.dir:
     <stem>.parquet        one per input shard, written only by `commit`
+    <stem>.tsv            distill jobs: the shard's training pairs (jobs.distill), written before the marker
     _SUCCESS.<stem>       JSON marker, written after the shard file is durable (its presence = committed)
     _manifest.json        job summary, rewritten after every commit
     .<name>.tmp           in-flight writes; stale ones are deleted when a run starts
@@ -82,7 +83,8 @@ class OutputDir:
     def committed(self, stem: str, fingerprint: dict) -> dict | None:
         """The marker record of a committed shard, or None (then any partial output is deleted).
 
-        A marker whose output file is missing or has another row count counts as not committed.
+        A marker whose output file is missing or has another row count, or that names a TSV that
+        is missing, counts as not committed.
         A marker from a job with another fingerprint raises SpecError.
         """
         marker, out = self.marker_path(stem), self.output_path(stem)
@@ -94,20 +96,26 @@ class OutputDir:
             if record is not None and record.get("fingerprint") != fingerprint:
                 raise SpecError(f"output.dir: {marker} was written by a different job ({record.get('fingerprint')}); "
                                 f"this job is {fingerprint}. Use another output.dir or delete that one")
-            if record is not None and out.is_file() and _num_rows(out) == record.get("rows"):
+            if (record is not None and out.is_file() and _num_rows(out) == record.get("rows")
+                    and (not record.get("tsv") or self.tsv_path(stem).is_file())):
                 return record
         self.discard(stem)
         return None
 
+    def tsv_path(self, stem: str) -> Path:
+        return self.root / f"{stem}.tsv"
+
     def discard(self, stem: str) -> None:
-        """Remove a shard's marker (first) and output, if present."""
-        for p in (self.marker_path(stem), self.output_path(stem)):
+        """Remove a shard's marker (first), output and TSV, if present."""
+        for p in (self.marker_path(stem), self.output_path(stem), self.tsv_path(stem)):
             if p.exists():
                 p.unlink()
 
-    def commit(self, stem: str, table: pa.Table, record: dict) -> None:
-        """Make `table` the durable output of `stem`, then write its marker `record`."""
+    def commit(self, stem: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
+        """Make `table` (and `tsv`, if given) the durable output of `stem`, then write its marker `record`."""
         atomic_write(self.output_path(stem), lambda f: pq.write_table(table, f))
+        if tsv is not None:
+            atomic_write(self.tsv_path(stem), lambda f: f.write(tsv))
         write_json(self.marker_path(stem), record)
 
 

@@ -3,7 +3,8 @@
     {"format": "aggdec-job-manifest v1", "complete": true, "spec": {...}, "aggdec_version": "0.1.0",
      "ray_version": "2.60.0", "model": {"path": ..., "sha": ...}, "signature": "aggdec|method:iad|...",
      "shards": {"part-00000": {marker record}, ...},
-     "totals": {"rows", "ok", "error", "status": {...}, "speedup": SpeedupStats.to_dict()},
+     "totals": {"rows", "ok", "error", "status": {...}, "speedup": SpeedupStats.to_dict(),
+                "distill": {"kept": n, "filtered": {reason: n}}  (distill jobs only)},
      "timings": {...}, "run": {"committed": [...], "skipped": [...], "stale_tmp_deleted": [...]}}
 
 Totals are merged from the per-shard records (SpeedupStats is additive), so shards committed by an
@@ -16,6 +17,7 @@ import importlib.metadata
 from typing import Any
 
 from aggdec.stats import SpeedupStats
+from jobs.distill import merge_counts
 
 FORMAT = "aggdec-job-manifest v1"
 
@@ -39,8 +41,12 @@ def totals(records: dict[str, dict]) -> dict[str, Any]:
         fields = {k: rec["speedup"][k] for k in ("sentences", "iterations", "drafted", "accepted",
                                                   "output_tokens", "decode_ms")}
         stats = stats.merge(SpeedupStats(**fields))
-    return {"rows": rows, "ok": status.get("ok", 0), "error": status.get("error", 0), "status": status,
-            "speedup": stats.to_dict()}
+    out = {"rows": rows, "ok": status.get("ok", 0), "error": status.get("error", 0), "status": status,
+           "speedup": stats.to_dict()}
+    distill = [rec["distill"] for rec in records.values() if "distill" in rec]
+    if distill:
+        out["distill"] = merge_counts(distill)
+    return out
 
 
 def build_manifest(*, spec: dict, model_path: str, model_sha: str, signature: str, records: dict[str, dict],

@@ -2,7 +2,9 @@
 
 Output columns, in order: id (string), src (the input text as stored), hyp, <passthrough columns,
 types unchanged>, status, error, method, src_len, hyp_len, iterations, drafted, accepted,
-accepted_per_iter (list<int32>), decode_ms. Row i of the output is row i of the input file.
+accepted_per_iter (list<int32>), decode_ms, then the optional decoded columns (score, nbest; see
+cluster.actors.output_schema) when the actors returned them; distill jobs add kept and
+filter_reason (jobs.distill). Row i of the output is row i of the input file.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ def build_output_table(shard: Shard, decoded: pa.Table, *, text_column: str, id_
     out["method"] = pa.array([method] * shard.rows, type=pa.string())
     for name in DECODED[2:]:
         out[name] = decoded.column(name)
+    for name in decoded.column_names:
+        if name not in OUTPUT_SCHEMA.names:
+            out[name] = decoded.column(name)
     return pa.table(out)
 
 
-def empty_decoded() -> pa.Table:
-    return OUTPUT_SCHEMA.empty_table()
+def empty_decoded(schema: pa.Schema = OUTPUT_SCHEMA) -> pa.Table:
+    """The decoded rows of an empty shard, with the columns the actors would have returned."""
+    return schema.empty_table()
 
 
 def shard_stats(decoded: pa.Table) -> tuple[dict[str, int], SpeedupStats]:

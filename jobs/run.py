@@ -8,10 +8,12 @@ Order of work: (1) check every input schema and the output directory, before any
 (2) delete stale tmp files, keep committed shards, delete partial ones; (3) stream the remaining
 shards through Read -> Decode; the driver commits each shard as soon as all its rows arrived;
 (4) write the manifest (also after every commit, so a killed driver leaves an up-to-date one).
+Distill jobs also filter each shard's pairs and commit its training TSV (jobs.distill).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +21,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aggdec.checkpoint import file_sha
+from cluster.actors import output_schema
 from cluster.connection import cluster_resources
 from cluster.resources import ActorPlan, plan_actors
 from jobs.assemble import ShardAssembler
 from jobs.commit import OutputDir, write_json
+from jobs.distill import distill_shard
 from jobs.inputs import Shard, inspect_inputs
 from jobs.manifest import build_manifest, totals
 from jobs.output import build_output_table, empty_decoded, shard_stats
@@ -44,6 +48,7 @@ class JobResult:
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
     duplicates_dropped: int = 0
+    distill: dict | None = None  # distill jobs: {"kept": n, "filtered": {reason: n}}, all shards
 
     @property
     def ok(self) -> int:
@@ -63,14 +68,19 @@ class JobResult:
                 + "".join(f", {v} {k}" for k, v in sorted(other.items())) + ")"
                 + f"; decoded {self.decoded_rows} in {self.pipeline_seconds:.1f}s ({self.sentences_per_s:.1f} sentences/s)"
                 + (f", skipped {len(self.skipped)} committed shard(s)" if self.skipped else "")
+                + (f"; kept {self.distill['kept']} pairs" + "".join(
+                    f", {n} {r}" for r, n in self.distill["filtered"].items()) if self.distill else "")
                 + f"; mean accepted tokens/iter {self.mean_accepted_per_iter:.2f}"
                 + f"; output {self.output_dir}")
 
 
 def fingerprint(spec: JobSpec, signature: str) -> dict:
-    """What must match for a rerun to reuse committed shards."""
-    return {"kind": spec.kind, "signature": signature, "drafter": spec.drafter, "text_column": spec.input.text_column,
-            "id_column": spec.input.id_column}
+    """What must match for a rerun to reuse committed shards (distill jobs: also the [distill] options)."""
+    fp = {"kind": spec.kind, "signature": signature, "drafter": spec.drafter, "text_column": spec.input.text_column,
+          "id_column": spec.input.id_column}
+    if spec.kind == "distill":
+        fp["distill"] = dataclasses.asdict(spec.distill)
+    return fp
 
 
 def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
@@ -105,13 +115,18 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
         table = build_output_table(shard, decoded, text_column=spec.input.text_column,
                                    id_column=spec.input.id_column, method=spec.method)
         status, stats = shard_stats(decoded)
-        records[shard.stem] = {
+        record = {
             "input": shard.path, "output": str(out.output_path(shard.stem)), "rows": shard.rows,
             "status": status, "speedup": stats.to_dict(), "fingerprint": fp,
-            "seconds_since_start": round(time.perf_counter() - t_start, 3),
-            "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        out.commit(shard.stem, table, records[shard.stem])
+        tsv = None
+        if spec.kind == "distill":
+            table, tsv, record["distill"] = distill_shard(table, spec.distill)
+            record["tsv"] = str(out.tsv_path(shard.stem)) if tsv is not None else None
+        record["seconds_since_start"] = round(time.perf_counter() - t_start, 3)
+        record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        records[shard.stem] = record
+        out.commit(shard.stem, table, record, tsv)
         run_info["committed"].append(shard.stem)
         write_manifest(complete=False)
         log(f"committed {shard.stem} ({shard.rows} rows)")
@@ -129,7 +144,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     complete = False
     try:
         for shard in [s for s in todo if s.rows == 0]:
-            commit(shard, empty_decoded(), t_pipe)
+            commit(shard, empty_decoded(output_schema(score=spec.keep_scores,
+                                                      nbest=spec.decode_options().nbest > 1)), t_pipe)
         if plan is not None:
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}
@@ -157,7 +173,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                      decoded_rows=decoded_rows, committed=list(run_info["committed"]), skipped=skipped,
                      pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
-                     duplicates_dropped=duplicates)
+                     duplicates_dropped=duplicates, distill=tot.get("distill"))
 
 
 def _plan(spec: JobSpec) -> ActorPlan:

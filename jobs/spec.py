@@ -9,6 +9,7 @@ A spec is a TOML file (see examples/correct.toml) plus command-line overrides:
     [decode]  method = "iad"  draft_cap = 32
     [batching] rows_per_task = 512  max_batch_size = 64  max_tokens = 4096
     [resources] actors = 1  gpus_per_actor = 0  cpus_per_actor = 0.5
+    [distill] nbest = 1  keep_scores = false  max_len_ratio = 3.0  tsv = true   # kind distill only
 
 Paths written in the TOML file are relative to the file's directory; paths given on the command
 line (`--set input.path=...`, `--input`, `--output`, `--model`) are relative to the current
@@ -17,7 +18,8 @@ directory. Both are stored absolute. Every error names the field at fault
 
 All three kinds run the same pipeline (one output row per input row); the kind is recorded in the
 manifest and picks the default decode method: correct -> iad (output mostly copies the input),
-translate and distill -> greedy.
+translate and distill -> greedy. Distill jobs also filter pairs and write a training TSV per shard
+([distill], see DistillSpec and jobs.distill).
 """
 
 from __future__ import annotations
@@ -118,6 +120,27 @@ class ResourcesSpec:
 
 
 @dataclass
+class DistillSpec:
+    """Seq-KD corpus options (kind distill only); see jobs.distill for the filters and the TSV."""
+
+    nbest: int = 1
+    """> 1: also store the n best beam hypotheses per row (Parquet column nbest); needs decode.method
+    beam with decode.beam >= nbest. The TSV always holds the 1-best."""
+    keep_scores: bool = False
+    """Store the output's score (Parquet column score): beam's normalized score, for other methods
+    the sum of log-probs incl. eos (one extra teacher-forced verifier pass per batch)."""
+    min_len_ratio: float | None = None
+    """Drop pairs whose hyp/src token-length ratio (both without eos) is below this (None: no limit)."""
+    max_len_ratio: float | None = None
+    """Drop pairs whose hyp/src token-length ratio is above this (None: no limit)."""
+    drop_empty: bool = True
+    """Drop pairs with an empty source or output."""
+    tsv: bool = True
+    """Also write <stem>.tsv (header `src<TAB>kd`, one line per kept pair), the format of
+    `python -m aggdec.train.drafter --data`."""
+
+
+@dataclass
 class DebugSpec:
     fail_once_marker: str | None = None
     """Tests only: if set and the file does not exist, the first actor call creates it and kills its process."""
@@ -138,6 +161,7 @@ class JobSpec:
     decode: DecodeSpec = field(default_factory=DecodeSpec)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    distill: DistillSpec = field(default_factory=DistillSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
     source: str | None = None
     """The spec file this was loaded from (None: built in code); not a TOML key."""
@@ -146,12 +170,19 @@ class JobSpec:
     def method(self) -> str:
         return self.decode.method or DEFAULT_METHOD[self.kind]
 
+    @property
+    def keep_scores(self) -> bool:
+        """Whether decode actors return a score per row (distill.keep_scores of a distill job)."""
+        return self.kind == "distill" and self.distill.keep_scores
+
     def decode_options(self) -> DecodeOptions:
-        """The engine options: [decode] plus batching.max_batch_size / max_tokens and the drafter."""
+        """The engine options: [decode] plus batching.max_batch_size / max_tokens, the drafter and
+        (distill jobs) distill.nbest."""
         fields = dataclasses.asdict(self.decode)
         fields["method"] = self.method
         return DecodeOptions(**fields, max_batch_size=self.batching.max_batch_size,
-                             max_tokens=self.batching.max_tokens, drafter=self.drafter)
+                             max_tokens=self.batching.max_tokens, drafter=self.drafter,
+                             nbest=self.distill.nbest if self.kind == "distill" else 1)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -323,10 +354,28 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
                         "(heads.safetensors)")
     if spec.method in NEEDS_DRAFTER and not spec.drafter:
         raise SpecError(f"drafter: decode.method {spec.method!r} needs a drafter (a NAR drafter or proposal-heads directory)")
+    _validate_distill(spec)
     try:
         spec.decode_options()
     except ValueError as e:  # anything DecodeOptions checks that is not checked above
         raise SpecError(f"decode: {e}") from e
+
+
+def _validate_distill(spec: JobSpec) -> None:
+    d = spec.distill
+    if spec.kind != "distill" and d != DistillSpec():
+        raise SpecError(f"distill: only applies to kind = \"distill\"; this job's kind is {spec.kind!r}")
+    _at_least("distill.nbest", d.nbest, 1)
+    if d.nbest > 1 and spec.method != "beam":
+        raise SpecError(f"distill.nbest: {d.nbest} needs decode.method = \"beam\", got {spec.method!r}")
+    if d.nbest > spec.decode.beam:
+        raise SpecError(f"distill.nbest: must be <= decode.beam ({spec.decode.beam}), got {d.nbest}")
+    for name in ("min_len_ratio", "max_len_ratio"):
+        value = getattr(d, name)
+        if value is not None and not 0 <= value < float("inf"):
+            raise SpecError(f"distill.{name}: must be a finite number >= 0 or unset, got {value}")
+    if d.min_len_ratio is not None and d.max_len_ratio is not None and d.min_len_ratio > d.max_len_ratio:
+        raise SpecError(f"distill.min_len_ratio: {d.min_len_ratio} is above distill.max_len_ratio ({d.max_len_ratio})")
 
 
 def _at_least(name: str, value: float | None, low: float) -> None:

@@ -106,6 +106,35 @@ def test_beam_tiny_vocabulary_and_bad_requests():
     assert beam_search(model, []) == []
 
 
+def _naive_score(model, src, toks):
+    """Sum of log-probs of toks + eos by full recomputation (float64 model)."""
+    cfg = model.cfg
+    prev = torch.tensor([[cfg.eos] + toks])
+    lp = torch.log_softmax(model(torch.tensor([src]), prev)[0], dim=-1)
+    return float(sum(lp[i, t] for i, t in enumerate(toks + [cfg.eos])))
+
+
+def test_beam_nbest_sorted_distinct_and_scored():
+    model = tiny_model("postnorm-sinusoidal-shared", seed=1)
+    reqs = _requests(model, n=12, seed=7, max_out=12)
+    best = beam_search(model, reqs, beam=5)
+    five = beam_search(model, reqs, beam=5, nbest=5, max_batch_size=4)
+    assert [h.tokens for h in five] == [h.tokens for h in best]  # nbest changes nothing of the 1-best
+    assert [h.score for h in five] == pytest.approx([h.score for h in best], abs=1e-12)  # other batch sizes
+    for h, r in zip(five, reqs):
+        assert h.nbest[0] == (h.tokens, h.score) and [len(b.nbest) for b in best] == [1] * len(reqs)
+        scores = [s for _, s in h.nbest]
+        assert scores == sorted(scores, reverse=True)
+        assert 1 <= len(h.nbest) <= 5 and len({tuple(t) for t, _ in h.nbest}) == len(h.nbest)
+        for toks, score in h.nbest:  # a normalized score is the hypothesis' log-prob incl. eos / len
+            assert score == pytest.approx(_naive_score(model, r.src, toks) / (len(toks) + 1), abs=1e-9)
+    assert sum(len(h.nbest) == 5 for h in five) >= len(reqs) // 2  # 5 distinct hypotheses where possible
+    assert [len(h.nbest) for h in beam_search(model, reqs, beam=5, nbest=2)] == [2] * len(reqs)
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="nbest"):
+            beam_search(model, reqs, beam=5, nbest=bad)
+
+
 # -- fairseq checkpoint round trip (no fairseq needed) ----------------------------------------------
 
 

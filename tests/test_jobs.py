@@ -256,7 +256,8 @@ def test_decode_section_mirrors_decode_options():
     from aggdec.api import DecodeOptions
     from jobs.spec import DecodeSpec
 
-    spec_fields = {f.name for f in dataclasses.fields(DecodeSpec)} | {"max_batch_size", "max_tokens", "drafter"}
+    spec_fields = {f.name for f in dataclasses.fields(DecodeSpec)} | {"max_batch_size", "max_tokens", "drafter",
+                                                                      "nbest"}  # nbest: [distill]
     assert spec_fields == {f.name for f in dataclasses.fields(DecodeOptions)}
 
 

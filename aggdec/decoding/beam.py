@@ -11,7 +11,9 @@ Per step, for every active sentence (beam K, vocabulary V), exactly as fairseq d
   - The K active hypotheses are the first K non-eos candidates (if fewer exist, eos candidates fill
     in and are marked "ignored", fairseq's `cands_to_ignore`, including its indexing quirk).
   - The result is the finalized hypothesis with the best normalized score (fairseq sorts the
-    scores, converted to a float tensor, with torch.sort descending and takes the first).
+    scores, converted to a float tensor, with torch.sort descending and takes the first); with
+    `nbest` > 1 also the first `nbest` of that order (fairseq-generate's --nbest), each with its
+    normalized score.
 
 Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
 batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,16 +33,33 @@ from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.model.transformer import Transformer
 
 
+@dataclass
+class BeamHypothesis(Hypothesis):
+    """A beam search result: `tokens` is the best finalized hypothesis, `score` its normalized score
+    (cumulative log-prob incl. eos / len ** lenpen, len counting the eos).
+
+    nbest: the best `nbest` finalized hypotheses as (tokens without eos/pad, normalized score), best
+    first in fairseq's order; nbest[0] is (tokens, score). Fewer than `nbest` when fewer were
+    finalized (a tiny vocabulary, or a sentence that hit max_len early).
+    """
+
+    score: float = 0.0
+    nbest: list[tuple[list[int], float]] = field(default_factory=list)
+
+
 @torch.no_grad()
 def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
-                max_batch_size: int = 16, min_len: int = 1) -> list[Hypothesis]:
+                max_batch_size: int = 16, min_len: int = 1, nbest: int = 1) -> list[BeamHypothesis]:
     """Beam-search `requests` (each: source ids ending in eos, max_len); results in input order.
 
     Sentences are grouped by source length into batches of at most `max_batch_size` sentences
     (each takes `beam` rows). `stats.iterations` is the number of decoder calls a sentence took.
+    Each result carries the best `nbest` (1 <= nbest <= beam) hypotheses with their scores.
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
+    if not 1 <= nbest <= beam:
+        raise ValueError(f"nbest must be in [1, beam={beam}], got {nbest}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     for r in requests:
@@ -49,16 +69,16 @@ def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, l
         if not r.src:
             raise ValueError(f"request {r.index}: empty source (it must at least hold eos)")
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
-    results: dict[int, Hypothesis] = {}
+    results: dict[int, BeamHypothesis] = {}
     for start in range(0, len(order), max_batch_size):
         batch = [requests[i] for i in order[start: start + max_batch_size]]
-        for pos, hyp in _search(model, batch, beam, lenpen, min_len):
+        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest):
             results[order[start + pos]] = hyp
     return [results[i] for i in range(len(requests))]
 
 
-def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int):
-    """Yield (position in reqs, Hypothesis) for one static batch; mirrors SequenceGenerator._generate."""
+def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int, nbest: int):
+    """Yield (position in reqs, BeamHypothesis) for one static batch; mirrors SequenceGenerator._generate."""
     cfg = model.cfg
     pad, eos = cfg.pad, cfg.eos
     vocab = cfg.tgt_vocab
@@ -137,7 +157,8 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
             ms[sent_ids[b]] += elapsed
         for b in sorted(newly):
             pos = sent_ids[b]
-            yield pos, _best(reqs[pos], finalized[pos], tokens, scores, b, k, step, eos, pad, calls[pos], ms[pos])
+            yield pos, _best(reqs[pos], finalized[pos], tokens, scores, b, k, step, eos, pad, calls[pos], ms[pos],
+                             lenpen, nbest)
         n_sent -= len(newly)
         if n_sent == 0:
             return
@@ -199,14 +220,16 @@ def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, token
 
 
 def _best(req: Request, hyps: list[tuple[torch.Tensor, float]], tokens: torch.Tensor, scores: torch.Tensor,
-          b: int, k: int, step: int, eos: int, pad: int, calls: int, ms: float) -> Hypothesis:
+          b: int, k: int, step: int, eos: int, pad: int, calls: int, ms: float, lenpen: float,
+          nbest: int) -> BeamHypothesis:
     stats = RowStats(iterations=calls, accepted_per_iter=[0] * calls, decode_ms=ms)
     if not hyps:  # unreachable with fairseq's rules; fall back to the best live beam
         row = b * k + int(scores.view(-1, k, scores.size(1))[b, :, step].argmax())
-        seq = tokens[row, 1: step + 2].tolist()
+        ranked = [(tokens[row, 1: step + 2].tolist(), float(scores[row, step]) / (step + 1) ** lenpen)]
     else:
         dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
         order = torch.sort(torch.tensor([s for _, s in hyps], dtype=dtype), descending=True).indices
-        seq = hyps[int(order[0])][0].tolist()
+        ranked = [(hyps[i][0].tolist(), hyps[i][1]) for i in order[:nbest].tolist()]
     # fairseq strips eos (and pad) from the output string; an eos can sit inside an "ignored" beam.
-    return Hypothesis(index=req.index, tokens=[t for t in seq if t != eos and t != pad], stats=stats)
+    best = [([t for t in seq if t != eos and t != pad], score) for seq, score in ranked]
+    return BeamHypothesis(index=req.index, tokens=best[0][0], stats=stats, score=best[0][1], nbest=best)
