@@ -74,15 +74,22 @@ def fairseq_generate(export: Path, pieces: list[str], beam: int, bs: int, work: 
     return hyps, float(m.group(1)) if m else float("nan")
 
 
-def ctranslate2_greedy(export: Path, pieces: list[list[str]], bs: int, work: Path, threads: int, max_len: int):
-    import ctranslate2
-
+def export_ct2(export: Path, work: Path) -> Path:
+    """Convert an exported fairseq checkpoint (see `save_fairseq`) with CTranslate2's converter."""
     ct2_dir = work / "ct2"
     if not ct2_dir.exists():
         env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
         subprocess.run(["ct2-fairseq-converter", "--model_path", str(export / "checkpoint.pt"), "--data_dir", str(export),
-                        "--source_lang", "src", "--target_lang", "tgt", "--output_dir", str(ct2_dir)],
+                        "--source_lang", "src", "--target_lang", "tgt", "--output_dir", str(ct2_dir),
+                        "--unsafe_deserialization"],  # our own export: a trusted pickle
                        check=True, capture_output=True, env=env)
+    return ct2_dir
+
+
+def ctranslate2_greedy(ct2_dir: Path, pieces: list[list[str]], bs: int, threads: int, max_len: int):
+    """-> (hypotheses as pieces, decode seconds) with CTranslate2 greedy search on the CPU."""
+    import ctranslate2
+
     tr = ctranslate2.Translator(str(ct2_dir), device="cpu", inter_threads=1, intra_threads=threads)
     t0 = time.perf_counter()
     res = tr.translate_batch(pieces, beam_size=1, max_batch_size=bs, max_decoding_length=max_len, min_decoding_length=1)
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
     for i, s in enumerate(sents):
         ids, _, text = tr.prepare(s)
         reqs.append(Request(i, ids, max_len_for(len(ids), MAX_LEN_A, MAX_LEN_B, tr.cfg.max_target_positions)))
-        pieces.append(sp.encode(text, out_type=str)[: len(ids) - 1])
+        pieces.append(sp.id_to_piece(ids[:-1]))
     systems = a.systems.split(",")
     runs, ref = [], {}
     work = Path(tempfile.mkdtemp(prefix="aggdec-baseline-"))
@@ -143,7 +150,8 @@ def main(argv=None) -> int:
                     systems.remove("fairseq")
         if "ctranslate2" in systems:
             try:
-                outs, secs = ctranslate2_greedy(export, pieces[:n], bs, work, a.threads, max(r.max_len for r in reqs) + 1)
+                outs, secs = ctranslate2_greedy(export_ct2(export, work), pieces[:n], bs, a.threads,
+                                                max(r.max_len for r in reqs) + 1)
                 record("ctranslate2", "greedy", bs, n, secs, {i: [sp.piece_to_id(p) for p in h] for i, h in enumerate(outs)})
             except (ImportError, subprocess.CalledProcessError) as e:
                 print(f"ctranslate2 skipped: {e}", file=sys.stderr)

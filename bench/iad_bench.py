@@ -18,10 +18,12 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from baseline_bench import ctranslate2_greedy, export_ct2
 
 from aggdec.api import Translator
 from aggdec.decoding.beam import beam_search
@@ -29,6 +31,7 @@ from aggdec.decoding.drafters import InputCopy, NoDraft
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
+from aggdec.fairseq_io import save_fairseq
 
 
 def read_tsv(path: Path, column: str, limit: int | None) -> list[str]:
@@ -61,15 +64,6 @@ def run_loop(model, reqs, drafter, bs):
     return hyps, time.perf_counter() - t0, loop.counters
 
 
-def run_ct2(ct2_dir: str, pieces: list[list[str]], bs: int, max_lens: list[int]):
-    import ctranslate2
-
-    tr = ctranslate2.Translator(ct2_dir, device="cpu", inter_threads=1, intra_threads=torch.get_num_threads())
-    t0 = time.perf_counter()
-    out = tr.translate_batch(pieces, beam_size=1, max_batch_size=bs, max_decoding_length=max(max_lens) + 1)
-    return [o.hypotheses[0] for o in out], time.perf_counter() - t0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/gec-base")
@@ -83,7 +77,7 @@ def main(argv=None) -> int:
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
                          "substitution fallback, e.g. none,16,adaptive32+sub")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ct2", default=None, help="CTranslate2 model dir converted from the same weights")
+    ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--out", default="bench/results/iad.json")
     args = ap.parse_args(argv)
 
@@ -104,6 +98,7 @@ def main(argv=None) -> int:
     caps = [c.strip() for c in args.draft_caps.split(",")]
     # warm-up
     run_loop(model, reqs_all[:8], NoDraft(), 8)
+    ct2_dir = export_ct2(save_fairseq(args.model, Path(tempfile.mkdtemp()) / "fs"), Path(tempfile.mkdtemp())) if args.ct2 else None
 
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         reqs = reqs_all[: args.bs1_limit] if bs == 1 and args.bs1_limit else reqs_all
@@ -141,11 +136,9 @@ def main(argv=None) -> int:
                 results["runs"].append(run)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items()}), flush=True)
         if args.ct2 and "greedy" in args.methods:
-            from aggdec.checkpoint import Bundle  # noqa: F401  (documents that ct2 uses the same weights)
-
             sp = tr.bundle.src_tok.sp
-            pieces = [sp.encode(sources[r.index], out_type=str) for r in reqs]
-            outs, secs = run_ct2(args.ct2, pieces, bs, [r.max_len for r in reqs])
+            pieces = [sp.id_to_piece(r.src[:-1]) for r in reqs]
+            outs, secs = ctranslate2_greedy(ct2_dir, pieces, bs, args.threads, max(r.max_len for r in reqs) + 1)
             ct2_ids = [[sp.piece_to_id(p) for p in o] for o in outs]
             same = [ct2_ids[k] == greedy_ref.get(r.index) for k, r in enumerate(reqs)]
             toks = sum(len(o) + 1 for o in ct2_ids)
