@@ -52,6 +52,7 @@ class TrainConfig:
     spm_model: str | None = None  # reuse this sentencepiece model; default: train <out>/spm.model
     vocab_size: int = 8000
     init_from: str | None = None  # continue from a saved model directory (its config and spm win)
+    rewarmup: int = 100  # with init_from: ramp the (continued) schedule's lr up over this many updates
     # model
     d_model: int = 256
     heads: int = 4
@@ -307,6 +308,8 @@ def train_ar(cfg: TrainConfig) -> Path:
             step += 1
             updates += 1
             lr = lr_at(step, cfg)
+            if cfg.init_from and cfg.rewarmup > 0:  # fresh Adam moments: ease back in
+                lr *= min(1.0, updates / cfg.rewarmup)
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
