@@ -51,7 +51,7 @@ def ours(tr: Translator, reqs: list[Request], method: str, bs: int) -> tuple[dic
 def fairseq_generate(export: Path, pieces: list[str], beam: int, bs: int, work: Path, threads: int):
     """Binarize `pieces` with the exported dictionaries and run fairseq-generate; -> ({i: ids}, seconds)."""
     raw = work / "raw"
-    raw.mkdir(exist_ok=True)
+    raw.mkdir(parents=True, exist_ok=True)
     for lang in ("src", "tgt"):
         (raw / f"test.{lang}").write_text("\n".join(pieces) + "\n", encoding="utf-8")
     bin_dir = work / "bin"
