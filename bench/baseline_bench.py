@@ -11,7 +11,6 @@ Needs fairseq-fixed and ctranslate2 installed (each is skipped with a note when 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -29,14 +28,9 @@ from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.fairseq_io import save_fairseq
+from aggdec.train.ar import read_tsv
 
 MAX_LEN_A, MAX_LEN_B = 1.5, 10
-
-
-def read_column(path: Path, column: str, limit: int | None) -> list[str]:
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = [r[column] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
-    return rows[:limit] if limit else rows
 
 
 def ours(tr: Translator, reqs: list[Request], method: str, bs: int) -> tuple[dict[int, list[int]], float]:
@@ -110,7 +104,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     tr = Translator.load(a.model)
     sp = tr.bundle.src_tok.sp
-    sents = [s for s in read_column(Path(a.data), a.column, a.limit) if s.strip()]
+    sents = [s for s in read_tsv(a.data, a.column, a.column)[0][: a.limit] if s.strip()]
     reqs, pieces = [], []
     for i, s in enumerate(sents):
         ids, _, text = tr.prepare(s)

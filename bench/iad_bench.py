@@ -12,7 +12,6 @@ greedy, and per-sentence speedup by edit-ratio bucket at batch 1 (the paper's Fi
 from __future__ import annotations
 
 import argparse
-import csv
 import difflib
 import json
 import platform
@@ -32,12 +31,7 @@ from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.fairseq_io import save_fairseq
-
-
-def read_tsv(path: Path, column: str, limit: int | None) -> list[str]:
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = [r[column] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
-    return rows[:limit] if limit else rows
+from aggdec.train.ar import read_tsv
 
 
 def edit_spans(a: list[int], b: list[int]) -> tuple[int, int]:
@@ -84,7 +78,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     tr = Translator.load(args.model)
     model, cfg = tr.model, tr.cfg
-    sources = read_tsv(Path(args.data), args.column, args.limit)
+    sources = read_tsv(args.data, args.column, args.column)[0][: args.limit]
     reqs_all = []
     for i, s in enumerate(sources):
         ids, status, _ = tr.prepare(s)
