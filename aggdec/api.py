@@ -234,6 +234,7 @@ class Translator:
         return results
 
     @torch.no_grad()
+    @torch.no_grad()
     def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32) -> None:
         """Set `score` of every "ok"/"truncated" result whose score is None to the verifier's sum of
         log-probs of its tokens plus eos given its (cleaned, truncated) source.
