@@ -53,7 +53,7 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
               help="IAD: after a rejection with no unique re-alignment, keep copying (substitution guess).")
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), default=None,
               help="gad/gad++: NAR drafter directory; blockwise: proposal-heads directory.")
-@click.option("--block-size", type=click.IntRange(min=1), default=10, show_default=True, help="GAD block size k.")
+@click.option("--block-size", type=click.IntRange(min=1), default=10, show_default=True, help="GAD block size k; blockwise: use the first k-1 proposal heads.")
 @click.option("--top-beta", type=click.IntRange(min=1), default=3, show_default=True, help="GAD++: top-beta.")
 @click.option("--tau", type=click.FloatRange(min=0), default=1.0, show_default=True, help="GAD++: log-prob gap tau.")
 @click.option("--top-k-accept", type=click.IntRange(min=1), default=1, show_default=True,

@@ -46,7 +46,8 @@ class DecodeOptions:
     substitution: IAD fallback after a rejection with no unique re-alignment: keep copying the input
         after the rejected token (a substitution guess) instead of one AR step.
     drafter: GAD/GAD++: NAR drafter model directory; blockwise: proposal-heads directory.
-    block_size: GAD block size k (masks per call); blockwise k is fixed by its heads.
+    block_size: GAD block size k (masks per call); blockwise: k-1 proposals from the first k-1
+        heads (at most all the heads have).
     top_beta, tau: GAD++ acceptance (top-beta and log-prob gap). min_block: blockwise approximate
         acceptance that always keeps the first `min_block` proposals (Stern et al. 5.3; lossy).
     nbest: results also carry the `nbest` best beam hypotheses (TranslationResult.nbest); > 1 needs
@@ -190,7 +191,7 @@ class Translator:
         elif opts.method == "iad":
             drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution)
         elif opts.method == "blockwise":
-            drafter = BlockwiseHeads(self.model, self._drafter_model(opts.drafter))
+            drafter = BlockwiseHeads(self.model, self._drafter_model(opts.drafter), opts.block_size)
             if opts.top_k_accept > 1:
                 acceptance = TopKTolerance(opts.top_k_accept, float("inf"))
         else:
@@ -233,7 +234,6 @@ class Translator:
                 r.nbest = [(self.bundle.tgt_tok.decode(toks), score) for toks, score in hyp.nbest]
         return results
 
-    @torch.no_grad()
     @torch.no_grad()
     def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32) -> None:
         """Set `score` of every "ok"/"truncated" result whose score is None to the verifier's sum of

@@ -72,11 +72,12 @@ def main(argv=None) -> int:
                          "substitution fallback, e.g. none,16,adaptive32+sub")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
     ap.add_argument("--out", default="bench/results/iad.json")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    tr = Translator.load(args.model)
+    tr = Translator.load(args.model, device=args.device)
     model, cfg = tr.model, tr.cfg
     sources = read_tsv(args.data, args.column, args.column)[0][: args.limit]
     reqs_all = []
@@ -85,7 +86,9 @@ def main(argv=None) -> int:
         if ids is not None:
             reqs_all.append(Request(i, ids, max_len_for(len(ids), 1.5, 10, cfg.max_target_positions)))
     results: dict = {"model": args.model, "sha": tr.bundle.sha, "data": args.data, "sentences": len(reqs_all),
-                     "threads": args.threads, "machine": platform.processor() or platform.machine(),
+                     "threads": args.threads, "device": args.device,
+                     "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                                 else platform.processor() or platform.machine()),
                      "torch": torch.__version__, "runs": []}
     greedy_ref: dict[int, list[int]] = {}
     per_sentence_ms: dict[str, dict[int, float]] = {}

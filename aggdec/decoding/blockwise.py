@@ -37,9 +37,12 @@ class ProposalHeads(nn.Module):
     def num_heads(self) -> int:
         return self.fc1.shape[0]
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1) + self.b1)  # (N, k-1, hidden)
-        return h[:, None] + torch.einsum("nkh,khd->nkd", z, self.fc2) + self.b2
+    def forward(self, h: torch.Tensor, num: int | None = None) -> torch.Tensor:
+        """h (N,D) -> (N, num, D) from the first `num` heads (default all). Heads are independent,
+        so the first k-1 heads of a model trained with block size K >= k serve block size k."""
+        n = self.num_heads if num is None else num
+        z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1[:n]) + self.b1[:n])  # (N, n, hidden)
+        return h[:, None] + torch.einsum("nkh,khd->nkd", z, self.fc2[:n]) + self.b2[:n]
 
 
 class BlockwiseHeads:
@@ -51,14 +54,18 @@ class BlockwiseHeads:
 
     name = "blockwise"
 
-    def __init__(self, verifier: Transformer, heads: ProposalHeads):
+    def __init__(self, verifier: Transformer, heads: ProposalHeads, block_size: int | None = None):
+        """block_size k: propose k-1 tokens with the first k-1 heads (default and at most: all heads)."""
+        if block_size is not None and block_size < 2:
+            raise ValueError(f"blockwise block size must be >= 2, got {block_size}")
         self.verifier = verifier
         self.heads = heads
+        self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
         self.pending: torch.Tensor | None = None  # (B, k-1) proposals for the next call
         self.ready: torch.Tensor | None = None  # (B,) bool: row has proposals
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        b, k1 = state.batch_size, self.heads.num_heads
+        b, k1 = state.batch_size, self.k1
         if self.pending is None or self.pending.shape[0] != b or slots.numel() == b:
             self.pending = torch.full((b, k1), state.pad, dtype=torch.long, device=state.out.device)
             self.ready = torch.zeros(b, dtype=torch.bool, device=state.out.device)
@@ -69,14 +76,14 @@ class BlockwiseHeads:
         self.ready = self.ready.index_select(0, rows)
 
     def propose(self, state: DecodeState) -> DraftBatch:
-        num = torch.where(self.ready, self.heads.num_heads, 0)
+        num = torch.where(self.ready, self.k1, 0)
         if not bool(self.ready.any()):
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
         return DraftBatch(tokens=self.pending.clone(), num_draft=num)
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        logits = self.verifier.output_logits(self.heads(hidden))  # (B, k-1, V)
+        logits = self.verifier.output_logits(self.heads(hidden, self.k1))  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.pending = logits.argmax(dim=-1)
         self.ready = torch.ones_like(self.ready)

@@ -71,7 +71,8 @@ class TrainConfig:
     warmup_init_lr: float = 1e-7
     label_smoothing: float = 0.1
     clip_norm: float = 1.0
-    bf16: bool = False  # bfloat16 autocast for the forward pass (CPU with avx512_bf16/AMX)
+    bf16: bool = False  # bfloat16 autocast for the forward pass (CPU with avx512_bf16/AMX, or CUDA)
+    device: str = "cpu"  # "cpu" or "cuda" (checkpoints are saved the same either way)
     # budget and bookkeeping
     max_minutes: float = 60.0
     max_updates: int = 0  # 0 = unlimited
@@ -130,11 +131,16 @@ def make_batches(src, tgt, max_tokens: int, rng: random.Random | None) -> list[l
     return batches
 
 
-def collate(src, tgt, idx: list[int]):
-    """-> src (B,S) [tokens, eos], prev (B,T) [eos, tokens], target (B,T) [tokens, eos]; right-padded."""
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def collate(src, tgt, idx: list[int], multiple: int = 1):
+    """-> src (B,S) [tokens, eos], prev (B,T) [eos, tokens], target (B,T) [tokens, eos]; right-padded,
+    widths rounded up to `multiple` (fewer distinct shapes for GPU kernels and allocator)."""
     b = len(idx)
-    s_w = max(len(src[i]) for i in idx) + 1
-    t_w = max(len(tgt[i]) for i in idx) + 1
+    s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
+    t_w = round_up(max(len(tgt[i]) for i in idx) + 1, multiple)
     s = np.full((b, s_w), PAD, dtype=np.int64)
     prev = np.full((b, t_w), PAD, dtype=np.int64)
     target = np.full((b, t_w), PAD, dtype=np.int64)
@@ -147,6 +153,14 @@ def collate(src, tgt, idx: list[int]):
         target[r, : len(t)] = t
         target[r, len(t)] = EOS
     return torch.from_numpy(s), torch.from_numpy(prev), torch.from_numpy(target)
+
+
+def to_device(tensors: tuple[torch.Tensor, ...], device: str | torch.device) -> tuple[torch.Tensor, ...]:
+    """Move a collated batch to `device` (a no-op on CPU). Pageable copies: pinning a fresh buffer
+    for every new batch shape costs more than the copy saves."""
+    if torch.device(device).type == "cpu":
+        return tensors
+    return tuple(t.to(device) for t in tensors)
 
 
 # -- model, loss, schedule -----------------------------------------------------------------------
@@ -187,8 +201,8 @@ def evaluate(model: Transformer, src, tgt, batches, cfg: TrainConfig) -> tuple[f
     tot_loss = tot_nll = 0.0
     ntok = 0
     for idx in batches:
-        s, prev, target = collate(src, tgt, idx)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        s, prev, target = to_device(collate(src, tgt, idx), cfg.device)
+        with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(s, prev)
         loss, nll, n = ls_loss(logits, target, cfg.label_smoothing)
         tot_loss += float(loss)
@@ -248,6 +262,7 @@ def train_ar(cfg: TrainConfig) -> Path:
         )
         model = Transformer(mcfg)
         init_weights(model)
+    model = model.to(cfg.device)
     tok = SentencePieceTokenizer(spm_path)
     max_pos = min(mcfg.max_source_positions, mcfg.max_target_positions)
     n_params = sum(p.numel() for p in model.parameters())
@@ -304,7 +319,7 @@ def train_ar(cfg: TrainConfig) -> Path:
     while not stop:
         epoch += 1
         for idx in make_batches(tr_src_ids, tr_tgt_ids, cfg.max_tokens, rng):
-            s, prev, target = collate(tr_src_ids, tr_tgt_ids, idx)
+            s, prev, target = to_device(collate(tr_src_ids, tr_tgt_ids, idx), cfg.device)
             step += 1
             updates += 1
             lr = lr_at(step, cfg)
@@ -312,7 +327,7 @@ def train_ar(cfg: TrainConfig) -> Path:
                 lr *= min(1.0, updates / cfg.rewarmup)
             for g in opt.param_groups:
                 g["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 logits = model(s, prev)
             loss, nll, ntok = ls_loss(logits, target, cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)

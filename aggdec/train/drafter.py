@@ -30,7 +30,7 @@ from aggdec.checkpoint import save_heads
 from aggdec.decoding.blockwise import ProposalHeads
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
-from aggdec.train.ar import EOS, PAD, collate, encode_pairs, init_weights, log, ls_loss, make_batches, read_tsv
+from aggdec.train.ar import EOS, PAD, collate, encode_pairs, init_weights, log, ls_loss, make_batches, read_tsv, round_up, to_device
 
 def drafter_config(verifier: ModelConfig, dec_layers: int) -> ModelConfig:
     """The drafter: the verifier's shape, a shallow decoder, one extra target symbol (the mask)."""
@@ -52,12 +52,13 @@ def init_from_verifier(drafter: Transformer, verifier: Transformer) -> None:
             drafter.decoder.layer_norm.load_state_dict(verifier.decoder.layer_norm.state_dict())
 
 
-def block_batch(src, tgt, idx, k: int, mask_id: int, rng: random.Random):
-    """-> src (B,S), seq (B,T) = [eos, prefix, k masks], key_limit (B,T), target (B,T) (pad except masks)."""
+def block_batch(src, tgt, idx, k: int, mask_id: int, rng: random.Random, multiple: int = 1):
+    """-> src (B,S), seq (B,T) = [eos, prefix, k masks], key_limit (B,T), target (B,T) (pad except masks).
+    Widths are rounded up to `multiple`; trailing pad queries are outside the loss."""
     b = len(idx)
     cuts = [rng.randint(0, len(tgt[i])) for i in idx]
-    s_w = max(len(src[i]) for i in idx) + 1
-    t_w = max(cuts) + 1 + k
+    s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
+    t_w = round_up(max(cuts) + 1 + k, multiple)
     s = torch.full((b, s_w), PAD, dtype=torch.long)
     seq = torch.full((b, t_w), PAD, dtype=torch.long)
     target = torch.full((b, t_w), PAD, dtype=torch.long)
@@ -84,12 +85,24 @@ def train_drafter(a: argparse.Namespace) -> Path:
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     ver = checkpoint.load(a.verifier)
-    mcfg = drafter_config(ver.model.cfg, a.dec_layers)
+    prior = {"updates": 0, "minutes": 0.0}
+    if a.init_from:
+        bundle = checkpoint.load(a.init_from)
+        if bundle.meta.get("role") != "nar-drafter" or bundle.meta.get("verifier_sha") != ver.sha:
+            raise SystemExit(f"--init-from {a.init_from}: not a NAR drafter of verifier {a.verifier} (sha {ver.sha})")
+        model, mcfg = bundle.model.float(), bundle.model.cfg
+        prior = {k: bundle.meta.get(k, 0) for k in prior}
+    else:
+        mcfg = drafter_config(ver.model.cfg, a.dec_layers)
+        model = Transformer(mcfg)
+        init_weights(model)
+        if a.init_from_verifier:
+            init_from_verifier(model, ver.model)
     mask_id = mcfg.tgt_vocab - 1
-    model = Transformer(mcfg)
-    init_weights(model)
-    if a.init_from_verifier:
-        init_from_verifier(model, ver.model)
+    model = model.to(a.device)
+    if torch.device(a.device).type == "cuda":  # cuDNN attention plans a graph per new shape: slow here
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16, enabled=a.bf16)
     src_txt, tgt_txt = read_tsv(a.data, a.src_col, a.tgt_col)
     src, tgt = encode_pairs(ver.src_tok, src_txt, tgt_txt, mcfg.max_target_positions - a.block_size - 2)
     log(f"drafter {json.dumps(mcfg.to_dict())}; {len(src)} pairs; mask id {mask_id}")
@@ -97,39 +110,47 @@ def train_drafter(a: argparse.Namespace) -> Path:
     out = Path(a.out)
     deadline = time.time() + 60 * a.max_minutes
     step, t0, win = 0, time.time(), [0.0, 0]
+    t_win = t0
     model.train()
     while time.time() < deadline:
         for idx in make_batches(src, tgt, a.max_tokens, rng):
             step += 1
             for g in opt.param_groups:
                 g["lr"] = _schedule(step, a.lr, a.warmup)
-            s, seq, limit, target = block_batch(src, tgt, idx, a.block_size, mask_id, rng)
+            s, seq, limit, target = to_device(block_batch(src, tgt, idx, a.block_size, mask_id, rng, a.pad_multiple), a.device)
             glance = a.glance * max(0.0, 1 - (time.time() - t0) / (60 * a.max_minutes))
             if glance > 0:
-                with torch.no_grad():
+                with torch.no_grad(), amp:
                     pred = model(s, seq, key_limit=limit).argmax(-1)
                 is_mask = target.ne(PAD)
                 wrong = (pred.ne(target) & is_mask).sum(1).float()
                 n_reveal = (wrong * glance).long()
-                score = torch.rand(seq.shape).masked_fill(~is_mask, 2.0)
+                score = torch.rand(seq.shape, device=seq.device).masked_fill(~is_mask, 2.0)
                 rank = score.argsort(1).argsort(1)
                 reveal = (rank < n_reveal[:, None]) & is_mask
                 seq = torch.where(reveal, target, seq)
                 target = target.masked_fill(reveal, PAD)
-            loss, nll, n = ls_loss(model(s, seq, key_limit=limit), target, a.label_smoothing)
+            with amp:
+                logits = model(s, seq, key_limit=limit)
+            loss, nll, n = ls_loss(logits, target, a.label_smoothing)
             opt.zero_grad(set_to_none=True)
             (loss / max(n, 1)).backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            win[0] += float(nll)
+            win[0] += float(nll.detach())
             win[1] += n
             if step % a.log_interval == 0:
-                log(f"drafter | update {step} | nll {win[0] / max(win[1], 1):.4f} | glance {glance:.2f} | {(time.time() - t0) / 60:.1f} min")
+                log(f"drafter | update {step} | nll {win[0] / max(win[1], 1):.4f} | glance {glance:.2f} "
+                    f"| tgt tok/s {win[1] / (time.time() - t_win):.0f} | {(time.time() - t0) / 60:.1f} min")
+                t_win = time.time()
                 win = [0.0, 0]
             if time.time() >= deadline:
                 break
     meta = {"role": "nar-drafter", "mask_id": mask_id, "block_size": a.block_size, "verifier_sha": ver.sha,
-            "updates": step, "minutes": round((time.time() - t0) / 60, 2), "recipe": " ".join(sys.argv)}
+            "updates": prior["updates"] + step, "minutes": round(prior["minutes"] + (time.time() - t0) / 60, 2),
+            "recipe": " ".join(sys.argv)}
+    if a.init_from:
+        meta["init_from"] = {"path": str(a.init_from), **prior}
     checkpoint.save(out, model, tokenizer={"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"},
                     files={"spm.model": Path(a.verifier) / "spm.model"}, meta=meta)
     log(f"saved drafter to {out} after {step} updates")
@@ -142,43 +163,51 @@ def train_heads(a: argparse.Namespace) -> Path:
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     ver = checkpoint.load(a.verifier)
-    verifier = ver.model.eval()
+    verifier = ver.model.eval().to(a.device)
     for p in verifier.parameters():
         p.requires_grad_(False)
-    heads = ProposalHeads(verifier.cfg.d_model, a.block_size - 1, a.hidden)
+    heads = ProposalHeads(verifier.cfg.d_model, a.block_size - 1, a.hidden).to(a.device)
+    if torch.device(a.device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16, enabled=a.bf16)
     src_txt, tgt_txt = read_tsv(a.data, a.src_col, a.tgt_col)
     src, tgt = encode_pairs(ver.src_tok, src_txt, tgt_txt, verifier.cfg.max_target_positions - 1)
     opt = torch.optim.Adam(heads.parameters(), lr=a.lr, betas=(0.9, 0.98))
     deadline = time.time() + 60 * a.max_minutes
     step, t0, win = 0, time.time(), [0.0, 0]
+    t_win = t0
     while time.time() < deadline:
         for idx in make_batches(src, tgt, a.max_tokens, rng):
             step += 1
             for g in opt.param_groups:
                 g["lr"] = _schedule(step, a.lr, a.warmup)
-            s, prev, target = collate(src, tgt, idx)
-            with torch.no_grad():
+            s, prev, target = to_device(collate(src, tgt, idx, a.pad_multiple), a.device)
+            with torch.no_grad(), amp:
                 h = verifier(s, prev, return_hidden=True)  # (B,T,D)
             b, t, d = h.shape
-            states = heads(h.reshape(-1, d)).view(b, t, heads.num_heads, d)
+            with amp:
+                states = heads(h.reshape(-1, d)).view(b, t, heads.num_heads, d)
             loss_sum, n_sum = 0.0, 0
             for i in range(1, heads.num_heads + 1):
-                logits = verifier.output_logits(states[:, : t - i, i - 1])
+                with amp:
+                    logits = verifier.output_logits(states[:, : t - i, i - 1])
                 loss, nll, n = ls_loss(logits, target[:, i:], a.label_smoothing)
                 loss_sum = loss_sum + loss
                 n_sum += n
-                win[0] += float(nll)
+                win[0] += float(nll.detach())
                 win[1] += n
             opt.zero_grad(set_to_none=True)
             (loss_sum / max(n_sum, 1)).backward()
             opt.step()
             if step % a.log_interval == 0:
-                log(f"heads | update {step} | nll {win[0] / max(win[1], 1):.4f} | {(time.time() - t0) / 60:.1f} min")
+                log(f"heads | update {step} | nll {win[0] / max(win[1], 1):.4f} "
+                    f"| tgt tok/s {win[1] / (time.time() - t_win):.0f} | {(time.time() - t0) / 60:.1f} min")
+                t_win = time.time()
                 win = [0.0, 0]
             if time.time() >= deadline:
                 break
     out = Path(a.out)
-    save_heads(out, heads, {"verifier_sha": ver.sha, "block_size": a.block_size, "updates": step,
+    save_heads(out, heads.cpu(), {"verifier_sha": ver.sha, "block_size": a.block_size, "updates": step,
                             "minutes": round((time.time() - t0) / 60, 2), "recipe": " ".join(sys.argv)})
     log(f"saved heads to {out} after {step} updates")
     return out
@@ -194,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--block-size", type=int, default=10)
     ap.add_argument("--dec-layers", type=int, default=2)
+    ap.add_argument("--init-from", default=None, help="drafter: continue training this drafter directory")
     ap.add_argument("--init-from-verifier", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--glance", type=float, default=0.5, help="initial glancing ratio (annealed to 0)")
     ap.add_argument("--hidden", type=int, default=512, help="heads: FFN width")
@@ -204,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for forward passes")
+    ap.add_argument("--pad-multiple", type=int, default=8, help="round batch widths up to this (GPU shape reuse)")
     ap.add_argument("--log-interval", type=int, default=50)
     a = ap.parse_args(argv)
     if a.block_size < (2 if a.what == "heads" else 1):

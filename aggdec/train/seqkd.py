@@ -19,9 +19,9 @@ from aggdec.train.ar import log, read_tsv
 
 
 def generate(model_dir: str | Path, sources: list[str], out_tsv: str | Path, *, method: str = "greedy",
-             batch_size: int = 64, chunk: int = 2048) -> int:
+             batch_size: int = 64, chunk: int = 2048, device: str = "cpu") -> int:
     """Decode `sources` and write (src, kd) rows for every row whose status is ok; returns rows written."""
-    tr = Translator.load(model_dir)
+    tr = Translator.load(model_dir, device=device)
     opts = DecodeOptions(method=method, max_batch_size=batch_size)
     written = 0
     t0 = time.time()
@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="greedy", choices=["greedy", "beam"])
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     src, _ = read_tsv(a.data, a.column, a.column)
     if a.limit:
         src = src[: a.limit]
-    n = generate(a.model, src, a.out, method=a.method, batch_size=a.batch_size)
+    n = generate(a.model, src, a.out, method=a.method, batch_size=a.batch_size, device=a.device)
     log(f"wrote {n} pairs to {a.out}")
     return 0
 
