@@ -23,6 +23,17 @@ def trained(tiny_model_dir, tmp_path_factory):
     return tmp
 
 
+def test_drafter_training_continues_from_a_drafter(tiny_model_dir, trained, tmp_path):
+    common = ["--verifier", str(tiny_model_dir), "--data", str(trained / "kd.tsv"), "--max-minutes", "0.02",
+              "--threads", "1", "--max-tokens", "512", "--log-interval", "1000"]
+    drafter_train.main(["drafter", *common, "--init-from", str(trained / "drafter"), "--out", str(tmp_path / "more")])
+    first = Translator.load(tiny_model_dir)._drafter_model(str(trained / "drafter")).meta
+    more = Translator.load(tiny_model_dir)._drafter_model(str(tmp_path / "more")).meta
+    assert more["updates"] > first["updates"] and more["init_from"]["updates"] == first["updates"]
+    with pytest.raises(SystemExit, match="not a NAR drafter"):
+        drafter_train.main(["drafter", *common, "--init-from", str(tiny_model_dir), "--out", str(tmp_path / "bad")])
+
+
 def test_gad_family_is_lossless_through_the_api(tiny_model_dir, trained):
     tr = Translator.load(tiny_model_dir)
     src = synthetic_sentences(40, seed=9) + ["", "   "]

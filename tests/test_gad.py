@@ -100,3 +100,22 @@ def test_blockwise_equals_greedy(k):
         heads.fc2.normal_(std=0.3)
     for bs in (1, 4):
         assert _tokens(DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs), reqs) == greedy
+
+
+def test_blockwise_block_size_uses_the_first_heads():
+    verifier = tiny_model("prenorm-learned-separate")
+    reqs = _requests(random.Random(7), 10, verifier.cfg.src_vocab, verifier.cfg.eos)
+    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=3), reqs)
+    torch.manual_seed(1)
+    heads = ProposalHeads(verifier.cfg.d_model, 5, 32).double()
+    with torch.no_grad():
+        heads.fc2.normal_(std=0.3)
+    h = torch.randn(4, verifier.cfg.d_model, dtype=torch.float64)
+    assert torch.allclose(heads(h, 2), heads(h)[:, :2], atol=1e-12)
+    loop = DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads, block_size=3), max_batch_size=4)
+    hyps = list(loop.run(reqs))
+    assert {x.index: x.tokens for x in hyps} == greedy
+    assert max(n for x in hyps for n in x.stats.accepted_per_iter) <= 2
+    assert all(x.stats.drafted == 2 * (x.stats.iterations - 1) for x in hyps)
+    with pytest.raises(ValueError, match="block size"):
+        BlockwiseHeads(verifier, heads, block_size=1)

@@ -173,7 +173,8 @@ class DraftVerifyLoop:
             # 5. Observe.
             n_fed = valid.sum(dim=1)
             self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
-            self._record(state, num_draft, accepted, time.perf_counter() - t0)
+            # Drafts accepted past an accepted eos are dropped: count only the committed ones.
+            self._record(state, num_draft, torch.minimum(accepted, n_new), time.perf_counter() - t0)
             self.counters.calls += 1
             self.counters.padded += block.numel()
             # 6. Retire finished rows, refill their slots.

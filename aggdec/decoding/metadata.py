@@ -42,7 +42,8 @@ class RowStats:
     """Per-sentence decoding statistics.
 
     iterations: verifier calls that included this row. drafted: draft tokens proposed.
-    accepted: draft tokens accepted (the verifier's own token at each call is not counted).
+    accepted: draft tokens accepted and kept (the verifier's own token at each call is not counted,
+        nor are drafts after an accepted eos), so iterations + accepted is len(tokens) + 1 or + 2.
     accepted_per_iter: accepted draft tokens at each call. decode_ms: this row's share of the
     verifier/drafter time, split between the rows of each call in proportion to tokens fed.
     """

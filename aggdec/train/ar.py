@@ -263,6 +263,8 @@ def train_ar(cfg: TrainConfig) -> Path:
         model = Transformer(mcfg)
         init_weights(model)
     model = model.to(cfg.device)
+    if torch.device(cfg.device).type == "cuda":  # cuDNN attention plans a graph per new shape: slow here
+        torch.backends.cuda.enable_cudnn_sdp(False)
     tok = SentencePieceTokenizer(spm_path)
     max_pos = min(mcfg.max_source_positions, mcfg.max_target_positions)
     n_params = sum(p.numel() for p in model.parameters())
