@@ -115,7 +115,9 @@ def test_blockwise_block_size_uses_the_first_heads():
     loop = DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads, block_size=3), max_batch_size=4)
     hyps = list(loop.run(reqs))
     assert {x.index: x.tokens for x in hyps} == greedy
-    assert max(n for x in hyps for n in x.stats.accepted_per_iter) <= 2
-    assert all(x.stats.drafted == 2 * (x.stats.iterations - 1) for x in hyps)
+    assert max(n for x in hyps for n in x.stats.accepted_per_iter) == 2
+    # k-1 = 2 proposals per call after the first (fewer only where max_len leaves less room)
+    assert all(x.stats.drafted <= 2 * (x.stats.iterations - 1) for x in hyps)
+    assert any(2 in x.stats.accepted_per_iter for x in hyps)
     with pytest.raises(ValueError, match="block size"):
         BlockwiseHeads(verifier, heads, block_size=1)
