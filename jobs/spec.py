@@ -8,7 +8,7 @@ A spec is a TOML file (see examples/correct.toml) plus command-line overrides:
     [output]  dir = "../out/gec-sample"
     [decode]  method = "iad"  draft_cap = 32
     [batching] rows_per_task = 512  max_batch_size = 64  max_tokens = 4096
-    [resources] actors = 1  gpus_per_actor = 0  cpus_per_actor = 0.5
+    [resources] actors = 0  gpus_per_actor = 0  cpus_per_actor = 0.25
     [distill] nbest = 1  keep_scores = false  max_len_ratio = 3.0  tsv = true   # kind distill only
 
 Paths written in the TOML file are relative to the file's directory; paths given on the command
@@ -105,14 +105,15 @@ class BatchingSpec:
 
 @dataclass
 class ResourcesSpec:
-    actors: int = 1
-    """Decode actors. 0: one per GPU when gpus_per_actor > 0, else 1."""
+    actors: int = 0
+    """Decode actors. 0: one per GPU when gpus_per_actor > 0, else one single-threaded actor per
+    CPU core (at most 8)."""
     gpus_per_actor: float = 0.0
     """GPUs per actor (1 for one actor per GPU; the model then runs on cuda). 0: CPU decoding."""
     cpus_per_actor: float | None = None
     """CPU reservation per actor. None: 1 with GPUs; on CPU a share that leaves >= 1 CPU for reads."""
     torch_threads: int | None = None
-    """torch.set_num_threads in each actor. None: (cluster CPUs - 1) / actors, at least 1."""
+    """torch.set_num_threads in each actor. None: cluster CPUs / actors (CPU), at least 1."""
     max_restarts: int = 3
     """Times a dead actor is restarted (Ray actor max_restarts)."""
     max_task_retries: int = 3

@@ -268,6 +268,10 @@ def test_actor_plans_leave_a_cpu_for_reads():
     assert two.actors == 2 and 2 * two.num_cpus <= 1.0 and two.torch_threads == 1
     with pytest.raises(ValueError, match="resources.cpus_per_actor: .*deadlock"):
         plan_actors({"CPU": 2.0}, actors=2, cpus_per_actor=1.0)
+    auto = plan_actors({"CPU": 2.0}, actors=0)  # the default: one single-threaded actor per core
+    assert (auto.actors, auto.torch_threads) == (2, 1) and 2 * auto.num_cpus <= 1.0
+    big = plan_actors({"CPU": 64.0}, actors=0)
+    assert (big.actors, big.torch_threads, big.num_cpus) == (8, 8, 1.0)
     gpu = plan_actors({"CPU": 32.0, "GPU": 4.0}, actors=0, gpus_per_actor=1)
     assert (gpu.actors, gpu.num_gpus, gpu.device, gpu.num_cpus) == (4, 1, "cuda", 1.0)
     with pytest.raises(ValueError, match="resources.gpus_per_actor: .*0 GPUs"):
