@@ -18,9 +18,14 @@ def main() -> None:
     """aggdec: lossless aggressive decoding for seq2seq models, in-process or as Ray corpus jobs."""
 
 
-def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, bpe: str | None, bpe_model: str | None):
+def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, bpe: str | None, bpe_model: str | None,
+                     device: str = "cpu"):
+    import torch
+
     from aggdec.api import Translator
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"no CUDA device is visible to torch {torch.__version__}", param_hint="--device")
     path = Path(model)
     try:
         if path.suffix == ".pt":
@@ -28,9 +33,11 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 
             if data_dir is None:
                 raise click.UsageError("a fairseq checkpoint needs --data-dir (the directory with dict.src.txt/dict.tgt.txt)")
-            return Translator(load_fairseq(path, Path(data_dir), trust=trust_checkpoint, bpe=bpe,
-                                           bpe_model=Path(bpe_model) if bpe_model else None))
-        return Translator.load(path)
+            translator = Translator(load_fairseq(path, Path(data_dir), trust=trust_checkpoint, bpe=bpe,
+                                                 bpe_model=Path(bpe_model) if bpe_model else None))
+            translator.model.to(device)
+            return translator
+        return Translator.load(path, device=device)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         raise click.ClickException(str(e)) from e
 
@@ -64,12 +71,15 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
 @click.option("--trust-checkpoint", is_flag=True, help="Allow loading a pickled fairseq .pt file (it can run code).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the model runs (fp32 either way).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write per-sentence statistics as JSON lines here.")
 @click.option("--input", "-i", "input_path", type=click.File("r", encoding="utf-8", errors="surrogateescape"), default="-",
               help="Input text, one sentence per line (default: stdin).")
 def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_len_b, draft_cap, adaptive_draft,
-           substitution, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint, stats_path, input_path) -> None:
+           substitution, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint,
+           device, stats_path, input_path) -> None:
     """Decode text in-process (no Ray): one sentence per line in, one output line out.
 
     \b
@@ -91,7 +101,7 @@ def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_l
         raise click.BadParameter(str(e)) from e
     if adaptive_draft and method == "iad" and draft_cap is None:
         raise click.BadParameter("--adaptive-draft needs --draft-cap", param_hint="--adaptive-draft")
-    translator = _load_translator(model, trust_checkpoint, data_dir, bpe, bpe_model)
+    translator = _load_translator(model, trust_checkpoint, data_dir, bpe, bpe_model, device)
     lines = [line.rstrip("\n") for line in input_path]
     t0 = time.perf_counter()
     results = translator.translate_batch(lines, opts)

@@ -59,3 +59,20 @@ def test_model_dir_errors_name_the_file(tmp_path, tiny_model_dir):
     (bad / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="model.safetensors"):
         Translator.load(bad)
+
+
+def test_cli_decode_runs_in_process_and_names_a_bad_device(tiny_model_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    import torch
+
+    from cli import main
+
+    src = "\n".join(synthetic_sentences(5, seed=3)) + "\n"
+    ref = [r.text for r in Translator.load(tiny_model_dir).translate_batch(src.splitlines(), method="greedy")]
+    res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--method", "iad", "--device", "cpu"], input=src)
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[:5] == ref
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--device", "cuda"], input=src)
+    assert res.exit_code == 2 and "--device" in res.output and "no CUDA device" in res.output
