@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -31,6 +32,11 @@ from aggdec.fairseq_io import save_fairseq
 from aggdec.train.ar import read_tsv
 
 MAX_LEN_A, MAX_LEN_B = 1.5, 10
+
+
+def machine(device: str) -> str:
+    """What a benchmark ran on: the GPU's name for cuda, else the CPU's."""
+    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or platform.machine()
 
 
 def ours(tr: Translator, reqs: list[Request], method: str, bs: int) -> tuple[dict[int, list[int]], float]:

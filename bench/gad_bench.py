@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
+from baseline_bench import machine
 
 from aggdec.api import DecodeOptions, Translator
 from aggdec.train.ar import read_tsv
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"model": args.model, "sha": tr.bundle.sha, "drafter": drafter, "heads": heads,
                      "data": args.data, "device": args.device, "threads": args.threads,
-                     "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                                 else platform.processor() or platform.machine()),
+                     "machine": machine(args.device),
                      "torch": torch.__version__, "runs": []}
     signature = {}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from baseline_bench import ctranslate2_greedy, export_ct2
+from baseline_bench import ctranslate2_greedy, export_ct2, machine
 
 from aggdec.api import Translator
 from aggdec.decoding.beam import beam_search
@@ -87,8 +86,7 @@ def main(argv=None) -> int:
             reqs_all.append(Request(i, ids, max_len_for(len(ids), 1.5, 10, cfg.max_target_positions)))
     results: dict = {"model": args.model, "sha": tr.bundle.sha, "data": args.data, "sentences": len(reqs_all),
                      "threads": args.threads, "device": args.device,
-                     "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                                 else platform.processor() or platform.machine()),
+                     "machine": machine(args.device),
                      "torch": torch.__version__, "runs": []}
     greedy_ref: dict[int, list[int]] = {}
     per_sentence_ms: dict[str, dict[int, float]] = {}

@@ -108,13 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             opts = spec_for(str(work / "x"), 1).decode_options()
             tr.translate_batch(texts[:32], opts)  # warm-up
 
-            def in_process() -> float:
-                nonlocal res
+            def in_process() -> tuple[float, list]:
                 t0 = time.perf_counter()
-                res = tr.translate_batch(texts, opts)
-                return time.perf_counter() - t0
+                out = tr.translate_batch(texts, opts)
+                return time.perf_counter() - t0, out
 
-            res = None
             # one decode actor started by hand: process start + imports + model load + a 1-row call
             import numpy as np
             import ray
@@ -142,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             decode_times: list[float] = []
             jobs: dict[int, tuple] = {}
             for rep in range(args.repeat):
-                decode_times.append(in_process())
+                seconds, res = in_process()
+                decode_times.append(seconds)
                 print(f"[{rep + 1}/{args.repeat}] in-process: {decode_times[-1]:.2f}s ({len(texts) / decode_times[-1]:.1f} sent/s)")
                 for n in actor_counts:
                     out = work / f"out-{n}-{rep}"

@@ -30,7 +30,7 @@ from aggdec.checkpoint import save_heads
 from aggdec.decoding.blockwise import ProposalHeads
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
-from aggdec.train.ar import EOS, PAD, collate, encode_pairs, init_weights, log, ls_loss, make_batches, read_tsv, round_up, to_device
+from aggdec.train.ar import EOS, PAD, collate, encode_pairs, init_weights, log, ls_loss, make_batches, read_tsv, round_up, to_device, training_autocast
 
 def drafter_config(verifier: ModelConfig, dec_layers: int) -> ModelConfig:
     """The drafter: the verifier's shape, a shallow decoder, one extra target symbol (the mask)."""
@@ -100,9 +100,7 @@ def train_drafter(a: argparse.Namespace) -> Path:
             init_from_verifier(model, ver.model)
     mask_id = mcfg.tgt_vocab - 1
     model = model.to(a.device)
-    if torch.device(a.device).type == "cuda":  # cuDNN attention plans a graph per new shape: slow here
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16, enabled=a.bf16)
+    amp = training_autocast(a.device, a.bf16)
     src_txt, tgt_txt = read_tsv(a.data, a.src_col, a.tgt_col)
     src, tgt = encode_pairs(ver.src_tok, src_txt, tgt_txt, mcfg.max_target_positions - a.block_size - 2)
     log(f"drafter {json.dumps(mcfg.to_dict())}; {len(src)} pairs; mask id {mask_id}")
@@ -167,9 +165,7 @@ def train_heads(a: argparse.Namespace) -> Path:
     for p in verifier.parameters():
         p.requires_grad_(False)
     heads = ProposalHeads(verifier.cfg.d_model, a.block_size - 1, a.hidden).to(a.device)
-    if torch.device(a.device).type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16, enabled=a.bf16)
+    amp = training_autocast(a.device, a.bf16)
     src_txt, tgt_txt = read_tsv(a.data, a.src_col, a.tgt_col)
     src, tgt = encode_pairs(ver.src_tok, src_txt, tgt_txt, verifier.cfg.max_target_positions - 1)
     opt = torch.optim.Adam(heads.parameters(), lr=a.lr, betas=(0.9, 0.98))
@@ -185,17 +181,16 @@ def train_heads(a: argparse.Namespace) -> Path:
             with torch.no_grad(), amp:
                 h = verifier(s, prev, return_hidden=True)  # (B,T,D)
             b, t, d = h.shape
+            loss_sum, n_sum = 0.0, 0
             with amp:
                 states = heads(h.reshape(-1, d)).view(b, t, heads.num_heads, d)
-            loss_sum, n_sum = 0.0, 0
-            for i in range(1, heads.num_heads + 1):
-                with amp:
+                for i in range(1, heads.num_heads + 1):
                     logits = verifier.output_logits(states[:, : t - i, i - 1])
-                loss, nll, n = ls_loss(logits, target[:, i:], a.label_smoothing)
-                loss_sum = loss_sum + loss
-                n_sum += n
-                win[0] += float(nll.detach())
-                win[1] += n
+                    loss, nll, n = ls_loss(logits, target[:, i:], a.label_smoothing)
+                    loss_sum = loss_sum + loss
+                    n_sum += n
+                    win[0] += float(nll.detach())
+                    win[1] += n
             opt.zero_grad(set_to_none=True)
             (loss_sum / max(n_sum, 1)).backward()
             opt.step()
