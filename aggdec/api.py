@@ -27,11 +27,13 @@ from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop, pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.nat import NATDrafter
+from aggdec.model.projection import OutputProjection, native_bf16
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
 
 METHODS = ("greedy", "beam", "iad", "gad", "gad++", "blockwise")
 NEEDS_DRAFTER = ("gad", "gad++", "blockwise")
+VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class DecodeOptions:
         acceptance that always keeps the first `min_block` proposals (Stern et al. 5.3; lossy).
     nbest: results also carry the `nbest` best beam hypotheses (TranslationResult.nbest); > 1 needs
         method beam with beam >= nbest.
+    verify_precision: how the verifier's top-1 is computed; outputs are the same either way.
+        "fp32": fp32 logits. "bf16-certified": a bf16 output projection whose top-1 is proven equal
+        to fp32's, recomputing in fp32 where it cannot be (see aggdec.model.projection).
+        "auto": bf16-certified for an fp32 verifier on a GPU or a CPU with native bf16, else fp32.
     """
 
     method: str = "greedy"
@@ -71,8 +77,11 @@ class DecodeOptions:
     top_k_accept: int = 1
     min_block: int = 0
     nbest: int = 1
+    verify_precision: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.verify_precision not in VERIFY_PRECISIONS:
+            raise ValueError(f"verify_precision must be one of {', '.join(VERIFY_PRECISIONS)}; got {self.verify_precision!r}")
         if self.method in NEEDS_DRAFTER and not self.drafter:
             raise ValueError(f"method {self.method} needs a drafter (a NAR drafter or proposal-heads directory)")
         if self.block_size < 1:
@@ -142,6 +151,18 @@ class Translator:
         self.model = bundle.model
         self.cfg = bundle.model.cfg
         self._drafters: dict[str, object] = {}
+        self._projections: dict[bool, OutputProjection] = {}
+
+    def projection(self, verify_precision: str = "auto") -> OutputProjection:
+        """The verifier's output projection for `verify_precision` (see DecodeOptions), built once."""
+        weight = self.model.output_weight
+        if verify_precision == "auto":
+            certify = weight.dtype == torch.float32 and native_bf16(weight.device)
+        else:
+            certify = verify_precision == "bf16-certified"
+        if certify not in self._projections:
+            self._projections[certify] = OutputProjection(weight, certify)
+        return self._projections[certify]
 
     def _drafter_model(self, path: str):
         """Load (once) a NAR drafter or proposal heads for this verifier."""
@@ -202,7 +223,7 @@ class Translator:
         if opts.min_block:
             acceptance = MinBlock(acceptance, opts.min_block)
         loop = DraftVerifyLoop(self.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                               max_tokens=opts.max_tokens)
+                               max_tokens=opts.max_tokens, projection=self.projection(opts.verify_precision))
         return list(loop.run(reqs))
 
     # -- public ----------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ Reports per batch size: sentences/s, output tokens/s, speedups (IAD/greedy, IAD/
 throughput, verifier calls per sentence against the oracle bound (1 + edited spans between input and
 greedy output), verifier tokens computed per output token (fed and padded), identical share against
 greedy, and per-sentence speedup by edit-ratio bucket at batch 1 (the paper's Figure 5).
+
+`--precisions fp32,bf16-certified` runs greedy and IAD with each verifier top-1 (methods named
+`@bf16c` use the certified bf16 projection); speedups compare methods of the same precision, and
+`x_greedy_fp32` compares with fp32 greedy.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aggdec.decoding.drafters import InputCopy, NoDraft
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
+from aggdec.model.projection import OutputProjection
 from aggdec.fairseq_io import save_fairseq
 from aggdec.train.ar import read_tsv
 
@@ -50,8 +55,8 @@ def iad_drafter(variant: str) -> InputCopy:
     return InputCopy(max_draft=int(cap), substitution=sub)
 
 
-def run_loop(model, reqs, drafter, bs):
-    loop = DraftVerifyLoop(model, drafter, max_batch_size=bs)
+def run_loop(model, reqs, drafter, bs, projection=None):
+    loop = DraftVerifyLoop(model, drafter, max_batch_size=bs, projection=projection)
     t0 = time.perf_counter()
     hyps = {h.index: h for h in loop.run(reqs)}
     return hyps, time.perf_counter() - t0, loop.counters
@@ -69,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-caps", default="none",
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
                          "substitution fallback, e.g. none,16,adaptive32+sub")
+    ap.add_argument("--precisions", default="fp32", help="verifier top-1 for greedy and IAD: fp32, bf16-certified or both")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
@@ -91,16 +97,17 @@ def main(argv=None) -> int:
     greedy_ref: dict[int, list[int]] = {}
     per_sentence_ms: dict[str, dict[int, float]] = {}
     caps = [c.strip() for c in args.draft_caps.split(",")]
+    projections = {p: OutputProjection(model.output_weight, certify=p == "bf16-certified") for p in args.precisions.split(",")}
     # warm-up
     run_loop(model, reqs_all[:8], NoDraft(), 8)
     ct2_dir = export_ct2(save_fairseq(args.model, Path(tempfile.mkdtemp()) / "fs"), Path(tempfile.mkdtemp())) if args.ct2 else None
 
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         reqs = reqs_all[: args.bs1_limit] if bs == 1 and args.bs1_limit else reqs_all
-        for method in args.methods.split(","):
-            variants = caps if method == "iad" else [None]
-            for cap in variants:
+        for method, cap, prec in [(m, c, p) for m in args.methods.split(",") for p in (projections if m != "beam" else ["fp32"])
+                                  for c in (caps if m == "iad" else [None])]:
                 name = method if method != "iad" or cap == "none" else f"iad-{cap}"
+                name += "" if prec == "fp32" else "@bf16c"
                 if method == "beam":
                     t0 = time.perf_counter()
                     hyp_list = beam_search(model, reqs, beam=5, max_batch_size=bs)
@@ -109,9 +116,9 @@ def main(argv=None) -> int:
                     counters = None
                 else:
                     drafter = NoDraft() if method == "greedy" else iad_drafter(cap)
-                    hyps, secs, counters = run_loop(model, reqs, drafter, bs)
+                    hyps, secs, counters = run_loop(model, reqs, drafter, bs, projections[prec])
                 toks = sum(len(h.tokens) + 1 for h in hyps.values())
-                if method == "greedy":
+                if method == "greedy" and prec == "fp32":
                     for i, h in hyps.items():
                         greedy_ref.setdefault(i, h.tokens)
                 same = [hyps[r.index].tokens == greedy_ref[r.index] for r in reqs if r.index in greedy_ref]
@@ -123,6 +130,9 @@ def main(argv=None) -> int:
                     run.update(calls=counters.calls, mean_iterations=statistics.mean(iters),
                                fed_per_output_token=counters.fed / toks, padded_per_output_token=counters.padded / toks,
                                mean_accepted_per_iter=sum(h.stats.accepted for h in hyps.values()) / sum(iters))
+                    if projections[prec].certify:
+                        run.update(certified=projections[prec].certified, recomputed=projections[prec].recomputed)
+                        projections[prec].certified = projections[prec].recomputed = 0
                     if method == "iad" and greedy_ref:
                         bound = [1 + edit_spans(r.src[:-1], greedy_ref[r.index])[0] for r in reqs]
                         run["oracle_mean_iterations"] = statistics.mean(bound)
@@ -155,32 +165,37 @@ def summarize(results: dict, per_sentence_ms: dict, reqs: list[Request], greedy_
     by = {(r["method"], r["batch_size"]): r for r in runs}
     methods = sorted({r["method"] for r in runs})
     table = []
+    def ratio(r, other):
+        return round(r["sentences_per_s"] / other["sentences_per_s"], 2) if other and other["sentences"] == r["sentences"] else None
+
     for (m, bs), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        g, b = by.get(("greedy", bs)), by.get(("beam", bs))
+        g, b = by.get(("greedy" + m[m.find("@"):] if "@" in m else "greedy", bs)), by.get(("beam", bs))
         row = {"method": m, "bs": bs, "sent/s": round(r["sentences_per_s"], 2), "tok/s": round(r["tokens_per_s"], 1),
-               "x_greedy": round(r["sentences_per_s"] / g["sentences_per_s"], 2) if g and g["sentences"] == r["sentences"] else None,
-               "x_beam": round(r["sentences_per_s"] / b["sentences_per_s"], 2) if b and b["sentences"] == r["sentences"] else None,
+               "x_greedy": ratio(r, g), "x_greedy_fp32": ratio(r, by.get(("greedy", bs))),
+               "x_beam": ratio(r, b),
                "identical": r.get("identical_to_greedy")}
         table.append(row)
     best = {m: max((r for r in runs if r["method"] == m), key=lambda r: r["sentences_per_s"]) for m in methods}
     results["table"] = table
     results["best_vs_best"] = {m: {"batch_size": r["batch_size"], "sentences_per_s": r["sentences_per_s"]} for m, r in best.items()}
-    if "greedy" in best:
+    greedy_best = max((r for m, r in best.items() if m.startswith("greedy")), key=lambda r: r["sentences_per_s"], default=None)
+    if greedy_best:  # against the fastest greedy of any precision
         for m in best:
-            results["best_vs_best"][m]["x_greedy"] = best[m]["sentences_per_s"] / best["greedy"]["sentences_per_s"]
+            results["best_vs_best"][m]["x_greedy"] = best[m]["sentences_per_s"] / greedy_best["sentences_per_s"]
     if "greedy" in per_sentence_ms:
         buckets: dict[str, list[float]] = {}
         src = {r.index: r.src[:-1] for r in reqs}
         for name, ms in per_sentence_ms.items():
+            greedy_ms = per_sentence_ms.get("greedy" + name[name.find("@"):] if "@" in name else "greedy", {})
             if not name.startswith("iad"):
                 continue
             for i, t in ms.items():
-                if i not in per_sentence_ms["greedy"] or t <= 0:
+                if i not in greedy_ms or t <= 0:
                     continue
                 _, edited = edit_spans(src[i], greedy_ref[i])
-                ratio = edited / max(1, len(src[i]))
-                key = "0" if ratio == 0 else "(0,.1]" if ratio <= 0.1 else "(.1,.2]" if ratio <= 0.2 else "(.2,.4]" if ratio <= 0.4 else ">.4"
-                buckets.setdefault(f"{name}|{key}", []).append(per_sentence_ms["greedy"][i] / t)
+                share = edited / max(1, len(src[i]))
+                key = "0" if share == 0 else "(0,.1]" if share <= 0.1 else "(.1,.2]" if share <= 0.2 else "(.2,.4]" if share <= 0.4 else ">.4"
+                buckets.setdefault(f"{name}|{key}", []).append(greedy_ms[i] / t)
         results["speedup_by_edit_ratio_bs1"] = {k: {"n": len(v), "median_speedup": statistics.median(v)} for k, v in sorted(buckets.items())}
     print("\n" + " | ".join(table[0].keys()) if table else "")
     for row in table:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aggdec.api import METHODS, NEEDS_DRAFTER, DecodeOptions
+from aggdec.api import METHODS, NEEDS_DRAFTER, VERIFY_PRECISIONS, DecodeOptions
 
 KINDS = ("correct", "translate", "distill")
 DEFAULT_METHOD = {"correct": "iad", "translate": "greedy", "distill": "greedy"}
@@ -89,6 +89,9 @@ class DecodeSpec:
     """Approximate acceptance: a drafted token within the verifier's top-k is accepted (1: exact, lossless)."""
     min_block: int = 0
     """Blockwise: always keep the first min_block proposals (approximate, lossy; 0: off)."""
+    verify_precision: str = "auto"
+    """fp32 | bf16-certified | auto: how the verifier's top-1 is computed; outputs are the same either way
+    (see aggdec.model.projection). auto: bf16-certified on a GPU or a CPU with native bf16."""
 
 
 @dataclass
@@ -318,6 +321,9 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
         raise SpecError(f"decode.method: must be one of {', '.join(METHODS)}; got {spec.decode.method!r}")
     if spec.method == "beam" and importlib.util.find_spec("aggdec.decoding.beam") is None:
         raise SpecError("decode.method: 'beam' needs aggdec/decoding/beam.py, which this install lacks")
+    if spec.decode.verify_precision not in VERIFY_PRECISIONS:
+        raise SpecError(f"decode.verify_precision: must be one of {', '.join(VERIFY_PRECISIONS)}; "
+                        f"got {spec.decode.verify_precision!r}")
     if spec.decode.adaptive_draft and spec.method == "iad" and spec.decode.draft_cap is None:
         raise SpecError("decode.adaptive_draft: with method iad needs decode.draft_cap")
     for name, low in (("beam", 1), ("max_len_b", 0), ("block_size", 1), ("top_beta", 1), ("top_k_accept", 1),

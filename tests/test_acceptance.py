@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggdec.decoding.acceptance import ExactMatch, TopKTolerance, constrain_logits
+from aggdec.decoding.acceptance import ExactMatch, TopKTolerance, VerifierScores, constrain_logits
 
 
 def _case(seed, bsz, k, vocab):
@@ -25,7 +25,7 @@ def _case(seed, bsz, k, vocab):
 @given(seed=st.integers(0, 10**6), bsz=st.integers(1, 6), k=st.integers(0, 7), vocab=st.integers(2, 9))
 def test_exact_match_reference(seed, bsz, k, vocab):
     draft, num, logits, valid = _case(seed, bsz, k, vocab)
-    m, bonus = ExactMatch().accept(draft, num, logits[valid], valid)
+    m, bonus = ExactMatch().accept(draft, num, VerifierScores.of(logits[valid]), valid)
     for b in range(bsz):
         ref = 0
         while ref < num[b] and int(logits[b, ref].argmax()) == int(draft[b, ref]):
@@ -39,7 +39,7 @@ def test_exact_match_reference(seed, bsz, k, vocab):
        tau=st.floats(0, 5))
 def test_topk_tolerance(seed, bsz, k, vocab, tau):
     draft, num, logits, valid = _case(seed, bsz, k, vocab)
-    packed = logits[valid]
+    packed = VerifierScores.of(logits[valid])
     exact = ExactMatch().accept(draft, num, packed, valid)
     one = TopKTolerance(beta=1, tau=tau).accept(draft, num, packed, valid)
     assert torch.equal(exact[0], one[0]) and torch.equal(exact[1], one[1])  # GAD++ with beta=1 is GAD

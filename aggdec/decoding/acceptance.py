@@ -9,14 +9,19 @@ Glossary (per row, one verifier call on [last token ; d_1 .. d_n]):
 The row commits d_1 .. d_m, p_m: m + 1 tokens.
 
 `ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
+Criteria read the verifier through `VerifierScores`: top-1 only (cheap, possibly certified bf16)
+or full logits (computed in fp32 on first use).
 """
 
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Protocol
 
 import torch
+
+from aggdec.model.projection import Constrain, OutputProjection
 
 
 def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor,
@@ -39,14 +44,44 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
     return logits
 
 
+class VerifierScores:
+    """The verifier's scores at the N verified positions (the valid positions, row-major).
+
+    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly.
+    logits (N, V) fp32: the constrained logits, computed on first use.
+    """
+
+    def __init__(self, projection: OutputProjection, hidden: torch.Tensor, constrain: Constrain):
+        self.projection, self.hidden, self.constrain = projection, hidden, constrain
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "VerifierScores":
+        """Scores over given constrained logits (N, V)."""
+        scores = cls.__new__(cls)
+        scores.logits = logits
+        return scores
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        z = self.projection.logits(self.hidden)
+        self.constrain(z, None)
+        return z
+
+    @cached_property
+    def top1(self) -> torch.Tensor:
+        if "logits" in self.__dict__:
+            return self.logits.argmax(dim=-1)
+        return self.projection.top1(self.hidden, self.constrain)
+
+
 class Acceptance(Protocol):
-    def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, logits: torch.Tensor,
+    def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, scores: VerifierScores,
                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide per row.
 
         draft (B,K) int64; num_draft (B,); valid (B,K+1) bool, True at positions t <= num_draft[b];
-        logits (N,V) constrained verifier logits of the valid positions in row-major order
-        (N = valid.sum()). Returns (accepted (B,) int64, bonus (B,) int64).
+        scores: the verifier at the valid positions in row-major order (N = valid.sum()).
+        Returns (accepted (B,) int64, bonus (B,) int64).
         """
 
 
@@ -69,8 +104,8 @@ class ExactMatch:
 
     name = "exact"
 
-    def accept(self, draft, num_draft, logits, valid):
-        pred = _unpack(logits.argmax(dim=-1), valid, -1)  # (B, K+1)
+    def accept(self, draft, num_draft, scores, valid):
+        pred = _unpack(scores.top1, valid, -1)  # (B, K+1)
         m = _prefix_len(pred[:, :-1] == draft, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -90,8 +125,8 @@ class TopKTolerance:
             raise ValueError(f"tau must be >= 0, got {tau}")
         self.beta, self.tau = beta, tau
 
-    def accept(self, draft, num_draft, logits, valid):
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    def accept(self, draft, num_draft, scores, valid):
+        logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
         top = logp.topk(self.beta, dim=-1)  # (N, beta)
         # the token each valid position would be checked against: the next draft token (or none)
         nxt = torch.cat([draft, draft.new_full((draft.shape[0], 1), -1)], dim=1)[valid]  # (N,)
@@ -114,11 +149,11 @@ class MinBlock:
             raise ValueError(f"min_block must be >= 1, got {min_block}")
         self.inner, self.min_block = inner, min_block
 
-    def accept(self, draft, num_draft, logits, valid):
-        m, bonus = self.inner.accept(draft, num_draft, logits, valid)
+    def accept(self, draft, num_draft, scores, valid):
+        m, bonus = self.inner.accept(draft, num_draft, scores, valid)
         forced = torch.minimum(num_draft, torch.full_like(num_draft, self.min_block))
         if bool((forced > m).any()):
-            pred = _unpack(logits.argmax(dim=-1), valid, -1)
+            pred = _unpack(scores.top1, valid, -1)
             m = torch.maximum(m, forced)
             bonus = pred.gather(1, m[:, None]).squeeze(1)
         return m, bonus

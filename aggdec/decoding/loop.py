@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch, constrain_logits
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
+from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 
 
@@ -52,10 +53,13 @@ class DraftVerifyLoop:
     `max_batch_size` bounds the active rows; `max_tokens`, if set, bounds the sum of active source
     lengths (a row is always admitted into an empty batch). With `refill=False` the loop waits for
     the whole batch to finish before admitting more (static batching, for comparison).
+    `projection` computes the verifier's top-1 and logits (default: plain fp32); one built with
+    `certify=True` gives the certified bf16 top-1, which leaves every output unchanged.
     """
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,
-                 *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1):
+                 *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
+                 projection: OutputProjection | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -65,6 +69,7 @@ class DraftVerifyLoop:
         self.max_tokens = max_tokens
         self.refill = refill
         self.min_len = min_len
+        self.projection = projection or OutputProjection(model.output_weight, certify=False)
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()
 
@@ -153,12 +158,16 @@ class DraftVerifyLoop:
             hidden = self.model.decode_hidden(block, state.cache, valid=None if bool(valid.all()) else valid)
             if hidden.dim() == 3:
                 hidden = hidden[valid]
-            logits = self.model.output_logits(hidden)  # (N, V)
             out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
-            constrain_logits(logits, out_index, state.max_len[:, None].expand_as(valid)[valid],
-                             cfg.pad, cfg.eos, self.min_len)
+            max_len = state.max_len[:, None].expand_as(valid)[valid]
+
+            def constrain(z: torch.Tensor, at: torch.Tensor | None, out_index=out_index, max_len=max_len) -> None:
+                idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+                constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len)
+
+            scores = VerifierScores(self.projection, hidden, constrain)
             # 3. Accept.
-            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, logits, valid)
+            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, scores, valid)
             # 4. Commit d_1..d_m + bonus; truncate at eos.
             new = torch.cat([draft.tokens, bonus[:, None]], dim=1)
             new = torch.where(offs < accepted[:, None], new, bonus[:, None])  # (B, K+1); valid for t <= m

@@ -215,10 +215,15 @@ class Transformer(nn.Module):
 
     # -- decoder ---------------------------------------------------------------------------------
 
-    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, D): logits = hidden @ output_weight.T (no bias)."""
         if self.decoder.output_projection is None:
-            return F.linear(x, self.decoder.embed_tokens.weight)
-        return self.decoder.output_projection(x)
+            return self.decoder.embed_tokens.weight
+        return self.decoder.output_projection.weight
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.output_weight)
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Score a block of T new tokens per row on top of each row's cached prefix.

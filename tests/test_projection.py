@@ -1,0 +1,101 @@
+"""Certified bf16 top-1: equal to the fp32 argmax everywhere, including near-ties and constraints."""
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aggdec.api import Translator
+from aggdec.decoding.acceptance import constrain_logits
+from aggdec.model.projection import OutputProjection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _no_rules(z, at):
+    pass
+
+
+def _weights(seed: int, vocab: int = 3000, dim: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, dim, generator=g) * (0.5 + torch.rand(vocab, 1, generator=g))
+
+
+def _confident_and_tied(w: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Hidden states (n, D): half point at one vocabulary row (clear winners), half are moved so that
+    two chosen logits tie up to ~1e-6 relative (the bf16 argmax is then a coin flip)."""
+    g = torch.Generator().manual_seed(seed)
+    v = w.shape[0]
+    a, b = torch.randint(0, v, (n,), generator=g), torch.randint(0, v, (n,), generator=g)
+    h = torch.randn(n, w.shape[1], generator=g) * 0.2 + w[a] * 2
+    # Move the second half along (w_b - w_a) until z_a == z_b, then nudge by a tiny amount.
+    half = torch.arange(n) >= n // 2
+    d = w[b] - w[a]
+    gap = ((h * (w[a] - w[b])).sum(1) / (d * d).sum(1).clamp(min=1e-12))
+    nudge = torch.randn(n, generator=g) * 1e-6
+    h = torch.where(half[:, None] & (a != b)[:, None], h + (gap + nudge)[:, None] * d, h)
+    return h
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_certified_top1_equals_fp32_argmax(seed):
+    w = _weights(seed)
+    proj = OutputProjection(w, certify=True)
+    h = _confident_and_tied(w, 400, seed)
+    got = proj.top1(h, _no_rules)
+    want = F.linear(h, w).argmax(dim=-1)
+    assert torch.equal(got, want)
+    # Not vacuous: clear winners are certified in bf16, the engineered ties are recomputed in fp32.
+    assert proj.certified >= 150 and proj.recomputed >= 150
+    # The plain bf16 argmax would have been wrong somewhere.
+    assert not torch.equal(F.linear(h.bfloat16(), w.bfloat16()).argmax(-1), want)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 30.0])
+def test_bf16_error_stays_within_the_bound(scale):
+    """The proof assumes bf16 matmuls accumulate in fp32; this checks the bound on this machine."""
+    w = _weights(7) * scale
+    proj = OutputProjection(w, certify=True)
+    h = torch.randn(256, w.shape[1], generator=torch.Generator().manual_seed(8)) * 3
+    zf = F.linear(h, w)
+    zb = F.linear(h.bfloat16(), proj.weight_bf16).float()
+    bound = proj.abs_coef * h.norm(dim=1, keepdim=True) + proj.rel_coef * zb.abs()
+    assert bool(((zb - zf).abs() <= bound).all())
+    assert float(((zb - zf).abs() / bound).max()) > 1e-3  # the bound is not absurdly loose
+
+
+def test_constraints_apply_before_certification():
+    w = _weights(3, vocab=50, dim=32)
+    proj = OutputProjection(w, certify=True)
+    h = w[torch.tensor([1, 7, 9, 7])] * 3  # token 1 (pad) would win row 0; eos = 2
+    out_index = torch.tensor([0, 5, 5, 0])
+    max_len = torch.tensor([10, 5, 10, 10])
+
+    def rules(z, at):
+        idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+        constrain_logits(z, idx, lim, pad=1, eos=2, min_len=1)
+
+    got = proj.top1(h, rules)
+    ref = F.linear(h, w)
+    rules(ref, None)
+    assert torch.equal(got, ref.argmax(-1))
+    assert int(got[0]) != 1 and int(got[1]) == 2  # pad never wins; eos forced at max_len
+
+
+def test_certify_needs_fp32():
+    with pytest.raises(ValueError, match="fp32 verifier"):
+        OutputProjection(torch.zeros(4, 3, dtype=torch.float64), certify=True)
+
+
+def test_shipped_gec_model_same_outputs_in_both_precisions():
+    """On the shipped gec-base and sample corpus: greedy and IAD, fp32 and certified bf16, agree."""
+    tr = Translator.load(ROOT / "models" / "gec-base")
+    table = pq.read_table(sorted((ROOT / "examples" / "data" / "gec-sample").glob("*.parquet"))[0])
+    src = table.column("src").to_pylist()[:80]
+    runs = {(m, p): [r.tokens for r in tr.translate_batch(src, method=m, max_batch_size=16, verify_precision=p)]
+            for m in ("greedy", "iad") for p in ("fp32", "bf16-certified")}
+    ref = runs[("greedy", "fp32")]
+    assert all(out == ref for out in runs.values())
+    assert tr.projection("bf16-certified").certified > 0
