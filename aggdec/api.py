@@ -58,6 +58,7 @@ class DecodeOptions:
         "fp32": fp32 logits. "bf16-certified": a bf16 output projection whose top-1 is proven equal
         to fp32's, recomputing in fp32 where it cannot be (see aggdec.model.projection).
         "auto": bf16-certified for an fp32 verifier on a GPU or a CPU with native bf16, else fp32.
+        With bf16-certified, drafters (NAR drafter, proposal heads) also run in bf16.
     """
 
     method: str = "greedy"
@@ -150,7 +151,7 @@ class Translator:
         self.bundle = bundle
         self.model = bundle.model
         self.cfg = bundle.model.cfg
-        self._drafters: dict[str, object] = {}
+        self._drafters: dict[tuple[str, torch.dtype], object] = {}
         self._projections: dict[bool, OutputProjection] = {}
 
     def projection(self, verify_precision: str = "auto") -> OutputProjection:
@@ -164,21 +165,22 @@ class Translator:
             self._projections[certify] = OutputProjection(weight, certify)
         return self._projections[certify]
 
-    def _drafter_model(self, path: str):
-        """Load (once) a NAR drafter or proposal heads for this verifier."""
-        if path not in self._drafters:
-            device = next(self.model.parameters()).device
-            dtype = next(self.model.parameters()).dtype
+    def _drafter_model(self, path: str, bf16: bool = False):
+        """Load (once per dtype) a NAR drafter or proposal heads for this verifier; `bf16` casts it to
+        bfloat16 (drafts never change a lossless method's output, only how many are accepted)."""
+        device = next(self.model.parameters()).device
+        dtype = torch.bfloat16 if bf16 else next(self.model.parameters()).dtype
+        if (path, dtype) not in self._drafters:
             if (Path(path) / "heads.safetensors").is_file():
-                self._drafters[path] = checkpoint.load_heads(path, self.bundle.sha).to(device=device, dtype=dtype)
+                drafter = checkpoint.load_heads(path, self.bundle.sha).to(device=device, dtype=dtype)
             else:
-                bundle = checkpoint.load(path, device=device, dtype=dtype)
-                if bundle.meta.get("role") != "nar-drafter":
-                    raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {bundle.meta.get('role')!r})")
-                if bundle.model.cfg.tgt_vocab != self.cfg.tgt_vocab + 1:
-                    raise ValueError(f"{path}: drafter vocabulary ({bundle.model.cfg.tgt_vocab - 1}) differs from the verifier's ({self.cfg.tgt_vocab})")
-                self._drafters[path] = bundle
-        return self._drafters[path]
+                drafter = checkpoint.load(path, device=device, dtype=dtype)
+                if drafter.meta.get("role") != "nar-drafter":
+                    raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {drafter.meta.get('role')!r})")
+                if drafter.model.cfg.tgt_vocab != self.cfg.tgt_vocab + 1:
+                    raise ValueError(f"{path}: drafter vocabulary ({drafter.model.cfg.tgt_vocab - 1}) differs from the verifier's ({self.cfg.tgt_vocab})")
+            self._drafters[(path, dtype)] = drafter
+        return self._drafters[(path, dtype)]
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
@@ -207,23 +209,26 @@ class Translator:
             return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
                                nbest=opts.nbest)
         acceptance = ExactMatch()
+        projection = self.projection(opts.verify_precision)
         if opts.method == "greedy":
             drafter = NoDraft()
         elif opts.method == "iad":
             drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution)
         elif opts.method == "blockwise":
-            drafter = BlockwiseHeads(self.model, self._drafter_model(opts.drafter), opts.block_size)
+            heads = self._drafter_model(opts.drafter, bf16=projection.certify)
+            drafter = BlockwiseHeads(self.model, heads, opts.block_size,
+                                     out_weight=projection.weight_bf16 if projection.certify else None)
             if opts.top_k_accept > 1:
                 acceptance = TopKTolerance(opts.top_k_accept, float("inf"))
         else:
-            nat = self._drafter_model(opts.drafter)
+            nat = self._drafter_model(opts.drafter, bf16=projection.certify)
             drafter = NATDrafter(nat.model, nat.meta["mask_id"], opts.block_size, adaptive=opts.adaptive_draft)
             if opts.method == "gad++":
                 acceptance = TopKTolerance(opts.top_beta, opts.tau)
         if opts.min_block:
             acceptance = MinBlock(acceptance, opts.min_block)
         loop = DraftVerifyLoop(self.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                               max_tokens=opts.max_tokens, projection=self.projection(opts.verify_precision))
+                               max_tokens=opts.max_tokens, projection=projection)
         return list(loop.run(reqs))
 
     # -- public ----------------------------------------------------------------------------------

@@ -54,12 +54,14 @@ class BlockwiseHeads:
 
     name = "blockwise"
 
-    def __init__(self, verifier: Transformer, heads: ProposalHeads, block_size: int | None = None):
-        """block_size k: propose k-1 tokens with the first k-1 heads (default and at most: all heads)."""
+    def __init__(self, verifier: Transformer, heads: ProposalHeads, block_size: int | None = None,
+                 out_weight: torch.Tensor | None = None):
+        """block_size k: propose k-1 tokens with the first k-1 heads (default and at most: all heads).
+        out_weight (V, D): projects proposals (default: the verifier's); heads run in its dtype."""
         if block_size is not None and block_size < 2:
             raise ValueError(f"blockwise block size must be >= 2, got {block_size}")
-        self.verifier = verifier
         self.heads = heads
+        self.out_weight = verifier.output_weight if out_weight is None else out_weight
         self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
         self.pending: torch.Tensor | None = None  # (B, k-1) proposals for the next call
         self.ready: torch.Tensor | None = None  # (B,) bool: row has proposals
@@ -83,7 +85,7 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        logits = self.verifier.output_logits(self.heads(hidden, self.k1))  # (B, k-1, V)
+        logits = F.linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.pending = logits.argmax(dim=-1)
         self.ready = torch.ones_like(self.ready)
