@@ -75,7 +75,7 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
               help="Where the model runs (fp32 either way).")
 @click.option("--verify-precision", type=click.Choice(["auto", "fp32", "bf16-certified"]), default="auto", show_default=True,
               help="Verifier top-1: fp32, or a bf16 output projection certified equal to fp32's (same outputs, "
-                   "faster on GPUs and CPUs with native bf16); auto picks bf16-certified there.")
+                   "faster on CPUs with native bf16); auto picks bf16-certified there, fp32 elsewhere.")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write per-sentence statistics as JSON lines here.")
 @click.option("--input", "-i", "input_path", type=click.File("r", encoding="utf-8", errors="surrogateescape"), default="-",

@@ -57,8 +57,10 @@ class DecodeOptions:
     verify_precision: how the verifier's top-1 is computed; outputs are the same either way.
         "fp32": fp32 logits. "bf16-certified": a bf16 output projection whose top-1 is proven equal
         to fp32's, recomputing in fp32 where it cannot be (see aggdec.model.projection).
-        "auto": bf16-certified for an fp32 verifier on a GPU or a CPU with native bf16, else fp32.
-        With bf16-certified, drafters (NAR drafter, proposal heads) also run in bf16.
+        "auto": bf16-certified for an fp32 verifier on a CPU with native bf16 (AVX512-BF16, AMX),
+        else fp32 (GPUs: not measured yet).
+        With bf16-certified, the drafters of lossless methods (NAR drafter, proposal heads) run in
+        bf16 too; no output of any method depends on this option.
     """
 
     method: str = "greedy"
@@ -104,6 +106,11 @@ class DecodeOptions:
         if self.nbest > 1 and (self.method != "beam" or self.beam < self.nbest):
             raise ValueError(f"nbest > 1 needs method beam with beam >= nbest; got method {self.method}, "
                              f"beam {self.beam}, nbest {self.nbest}")
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output is greedy's, token for token (exact top-1 acceptance)."""
+        return self.method in ("greedy", "iad", "gad", "blockwise") and self.top_k_accept == 1 and not self.min_block
 
     def signature(self, sha: str = "") -> str:
         parts = [f"aggdec|method:{self.method}"]
@@ -210,18 +217,21 @@ class Translator:
                                nbest=opts.nbest)
         acceptance = ExactMatch()
         projection = self.projection(opts.verify_precision)
+        # bf16 drafts cannot change a lossless method's output; lossy ones keep fp32 drafters so that
+        # their outputs do not depend on the precision.
+        bf16_drafts = projection.certify and opts.lossless
         if opts.method == "greedy":
             drafter = NoDraft()
         elif opts.method == "iad":
             drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution)
         elif opts.method == "blockwise":
-            heads = self._drafter_model(opts.drafter, bf16=projection.certify)
+            heads = self._drafter_model(opts.drafter, bf16=bf16_drafts)
             drafter = BlockwiseHeads(self.model, heads, opts.block_size,
-                                     out_weight=projection.weight_bf16 if projection.certify else None)
+                                     out_weight=projection.weight_bf16 if bf16_drafts else None)
             if opts.top_k_accept > 1:
                 acceptance = TopKTolerance(opts.top_k_accept, float("inf"))
         else:
-            nat = self._drafter_model(opts.drafter, bf16=projection.certify)
+            nat = self._drafter_model(opts.drafter, bf16=bf16_drafts)
             drafter = NATDrafter(nat.model, nat.meta["mask_id"], opts.block_size, adaptive=opts.adaptive_draft)
             if opts.method == "gad++":
                 acceptance = TopKTolerance(opts.top_beta, opts.tau)

@@ -7,6 +7,8 @@ For each batch size and method: sentences/s, speedup over greedy and beam-5 at t
 verifier calls per sentence, output tokens per call (the paper's "Tok."), accepted draft tokens
 per call, BLEU and chrF (sacrebleu, signature printed) and the share of outputs identical to greedy.
 Lossless methods (gad, blockwise without min-block) must show identical = 1.0.
+`--precisions fp32,bf16-certified` also runs each method with the certified bf16 verifier top-1 and
+bf16 drafters (named `@bf16c`); speedups compare methods of the same precision.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gadpp-block-size", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precisions", default="fp32", help="verify_precision values to run: fp32, bf16-certified or both")
     ap.add_argument("--out", default="bench/results/gad.json")
     args = ap.parse_args(argv)
 
@@ -73,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     src_all, ref_all = src_all[: args.limit], ref_all[: args.limit]
     tr.translate_batch(src_all[:16], DecodeOptions(max_batch_size=16))  # warm-up
     for n in names:
-        if table[n].drafter:
-            tr.translate_batch(src_all[:4], table[n])
+        for prec in args.precisions.split(","):
+            if table[n].drafter:  # loads the drafter in this precision outside the timed runs
+                tr.translate_batch(src_all[:4], dataclasses.replace(table[n], verify_precision=prec))
 
     results: dict = {"model": args.model, "sha": tr.bundle.sha, "drafter": drafter, "heads": heads,
                      "data": args.data, "device": args.device, "threads": args.threads,
@@ -85,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         n_sent = args.bs1_limit if bs == 1 and args.bs1_limit else len(src_all)
         src, ref = src_all[:n_sent], ref_all[:n_sent]
         greedy_tokens = None
-        for name in names:
-            opts = dataclasses.replace(table[name], max_batch_size=bs)
+        precisions = args.precisions.split(",")
+        for base, prec in [(n, p) for n in names for p in (precisions if n != "beam5" else ["fp32"])]:
+            name = base if prec == "fp32" else f"{base}@bf16c"
+            opts = dataclasses.replace(table[base], max_batch_size=bs, verify_precision=prec)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -127,7 +133,7 @@ def summarize(results: dict) -> None:
     by = {(r["method"], r["batch_size"]): r for r in results["runs"]}
     rows = []
     for (m, bs), r in by.items():
-        g, b = by.get(("greedy", bs)), by.get(("beam5", bs))
+        g, b = by.get(("greedy" + m[m.find("@"):] if "@" in m else "greedy", bs)), by.get(("beam5", bs))
         rows.append({"method": m, "bs": bs, "sent/s": round(r["sentences_per_s"], 2),
                      "x_greedy": round(r["sentences_per_s"] / g["sentences_per_s"], 2) if g else None,
                      "x_beam5": round(r["sentences_per_s"] / b["sentences_per_s"], 2) if b else None,

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
                          "substitution fallback, e.g. none,16,adaptive32+sub")
     ap.add_argument("--precisions", default="fp32", help="verifier top-1 for greedy and IAD: fp32, bf16-certified or both")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per method, interleaved; report the median time")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
@@ -104,10 +105,14 @@ def main(argv=None) -> int:
 
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         reqs = reqs_all[: args.bs1_limit] if bs == 1 and args.bs1_limit else reqs_all
-        for method, cap, prec in [(m, c, p) for m in args.methods.split(",") for p in (projections if m != "beam" else ["fp32"])
-                                  for c in (caps if m == "iad" else [None])]:
+        configs = [(m, c, p) for m in args.methods.split(",") for p in (projections if m != "beam" else ["fp32"])
+                   for c in (caps if m == "iad" else [None])]
+        times: dict[str, list[float]] = {}
+        for rep in range(args.repeat):  # repeats interleave the methods; the median time is reported
+            for method, cap, prec in configs:
                 name = method if method != "iad" or cap == "none" else f"iad-{cap}"
                 name += "" if prec == "fp32" else "@bf16c"
+                projections[prec].certified = projections[prec].recomputed = 0
                 if method == "beam":
                     t0 = time.perf_counter()
                     hyp_list = beam_search(model, reqs, beam=5, max_batch_size=bs)
@@ -117,12 +122,16 @@ def main(argv=None) -> int:
                 else:
                     drafter = NoDraft() if method == "greedy" else iad_drafter(cap)
                     hyps, secs, counters = run_loop(model, reqs, drafter, bs, projections[prec])
+                times.setdefault(name, []).append(secs)
+                if rep < args.repeat - 1:
+                    continue
+                secs = statistics.median(times[name])
                 toks = sum(len(h.tokens) + 1 for h in hyps.values())
                 if method == "greedy" and prec == "fp32":
                     for i, h in hyps.items():
                         greedy_ref.setdefault(i, h.tokens)
                 same = [hyps[r.index].tokens == greedy_ref[r.index] for r in reqs if r.index in greedy_ref]
-                run = {"method": name, "batch_size": bs, "sentences": len(reqs), "seconds": secs,
+                run = {"method": name, "batch_size": bs, "sentences": len(reqs), "seconds": secs, "seconds_all": times[name],
                        "sentences_per_s": len(reqs) / secs, "tokens_per_s": toks / secs,
                        "identical_to_greedy": (sum(same) / len(same)) if same else None}
                 if counters is not None:
@@ -132,7 +141,6 @@ def main(argv=None) -> int:
                                mean_accepted_per_iter=sum(h.stats.accepted for h in hyps.values()) / sum(iters))
                     if projections[prec].certify:
                         run.update(certified=projections[prec].certified, recomputed=projections[prec].recomputed)
-                        projections[prec].certified = projections[prec].recomputed = 0
                     if method == "iad" and greedy_ref:
                         bound = [1 + edit_spans(r.src[:-1], greedy_ref[r.index])[0] for r in reqs]
                         run["oracle_mean_iterations"] = statistics.mean(bound)

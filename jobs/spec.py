@@ -91,7 +91,7 @@ class DecodeSpec:
     """Blockwise: always keep the first min_block proposals (approximate, lossy; 0: off)."""
     verify_precision: str = "auto"
     """fp32 | bf16-certified | auto: how the verifier's top-1 is computed; outputs are the same either way
-    (see aggdec.model.projection). auto: bf16-certified on a GPU or a CPU with native bf16."""
+    (see aggdec.model.projection). auto: bf16-certified on a CPU with native bf16, else fp32."""
 
 
 @dataclass

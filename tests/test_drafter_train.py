@@ -1,5 +1,7 @@
 """Seq-KD -> drafter and proposal-heads training -> GAD / GAD++ / blockwise through the public API."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,10 +44,24 @@ def test_gad_family_is_lossless_through_the_api(tiny_model_dir, trained):
                  DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, adaptive_draft=True),
                  DecodeOptions(method="gad++", drafter=str(trained / "drafter"), top_beta=1, tau=3.0),
                  DecodeOptions(method="blockwise", drafter=str(trained / "heads"), max_batch_size=5)):
-        res = tr.translate_batch(src, opts)
-        assert [r.text for r in res] == greedy, opts
-        assert [r.status for r in res][-2:] == ["empty", "empty"]
-        assert all(r.stats.iterations >= 1 for r in res[:-2])
+        for precision in ("fp32", "bf16-certified"):  # the second also runs the drafters in bf16
+            res = tr.translate_batch(src, dataclasses.replace(opts, verify_precision=precision))
+            assert [r.text for r in res] == greedy, (opts, precision)
+            assert [r.status for r in res][-2:] == ["empty", "empty"]
+            assert all(r.stats.iterations >= 1 for r in res[:-2])
+
+
+def test_no_output_depends_on_verify_precision(tiny_model_dir, trained):
+    """Lossy methods keep fp32 drafters and fp32 logits under bf16-certified, so they match too."""
+    tr = Translator.load(tiny_model_dir)
+    src = synthetic_sentences(40, seed=11)
+    for opts in (DecodeOptions(method="gad++", drafter=str(trained / "drafter"), top_beta=3, tau=2.0),
+                 DecodeOptions(method="blockwise", drafter=str(trained / "heads"), top_k_accept=3),
+                 DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, min_block=2)):
+        assert not opts.lossless
+        runs = [[r.text for r in tr.translate_batch(src, dataclasses.replace(opts, verify_precision=p))]
+                for p in ("fp32", "bf16-certified")]
+        assert runs[0] == runs[1], opts
 
 
 def test_drafter_errors_name_the_directory(tiny_model_dir, trained):
