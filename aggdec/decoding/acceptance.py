@@ -47,19 +47,20 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
 class VerifierScores:
     """The verifier's scores at the N verified positions (the valid positions, row-major).
 
-    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly.
-    logits (N, V) fp32: the constrained logits, computed on first use.
+    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly (certified bf16 or fp32,
+    as `projection` decides). logits (N, V) fp32: the constrained logits, computed on first use.
     """
 
-    def __init__(self, projection: OutputProjection, hidden: torch.Tensor, constrain: Constrain):
+    def __init__(self, projection: OutputProjection | None, hidden: torch.Tensor | None,
+                 constrain: Constrain | None, logits: torch.Tensor | None = None):
         self.projection, self.hidden, self.constrain = projection, hidden, constrain
+        if logits is not None:
+            self.logits = logits  # fills the cached property
 
     @classmethod
     def of(cls, logits: torch.Tensor) -> "VerifierScores":
         """Scores over given constrained logits (N, V)."""
-        scores = cls.__new__(cls)
-        scores.logits = logits
-        return scores
+        return cls(None, None, None, logits)
 
     @cached_property
     def logits(self) -> torch.Tensor:
@@ -69,7 +70,7 @@ class VerifierScores:
 
     @cached_property
     def top1(self) -> torch.Tensor:
-        if "logits" in self.__dict__:
+        if "logits" in self.__dict__:  # already computed (GAD++): their argmax is free
             return self.logits.argmax(dim=-1)
         return self.projection.top1(self.hidden, self.constrain)
 

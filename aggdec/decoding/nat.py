@@ -20,6 +20,7 @@ import torch
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.state import DecodeState
 from aggdec.model.cache import DecoderCache
+from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
 
 
@@ -93,7 +94,7 @@ class NATDrafter:
         kmax = int(k.max())
         draft = torch.full((state.batch_size, kmax), state.pad, dtype=torch.long, device=lengths.device)
         slot = torch.arange(kmax, device=lengths.device)[None] < k[:, None]
-        draft[slot] = logits.argmax(dim=-1)
+        draft[slot] = draft_argmax(logits)
         return DraftBatch(tokens=draft, num_draft=k.clone())
 
     def observe(self, state, draft, accepted, hidden):
