@@ -39,6 +39,16 @@ def machine(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or platform.machine()
 
 
+def with_precision(method: str, precision: str) -> str:
+    """Run name of `method` decoded with verify_precision `precision` ("greedy", "greedy@bf16c")."""
+    return method if precision == "fp32" else f"{method}@bf16c"
+
+
+def greedy_like(name: str) -> str:
+    """The greedy run of the same precision as run `name`."""
+    return "greedy" + name[name.find("@"):] if "@" in name else "greedy"
+
+
 def ours(tr: Translator, reqs: list[Request], method: str, bs: int) -> tuple[dict[int, list[int]], float]:
     t0 = time.perf_counter()
     if method == "beam":

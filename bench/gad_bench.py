@@ -23,7 +23,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from baseline_bench import machine
+from baseline_bench import greedy_like, machine, with_precision
 
 from aggdec.api import DecodeOptions, Translator
 from aggdec.train.ar import read_tsv
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         greedy_tokens = None
         precisions = args.precisions.split(",")
         for base, prec in [(n, p) for n in names for p in (precisions if n != "beam5" else ["fp32"])]:
-            name = base if prec == "fp32" else f"{base}@bf16c"
+            name = with_precision(base, prec)
             opts = dataclasses.replace(table[base], max_batch_size=bs, verify_precision=prec)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -133,7 +133,7 @@ def summarize(results: dict) -> None:
     by = {(r["method"], r["batch_size"]): r for r in results["runs"]}
     rows = []
     for (m, bs), r in by.items():
-        g, b = by.get(("greedy" + m[m.find("@"):] if "@" in m else "greedy", bs)), by.get(("beam5", bs))
+        g, b = by.get((greedy_like(m), bs)), by.get(("beam5", bs))
         rows.append({"method": m, "bs": bs, "sent/s": round(r["sentences_per_s"], 2),
                      "x_greedy": round(r["sentences_per_s"] / g["sentences_per_s"], 2) if g else None,
                      "x_beam5": round(r["sentences_per_s"] / b["sentences_per_s"], 2) if b else None,

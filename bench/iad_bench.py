@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from baseline_bench import ctranslate2_greedy, export_ct2, machine
+from baseline_bench import ctranslate2_greedy, export_ct2, greedy_like, machine, with_precision
 
 from aggdec.api import Translator
 from aggdec.decoding.beam import beam_search
@@ -110,8 +110,7 @@ def main(argv=None) -> int:
         times: dict[str, list[float]] = {}
         for rep in range(args.repeat):  # repeats interleave the methods; the median time is reported
             for method, cap, prec in configs:
-                name = method if method != "iad" or cap == "none" else f"iad-{cap}"
-                name += "" if prec == "fp32" else "@bf16c"
+                name = with_precision(method if method != "iad" or cap == "none" else f"iad-{cap}", prec)
                 projections[prec].certified = projections[prec].recomputed = 0
                 if method == "beam":
                     t0 = time.perf_counter()
@@ -177,7 +176,7 @@ def summarize(results: dict, per_sentence_ms: dict, reqs: list[Request], greedy_
         return round(r["sentences_per_s"] / other["sentences_per_s"], 2) if other and other["sentences"] == r["sentences"] else None
 
     for (m, bs), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        g, b = by.get(("greedy" + m[m.find("@"):] if "@" in m else "greedy", bs)), by.get(("beam", bs))
+        g, b = by.get((greedy_like(m), bs)), by.get(("beam", bs))
         row = {"method": m, "bs": bs, "sent/s": round(r["sentences_per_s"], 2), "tok/s": round(r["tokens_per_s"], 1),
                "x_greedy": ratio(r, g), "x_greedy_fp32": ratio(r, by.get(("greedy", bs))),
                "x_beam": ratio(r, b),
@@ -194,7 +193,7 @@ def summarize(results: dict, per_sentence_ms: dict, reqs: list[Request], greedy_
         buckets: dict[str, list[float]] = {}
         src = {r.index: r.src[:-1] for r in reqs}
         for name, ms in per_sentence_ms.items():
-            greedy_ms = per_sentence_ms.get("greedy" + name[name.find("@"):] if "@" in name else "greedy", {})
+            greedy_ms = per_sentence_ms.get(greedy_like(name), {})
             if not name.startswith("iad"):
                 continue
             for i, t in ms.items():

@@ -3,7 +3,7 @@
 Verification mostly needs one thing from the (N, V) logits: their argmax. On CPUs with native
 bfloat16 (AVX512-BF16, AMX) a bf16 matmul is 2-5x faster than fp32 here, but its
 argmax differs from fp32's at 0.03-0.5% of positions, so it cannot be used as is. Instead,
-`certified_top1` bounds the bf16 error of every logit and keeps the bf16 argmax only where the
+`OutputProjection.top1` (certify=True) bounds the bf16 error of every logit and keeps the bf16 argmax only where the
 bound proves that the fp32 argmax is the same token; the other positions are recomputed in fp32.
 The result equals the argmax of the fp32 logits at every position.
 
@@ -50,7 +50,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 class OutputProjection:
-    """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for `certified_top1`.
+    """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
 
     `certify=False` makes `top1` the plain fp32 argmax. Counters: `certified` and `recomputed`
     positions since construction.
@@ -80,9 +80,9 @@ class OutputProjection:
             z = self.logits(hidden)
             constrain(z, None)
             return z.argmax(dim=-1)
-        return self.certified_top1(hidden, constrain)
+        return self._certified_top1(hidden, constrain)
 
-    def certified_top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
+    def _certified_top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         zb = F.linear(hidden.bfloat16(), self.weight_bf16)
         constrain(zb, None)
         top = zb.topk(2, dim=-1)
