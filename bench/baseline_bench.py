@@ -39,6 +39,16 @@ def machine(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or platform.machine()
 
 
+def add_run_args(ap: argparse.ArgumentParser, batch_sizes: str) -> None:
+    """Options shared by the side-by-side decoding benchmarks: which sentences, batch sizes,
+    verifier precisions and threads."""
+    ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
+    ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for the batch-1 runs")
+    ap.add_argument("--batch-sizes", default=batch_sizes)
+    ap.add_argument("--precisions", default="fp32", help="verify_precision values to run: fp32, bf16-certified or both")
+    ap.add_argument("--threads", type=int, default=2)
+
+
 def with_precision(method: str, precision: str) -> str:
     """Run name of `method` decoded with verify_precision `precision` ("greedy", "greedy@bf16c")."""
     return method if precision == "fp32" else f"{method}@bf16c"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from baseline_bench import greedy_like, machine, with_precision
+from baseline_bench import add_run_args, greedy_like, machine, with_precision
 
 from aggdec.api import DecodeOptions, Translator
 from aggdec.train.ar import read_tsv
@@ -52,14 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="../shared/data/ende/test.tsv")
     ap.add_argument("--src-col", default="en")
     ap.add_argument("--ref-col", default="de")
-    ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
-    ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for batch size 1")
-    ap.add_argument("--batch-sizes", default="1,64")
+    add_run_args(ap, batch_sizes="1,64")
     ap.add_argument("--methods", default=None, help="comma list (default: all whose models exist)")
     ap.add_argument("--gadpp-block-size", type=int, default=25)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--precisions", default="fp32", help="verify_precision values to run: fp32, bf16-certified or both")
     ap.add_argument("--out", default="bench/results/gad.json")
     args = ap.parse_args(argv)
 

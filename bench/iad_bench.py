@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from baseline_bench import ctranslate2_greedy, export_ct2, greedy_like, machine, with_precision
+from baseline_bench import add_run_args, ctranslate2_greedy, export_ct2, greedy_like, machine, with_precision
 
 from aggdec.api import Translator
 from aggdec.decoding.beam import beam_search
@@ -67,16 +67,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="models/gec-base")
     ap.add_argument("--data", default="../shared/data/gec/test.tsv")
     ap.add_argument("--column", default="noisy")
-    ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
-    ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for the batch-1 runs")
-    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    add_run_args(ap, batch_sizes="1,8,32,64")
     ap.add_argument("--methods", default="beam,greedy,iad")
     ap.add_argument("--draft-caps", default="none",
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
                          "substitution fallback, e.g. none,16,adaptive32+sub")
-    ap.add_argument("--precisions", default="fp32", help="verifier top-1 for greedy and IAD: fp32, bf16-certified or both")
     ap.add_argument("--repeat", type=int, default=1, help="runs per method, interleaved; report the median time")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
     ap.add_argument("--out", default="bench/results/iad.json")

@@ -61,12 +61,14 @@ class OutputProjection:
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {weight.dtype}")
         self.weight = weight
         self.certify = certify
-        self.weight_bf16 = weight.detach().bfloat16() if certify else None
-        d = weight.shape[1]
-        g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
-        u = BF16_UNIT_ROUNDOFF
-        self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * float(weight.detach().norm(dim=1).max())
-        self.rel_coef = u / (1 - u)
+        self.weight_bf16 = self.abs_coef = self.rel_coef = None
+        if certify:  # the bf16 copy and the bound's coefficients, once
+            self.weight_bf16 = weight.detach().bfloat16()
+            d = weight.shape[1]
+            g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
+            u = BF16_UNIT_ROUNDOFF
+            self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * float(weight.detach().norm(dim=1).max())
+            self.rel_coef = u / (1 - u)
         self.certified = 0
         self.recomputed = 0
 
