@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,21 +60,23 @@ def block_batch(src, tgt, idx, k: int, mask_id: int, rng: random.Random, multipl
     cuts = [rng.randint(0, len(tgt[i])) for i in idx]
     s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
     t_w = round_up(max(cuts) + 1 + k, multiple)
-    s = torch.full((b, s_w), PAD, dtype=torch.long)
-    seq = torch.full((b, t_w), PAD, dtype=torch.long)
-    target = torch.full((b, t_w), PAD, dtype=torch.long)
-    limit = torch.arange(t_w).repeat(b, 1)
+    s = np.full((b, s_w), PAD, dtype=np.int64)
+    seq = np.full((b, t_w), PAD, dtype=np.int64)
+    target = np.full((b, t_w), PAD, dtype=np.int64)
+    limit = np.tile(np.arange(t_w, dtype=np.int64), (b, 1))
     for r, (i, c) in enumerate(zip(idx, cuts)):
-        a, y = src[i], list(tgt[i]) + [EOS]
-        s[r, : len(a)] = torch.as_tensor(a)
+        a, y = src[i], tgt[i]
+        s[r, : len(a)] = a
         s[r, len(a)] = EOS
         seq[r, 0] = EOS
-        seq[r, 1 : c + 1] = torch.as_tensor(y[:c], dtype=torch.long)
+        seq[r, 1 : c + 1] = y[:c]
         seq[r, c + 1 : c + 1 + k] = mask_id
         gold = y[c : c + k]
-        target[r, c + 1 : c + 1 + len(gold)] = torch.as_tensor(gold, dtype=torch.long)
+        target[r, c + 1 : c + 1 + len(gold)] = gold
+        if len(gold) < k:  # the block reaches past the end: its next gold token is eos
+            target[r, c + 1 + len(gold)] = EOS
         limit[r, c + 1 : c + 1 + k] = c + k
-    return s, seq, limit, target
+    return tuple(torch.from_numpy(x) for x in (s, seq, limit, target))
 
 
 def _schedule(step: int, lr: float, warmup: int) -> float:
@@ -117,10 +120,12 @@ def train_drafter(a: argparse.Namespace) -> Path:
                 g["lr"] = _schedule(step, a.lr, a.warmup)
             s, seq, limit, target = to_device(block_batch(src, tgt, idx, a.block_size, mask_id, rng, a.pad_multiple), a.device)
             glance = a.glance * max(0.0, 1 - (time.time() - t0) / (60 * a.max_minutes))
+            is_mask = target.ne(PAD)
             if glance > 0:
                 with torch.no_grad(), amp:
-                    pred = model(s, seq, key_limit=limit).argmax(-1)
-                is_mask = target.ne(PAD)
+                    hidden = model(s, seq, key_limit=limit, return_hidden=True)
+                    pred = torch.full_like(target, PAD)
+                    pred[is_mask] = model.output_logits(hidden[is_mask]).argmax(-1)
                 wrong = (pred.ne(target) & is_mask).sum(1).float()
                 n_reveal = (wrong * glance).long()
                 score = torch.rand(seq.shape, device=seq.device).masked_fill(~is_mask, 2.0)
@@ -128,9 +133,10 @@ def train_drafter(a: argparse.Namespace) -> Path:
                 reveal = (rank < n_reveal[:, None]) & is_mask
                 seq = torch.where(reveal, target, seq)
                 target = target.masked_fill(reveal, PAD)
-            with amp:
-                logits = model(s, seq, key_limit=limit)
-            loss, nll, n = ls_loss(logits, target, a.label_smoothing)
+                is_mask = target.ne(PAD)
+            with amp:  # project only the scored masks: most positions are the prefix
+                logits = model.output_logits(model(s, seq, key_limit=limit, return_hidden=True)[is_mask])
+            loss, nll, n = ls_loss(logits, target[is_mask], a.label_smoothing)
             opt.zero_grad(set_to_none=True)
             (loss / max(n, 1)).backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -185,8 +191,9 @@ def train_heads(a: argparse.Namespace) -> Path:
             with amp:
                 states = heads(h.reshape(-1, d)).view(b, t, heads.num_heads, d)
                 for i in range(1, heads.num_heads + 1):
-                    logits = verifier.output_logits(states[:, : t - i, i - 1])
-                    loss, nll, n = ls_loss(logits, target[:, i:], a.label_smoothing)
+                    scored = target[:, i:].ne(PAD)  # boolean selection also makes the rows contiguous
+                    logits = verifier.output_logits(states[:, : t - i, i - 1][scored])
+                    loss, nll, n = ls_loss(logits, target[:, i:][scored], a.label_smoothing)
                     loss_sum = loss_sum + loss
                     n_sum += n
                     win[0] += float(nll.detach())
