@@ -23,9 +23,9 @@ def _weights(seed: int, vocab: int = 3000, dim: int = 256) -> torch.Tensor:
     return torch.randn(vocab, dim, generator=g) * (0.5 + torch.rand(vocab, 1, generator=g))
 
 
-def _confident_and_tied(w: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+def _confident_and_tied(w: torch.Tensor, n: int, seed: int, nudge: float = 1e-6) -> torch.Tensor:
     """Hidden states (n, D): half point at one vocabulary row (clear winners), half are moved so that
-    two chosen logits tie up to ~1e-6 relative (the bf16 argmax is then a coin flip)."""
+    two chosen logits tie up to ~`nudge` relative (the bf16 argmax is then a coin flip)."""
     g = torch.Generator().manual_seed(seed)
     v = w.shape[0]
     a, b = torch.randint(0, v, (n,), generator=g), torch.randint(0, v, (n,), generator=g)
@@ -34,7 +34,7 @@ def _confident_and_tied(w: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     half = torch.arange(n) >= n // 2
     d = w[b] - w[a]
     gap = ((h * (w[a] - w[b])).sum(1) / (d * d).sum(1).clamp(min=1e-12))
-    nudge = torch.randn(n, generator=g) * 1e-6
+    nudge = torch.randn(n, generator=g) * nudge
     h = torch.where(half[:, None] & (a != b)[:, None], h + (gap + nudge)[:, None] * d, h)
     return h
 
@@ -47,10 +47,31 @@ def test_certified_top1_equals_fp32_argmax(seed):
     got = proj.top1(h, _no_rules)
     want = F.linear(h, w).argmax(dim=-1)
     assert torch.equal(got, want)
-    # Not vacuous: clear winners are certified in bf16, the engineered ties are recomputed in fp32.
+    # Not vacuous: clear winners are certified in bf16, ~1e-6 ties are too close to refine from the
+    # candidates and are recomputed as whole fp32 rows.
     assert proj.certified >= 150 and proj.recomputed >= 150
     # The plain bf16 argmax would have been wrong somewhere.
     assert not torch.equal(F.linear(h.bfloat16(), w.bfloat16()).argmax(-1), want)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_refined_top1_equals_fp32_argmax_at_its_margin(seed):
+    """Ties of ~1e-4 relative sit at the refinement's margin: some are proven from the candidates'
+    fp32 logits, the rest recomputed; all must give the full fp32 argmax."""
+    w = _weights(seed)
+    proj = OutputProjection(w, certify=True)
+    h = _confident_and_tied(w, 400, seed, nudge=1e-4)
+    assert torch.equal(proj.top1(h, _no_rules), F.linear(h, w).argmax(dim=-1))
+    assert proj.refined >= 50 and proj.recomputed >= 50
+
+
+def test_exact_ties_take_the_first_index_as_fp32_argmax_does():
+    w = _weights(4, vocab=500, dim=64)
+    w[300] = w[100]  # identical logits for tokens 100 and 300 at every position
+    proj = OutputProjection(w, certify=True)
+    h = w[torch.tensor([100, 300, 5])] * 2
+    assert proj.top1(h, _no_rules).tolist() == [100, 100, 5]
+    assert proj.recomputed == 2
 
 
 @pytest.mark.parametrize("scale,rows", [(0.05, 256), (1.0, 256), (30.0, 256), (1.0, 1), (1.0, 7)])

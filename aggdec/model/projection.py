@@ -17,10 +17,20 @@ With sum_j |W_ij h_j| <= max_i ||W_i|| * ||h|| (Cauchy-Schwarz), every |z_b,i - 
 z_b,i + r |z_b,i| grows with z_b,i, so the top-1 a is certified when
     z_b,a - r |z_b,a| - A > z_b,b + r |z_b,b| + A     (b: the bf16 runner-up),
 which makes z_fp32,a > z_fp32,i for every i != a.
+
+Where that fails, most positions still have only a few tokens that could be the fp32 argmax: the
+candidates C = {i : z_b,i + delta_i >= L}, L = z_b,a - delta_a (no other i can reach z_fp32,a >= L).
+`refine` computes their fp32 logits z_s,i from the fp32 weight rows alone (a gather and a small
+matmul, another summation order than the full product's). Both are within g' max_i ||W_i|| ||h|| of
+the exact value, so |z_s,i - z_fp32,i| <= E = 2 g' max_i ||W_i|| ||h||, and the candidate c with the
+largest z_s,c is the fp32 argmax when z_s,c - E > z_s,j + E for every other candidate j. Only the
+positions where that also fails (exact or ~1e-6 ties, or more than REFINE_WIDTH candidates) get the
+full fp32 row.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,6 +38,9 @@ import torch.nn.functional as F
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
+REFINE_WIDTH = 16
+"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
+whole fp32 row."""
 
 Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
 """constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
@@ -52,8 +65,9 @@ def native_bf16(device: torch.device) -> bool:
 class OutputProjection:
     """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
 
-    `certify=False` makes `top1` the plain fp32 argmax. Counters: `certified` and `recomputed`
-    positions since construction.
+    `certify=False` makes `top1` the plain fp32 argmax. Counters (positions since construction):
+    `certified` by the bf16 bound, `refined` from their candidates' fp32 logits, `recomputed` as whole
+    fp32 rows.
     """
 
     def __init__(self, weight: torch.Tensor, certify: bool):
@@ -67,9 +81,12 @@ class OutputProjection:
             d = weight.shape[1]
             g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
             u = BF16_UNIT_ROUNDOFF
-            self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * float(weight.detach().norm(dim=1).max())
+            max_norm = float(weight.detach().norm(dim=1).max())
+            self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * max_norm
             self.rel_coef = u / (1 - u)
+            self.ref_coef = 2 * g_ref * max_norm
         self.certified = 0
+        self.refined = 0
         self.recomputed = 0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -90,16 +107,38 @@ class OutputProjection:
         top = zb.topk(2, dim=-1)
         best, runner = top.values.float().unbind(dim=1)
         r = self.rel_coef
-        low = best * (1 - r * best.sign())  # lowest fp32 value of the bf16 top-1 (before A)
-        high = runner * (1 + r * runner.sign())  # -inf stays -inf (a constrained runner-up)
-        ok = low > high + 2 * self.abs_coef * hidden.norm(dim=1)
+        slack = self.abs_coef * hidden.norm(dim=1)
+        floor = best * (1 - r * best.sign()) - slack  # L: the least fp32 value of the bf16 top-1
+        ok = floor > runner * (1 + r * runner.sign()) + slack  # -inf stays -inf (a constrained runner-up)
         pred = top.indices[:, 0].clone()
         n_ok = int(ok.sum())
         self.certified += n_ok
-        if n_ok < pred.shape[0]:
-            redo = (~ok).nonzero().squeeze(1)
+        if n_ok == pred.shape[0]:
+            return pred
+        redo = (~ok).nonzero().squeeze(1)
+        refined, done = self._refine(hidden[redo], zb[redo], floor[redo], slack[redo])
+        pred[redo[done]] = refined[done]
+        self.refined += int(done.sum())
+        redo = redo[~done]
+        if redo.numel():
             z = self.logits(hidden[redo])
             constrain(z, redo)
             pred[redo] = z.argmax(dim=-1)
             self.recomputed += redo.numel()
         return pred
+
+    def _refine(self, hidden: torch.Tensor, zb: torch.Tensor, floor: torch.Tensor,
+                slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), zb (n, V)
+        constrained bf16 logits, floor and slack (n,). -> (argmax (n,) int64, proven (n,) bool)."""
+        top = zb.topk(min(REFINE_WIDTH, zb.shape[1]), dim=-1)
+        v = top.values.float()
+        cand = v * (1 + self.rel_coef * v.sign()) + slack[:, None] >= floor[:, None]  # a leading run
+        complete = ~cand[:, -1]  # the last one is out, so every candidate is in the top REFINE_WIDTH
+        rows = self.weight[top.indices]  # (n, m, D) fp32
+        zs = torch.bmm(rows, hidden[:, :, None]).squeeze(2).masked_fill(~cand, -math.inf)
+        two = zs.topk(min(2, zs.shape[1]), dim=-1)
+        margin = 2 * self.ref_coef * hidden.norm(dim=1)
+        runner = two.values[:, 1] if two.values.shape[1] > 1 else torch.full_like(margin, -math.inf)
+        proven = complete & (two.values[:, 0] - runner > margin)
+        return top.indices.gather(1, two.indices[:, :1]).squeeze(1), proven
