@@ -54,18 +54,24 @@ def init_from_verifier(drafter: Transformer, verifier: Transformer) -> None:
 
 
 def block_batch(src, tgt, idx, k: int, mask_id: int, rng: random.Random, multiple: int = 1):
-    """-> src (B,S), seq (B,T) = [eos, prefix, k masks], key_limit (B,T), target (B,T) (pad except masks).
-    Widths are rounded up to `multiple`; trailing pad queries are outside the loss."""
-    b = len(idx)
+    """A training batch of pairs `idx`, each cut at a random point (see `block_layout_batch`)."""
     cuts = [rng.randint(0, len(tgt[i])) for i in idx]
-    s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
+    return block_layout_batch([src[i] for i in idx], [tgt[i] for i in idx], cuts, k, mask_id, multiple)
+
+
+def block_layout_batch(src, tgt, cuts: list[int], k: int, mask_id: int, multiple: int = 1):
+    """Rows (src ids, tgt ids, both without eos; cut 0 <= c <= len(tgt)) ->
+    src (B,S) [ids, eos], seq (B,T) = [eos, y_1..y_c, k masks], key_limit (B,T), target (B,T): the gold
+    y_{c+1}..y_{c+k} (eos after the last token) at the masks, pad elsewhere. Widths are rounded up
+    to `multiple`; trailing pad queries are outside the loss."""
+    b = len(src)
+    s_w = round_up(max(len(a) for a in src) + 1, multiple)
     t_w = round_up(max(cuts) + 1 + k, multiple)
     s = np.full((b, s_w), PAD, dtype=np.int64)
     seq = np.full((b, t_w), PAD, dtype=np.int64)
     target = np.full((b, t_w), PAD, dtype=np.int64)
     limit = np.tile(np.arange(t_w, dtype=np.int64), (b, 1))
-    for r, (i, c) in enumerate(zip(idx, cuts)):
-        a, y = src[i], tgt[i]
+    for r, (a, y, c) in enumerate(zip(src, tgt, cuts)):
         s[r, : len(a)] = a
         s[r, len(a)] = EOS
         seq[r, 0] = EOS
