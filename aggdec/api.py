@@ -58,7 +58,7 @@ class DecodeOptions:
         "fp32": fp32 logits. "bf16-certified": a bf16 output projection whose top-1 is proven equal
         to fp32's, recomputing in fp32 where it cannot be (see aggdec.model.projection).
         "auto": bf16-certified for an fp32 verifier on a CPU with native bf16 (AVX512-BF16, AMX),
-        else fp32 (GPUs: not measured yet).
+        else fp32 (on an H100 it was slower than fp32: see `native_bf16`).
         With bf16-certified, the drafters of lossless methods (NAR drafter, proposal heads) run in
         bf16 too; no output of any method depends on this option.
     """

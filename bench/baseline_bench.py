@@ -41,12 +41,13 @@ def machine(device: str) -> str:
 
 def add_run_args(ap: argparse.ArgumentParser, batch_sizes: str) -> None:
     """Options shared by the side-by-side decoding benchmarks: which sentences, batch sizes,
-    verifier precisions and threads."""
+    verifier precisions, threads and repeats."""
     ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
     ap.add_argument("--bs1-limit", type=int, default=None, help="first N sentences for the batch-1 runs")
     ap.add_argument("--batch-sizes", default=batch_sizes)
     ap.add_argument("--precisions", default="fp32", help="verify_precision values to run: fp32, bf16-certified or both")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per method, interleaved; report the median time")
 
 
 def with_precision(method: str, precision: str) -> str:

@@ -8,7 +8,8 @@ verifier calls per sentence, output tokens per call (the paper's "Tok."), accept
 per call, BLEU and chrF (sacrebleu, signature printed) and the share of outputs identical to greedy.
 Lossless methods (gad, blockwise without min-block) must show identical = 1.0.
 `--precisions fp32,bf16-certified` also runs each method with the certified bf16 verifier top-1 and
-bf16 drafters (named `@bf16c`); speedups compare methods of the same precision.
+bf16 drafters (named `@bf16c`); speedups compare methods of the same precision. `--repeat N` runs
+every method N times, interleaved, and reports the median time (this machine is noisy).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def method_table(drafter: str | None, heads: str | None, gadpp_k: int) -> dict[s
     """Name -> options; methods whose model is missing are left out."""
     m = {"beam5": DecodeOptions(method="beam", beam=5), "greedy": DecodeOptions(method="greedy")}
     if drafter:
+        m["gad-k4"] = DecodeOptions(method="gad", drafter=drafter, block_size=4)
         m["gad-k10"] = DecodeOptions(method="gad", drafter=drafter, block_size=10)
         m["gad-k25"] = DecodeOptions(method="gad", drafter=drafter, block_size=25)
         m["gad-k25-adaptive"] = DecodeOptions(method="gad", drafter=drafter, block_size=25, adaptive_draft=True)
@@ -86,14 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         src, ref = src_all[:n_sent], ref_all[:n_sent]
         greedy_tokens = None
         precisions = args.precisions.split(",")
-        for base, prec in [(n, p) for n in names for p in (precisions if n != "beam5" else ["fp32"])]:
+        configs = [(n, p) for n in names for p in (precisions if n != "beam5" else ["fp32"])]
+        times: dict[str, list[float]] = {}
+        for rep, (base, prec) in [(r, c) for r in range(args.repeat) for c in configs]:  # interleaved repeats
             name = with_precision(base, prec)
             opts = dataclasses.replace(table[base], max_batch_size=bs, verify_precision=prec)
+            projection = tr.projection(prec)
+            projection.certified = projection.refined = projection.recomputed = 0
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = tr.translate_batch(src, opts)
-            secs = time.perf_counter() - t0
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            if rep < args.repeat - 1:
+                continue
+            secs = statistics.median(times[name])
             hyps = [r.text for r in out]
             bleu_metric, chrf_metric = sacrebleu.BLEU(), sacrebleu.CHRF()
             bleu = bleu_metric.corpus_score(hyps, [ref])
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             signature = {"bleu": str(bleu_metric.get_signature()), "chrf": str(chrf_metric.get_signature())}
             ok = [r for r in out if r.status in ("ok", "truncated")]
             calls = sum(r.stats.iterations for r in ok)
-            run = {"method": name, "batch_size": bs, "sentences": len(src), "seconds": secs,
+            run = {"method": name, "batch_size": bs, "sentences": len(src), "seconds": secs, "seconds_all": times[name],
                    "sentences_per_s": len(src) / secs, "bleu": bleu.score, "chrf": chrf.score,
                    "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "drafter"}}
             if name == "greedy":
@@ -114,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 run["accepted_per_call"] = sum(r.stats.accepted for r in ok) / calls
                 drafted = sum(r.stats.drafted for r in ok)
                 run["draft_acceptance"] = sum(r.stats.accepted for r in ok) / drafted if drafted else None
+            if projection.certify and opts.lossless:  # lossy methods read fp32 logits, not the top-1
+                run.update(certified=projection.certified, refined=projection.refined, recomputed=projection.recomputed)
             results["runs"].append(run)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "options"}),
                   flush=True)

@@ -72,7 +72,6 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-caps", default="none",
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
                          "substitution fallback, e.g. none,16,adaptive32+sub")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per method, interleaved; report the median time")
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
     ap.add_argument("--out", default="bench/results/iad.json")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Recipe: ende-base continued on one GPU, its Seq-KD data, the GAD drafter and the blockwise heads.
-#   bash models/train_ende_gpu.sh ar seqkd drafter heads drafter-more
+#   bash models/train_ende_gpu.sh ar seqkd drafter heads drafter-more drafter-rounds
 # Stages run in the order given. DATA (default ../shared/data/ende) holds train.tsv / valid.tsv;
 # everything is written under RUNS (default runs/gpu). Minutes per stage: AR_MIN, DR_MIN, HD_MIN.
 set -euo pipefail
@@ -27,10 +27,17 @@ for stage in "$@"; do
     $PY -m aggdec.train.drafter drafter --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
       --init-from "$RUNS/ende-base-drafter" --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 \
       --max-tokens 32768 --lr 1e-3 --glance 0.3 --max-minutes "$DR2_MIN" --log-interval 200 ;;
+  drafter-rounds)  # session 4: three more continuations, lr and glancing lowered each round
+    for round in "1e-3 0.3 7.6" "7e-4 0.2 4.5" "5e-4 0.1 6.5"; do
+      read -r lr glance minutes <<< "$round"
+      $PY -m aggdec.train.drafter drafter --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
+        --init-from "$RUNS/ende-base-drafter" --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 \
+        --max-tokens 32768 --lr "$lr" --glance "$glance" --max-minutes "$minutes" --log-interval 400
+    done ;;
   heads)
     $PY -m aggdec.train.drafter heads --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
       --out "$RUNS/ende-base-heads" --block-size 8 --device cuda --bf16 --max-tokens 16384 --lr 1e-3 \
       --max-minutes "$HD_MIN" --log-interval 200 ;;
-  *) echo "unknown stage $stage (ar | seqkd | drafter | drafter-more | heads)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (ar | seqkd | drafter | drafter-more | drafter-rounds | heads)" >&2; exit 2 ;;
   esac
 done

@@ -65,6 +65,17 @@ def test_refined_top1_equals_fp32_argmax_at_its_margin(seed):
     assert proj.refined >= 50 and proj.recomputed >= 50
 
 
+def test_refinement_covers_a_vocabulary_smaller_than_its_width():
+    """Hidden states almost orthogonal to all 12 rows: every token is a candidate, all fit."""
+    w = _weights(5, vocab=12, dim=64)
+    g = torch.Generator().manual_seed(5)
+    null = torch.linalg.svd(w, full_matrices=True).Vh[12:]  # (52, 64), orthogonal to every row
+    h = torch.randn(100, 52, generator=g) @ null + 1e-3 * torch.randn(100, 64, generator=g)
+    proj = OutputProjection(w, certify=True)
+    assert torch.equal(proj.top1(h, _no_rules), F.linear(h, w).argmax(dim=-1))
+    assert proj.refined >= 50
+
+
 def test_exact_ties_take_the_first_index_as_fp32_argmax_does():
     w = _weights(4, vocab=500, dim=64)
     w[300] = w[100]  # identical logits for tokens 100 and 300 at every position

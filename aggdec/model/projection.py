@@ -55,7 +55,8 @@ def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is known to pay off on `device`: a CPU with AVX512-BF16 or
-    AMX (measured: bench/iad_bench.py). GPUs are not measured yet, so they answer False."""
+    AMX (measured: bench/iad_bench.py). Not on GPUs: on an H100 it made greedy 0.83-0.92x and IAD
+    0.73-1.08x as fast as fp32 (bench/results/iad-gpu-bf16c.json), so they answer False."""
     if device.type != "cpu":
         return False
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -131,10 +132,12 @@ class OutputProjection:
                 slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), zb (n, V)
         constrained bf16 logits, floor and slack (n,). -> (argmax (n,) int64, proven (n,) bool)."""
-        top = zb.topk(min(REFINE_WIDTH, zb.shape[1]), dim=-1)
+        width = min(REFINE_WIDTH, zb.shape[1])
+        top = zb.topk(width, dim=-1)
         v = top.values.float()
         cand = v * (1 + self.rel_coef * v.sign()) + slack[:, None] >= floor[:, None]  # a leading run
-        complete = ~cand[:, -1]  # the last one is out, so every candidate is in the top REFINE_WIDTH
+        # Every candidate is among the top `width` when the last of them is out (or that is all of V).
+        complete = ~cand[:, -1] | (width == zb.shape[1])
         rows = self.weight[top.indices]  # (n, m, D) fp32
         zs = torch.bmm(rows, hidden[:, :, None]).squeeze(2).masked_fill(~cand, -math.inf)
         two = zs.topk(min(2, zs.shape[1]), dim=-1)
