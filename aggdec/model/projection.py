@@ -55,8 +55,8 @@ def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is known to pay off on `device`: a CPU with AVX512-BF16 or
-    AMX (measured: bench/iad_bench.py). Not on GPUs: on an H100 it made greedy 0.83-0.92x and IAD
-    0.73-1.08x as fast as fp32 (bench/results/iad-gpu-bf16c.json), so they answer False."""
+    AMX (measured: bench/iad_bench.py). Not on GPUs: on an H100 it made greedy 0.70-0.99x, IAD
+    0.73-1.08x and GAD 0.14-0.30x as fast as fp32 (bench/results/*-gpu-bf16c.json): False."""
     if device.type != "cpu":
         return False
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
