@@ -21,7 +21,7 @@ from baseline_bench import machine
 
 from aggdec import checkpoint
 from aggdec.api import DecodeOptions, Translator
-from aggdec.train.ar import EOS, PAD, read_tsv
+from aggdec.train.ar import PAD, read_tsv
 from aggdec.train.drafter import block_layout_batch
 
 

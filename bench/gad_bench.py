@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             name = with_precision(base, prec)
             opts = dataclasses.replace(table[base], max_batch_size=bs, verify_precision=prec)
             projection = tr.projection(prec)
-            projection.certified = projection.refined = projection.recomputed = 0
+            projection.reset_counts()
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 drafted = sum(r.stats.drafted for r in ok)
                 run["draft_acceptance"] = sum(r.stats.accepted for r in ok) / drafted if drafted else None
             if projection.certify and opts.lossless:  # lossy methods read fp32 logits, not the top-1
-                run.update(certified=projection.certified, refined=projection.refined, recomputed=projection.recomputed)
+                run.update(projection.counts())
             results["runs"].append(run)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "options"}),
                   flush=True)

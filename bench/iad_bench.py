@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         for rep in range(args.repeat):  # repeats interleave the methods; the median time is reported
             for method, cap, prec in configs:
                 name = with_precision(method if method != "iad" or cap == "none" else f"iad-{cap}", prec)
-                projections[prec].certified = projections[prec].refined = projections[prec].recomputed = 0
+                projections[prec].reset_counts()
                 if method == "beam":
                     t0 = time.perf_counter()
                     hyp_list = beam_search(model, reqs, beam=5, max_batch_size=bs)
@@ -134,8 +134,7 @@ def main(argv=None) -> int:
                                fed_per_output_token=counters.fed / toks, padded_per_output_token=counters.padded / toks,
                                mean_accepted_per_iter=sum(h.stats.accepted for h in hyps.values()) / sum(iters))
                     if projections[prec].certify:
-                        run.update(certified=projections[prec].certified, refined=projections[prec].refined,
-                                   recomputed=projections[prec].recomputed)
+                        run.update(projections[prec].counts())
                     if method == "iad" and greedy_ref:
                         bound = [1 + edit_spans(r.src[:-1], greedy_ref[r.index])[0] for r in reqs]
                         run["oracle_mean_iterations"] = statistics.mean(bound)

@@ -10,6 +10,11 @@ PY=${PY:-python3}
 AR_MIN=${AR_MIN:-4} DR_MIN=${DR_MIN:-4} DR2_MIN=${DR2_MIN:-5} HD_MIN=${HD_MIN:-1.2}
 export PYTHONUNBUFFERED=1
 mkdir -p "$RUNS"
+continue_drafter() {  # lr, initial glancing ratio, minutes: train $RUNS/ende-base-drafter further
+  $PY -m aggdec.train.drafter drafter --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
+    --init-from "$RUNS/ende-base-drafter" --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 \
+    --max-tokens 32768 --lr "$1" --glance "$2" --max-minutes "$3" --log-interval 200
+}
 for stage in "$@"; do
   case $stage in
   ar)
@@ -24,16 +29,11 @@ for stage in "$@"; do
       --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 --max-tokens 16384 --lr 1e-3 \
       --max-minutes "$DR_MIN" --log-interval 200 ;;
   drafter-more)  # continue the drafter with bigger batches and a weaker glancing start
-    $PY -m aggdec.train.drafter drafter --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
-      --init-from "$RUNS/ende-base-drafter" --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 \
-      --max-tokens 32768 --lr 1e-3 --glance 0.3 --max-minutes "$DR2_MIN" --log-interval 200 ;;
+    continue_drafter 1e-3 0.3 "$DR2_MIN" ;;
   drafter-rounds)  # session 4: three more continuations, lr and glancing lowered each round
-    for round in "1e-3 0.3 7.6" "7e-4 0.2 4.5" "5e-4 0.1 6.5"; do
-      read -r lr glance minutes <<< "$round"
-      $PY -m aggdec.train.drafter drafter --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
-        --init-from "$RUNS/ende-base-drafter" --out "$RUNS/ende-base-drafter" --block-size 10 --device cuda --bf16 \
-        --max-tokens 32768 --lr "$lr" --glance "$glance" --max-minutes "$minutes" --log-interval 400
-    done ;;
+    continue_drafter 1e-3 0.3 7.6
+    continue_drafter 7e-4 0.2 4.5
+    continue_drafter 5e-4 0.1 6.5 ;;
   heads)
     $PY -m aggdec.train.drafter heads --verifier "$RUNS/ende-base" --data "$RUNS/ende-kd.tsv" \
       --out "$RUNS/ende-base-heads" --block-size 8 --device cuda --bf16 --max-tokens 16384 --lr 1e-3 \

@@ -20,7 +20,7 @@ which makes z_fp32,a > z_fp32,i for every i != a.
 
 Where that fails, most positions still have only a few tokens that could be the fp32 argmax: the
 candidates C = {i : z_b,i + delta_i >= L}, L = z_b,a - delta_a (no other i can reach z_fp32,a >= L).
-`refine` computes their fp32 logits z_s,i from the fp32 weight rows alone (a gather and a small
+`OutputProjection._refine` computes their fp32 logits z_s,i from the fp32 weight rows alone (a gather and a small
 matmul, another summation order than the full product's). Both are within g' max_i ||W_i|| ||h|| of
 the exact value, so |z_s,i - z_fp32,i| <= E = 2 g' max_i ||W_i|| ||h||, and the candidate c with the
 largest z_s,c is the fp32 argmax when z_s,c - E > z_s,j + E for every other candidate j. Only the
@@ -66,7 +66,7 @@ def native_bf16(device: torch.device) -> bool:
 class OutputProjection:
     """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
 
-    `certify=False` makes `top1` the plain fp32 argmax. Counters (positions since construction):
+    `certify=False` makes `top1` the plain fp32 argmax. Counters (positions, see `counts`):
     `certified` by the bf16 bound, `refined` from their candidates' fp32 logits, `recomputed` as whole
     fp32 rows.
     """
@@ -86,9 +86,14 @@ class OutputProjection:
             self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * max_norm
             self.rel_coef = u / (1 - u)
             self.ref_coef = 2 * g_ref * max_norm
-        self.certified = 0
-        self.refined = 0
-        self.recomputed = 0
+        self.reset_counts()
+
+    def counts(self) -> dict[str, int]:
+        """Positions settled each way since construction or the last `reset_counts`."""
+        return {"certified": self.certified, "refined": self.refined, "recomputed": self.recomputed}
+
+    def reset_counts(self) -> None:
+        self.certified = self.refined = self.recomputed = 0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> fp32 logits (N, V)."""
