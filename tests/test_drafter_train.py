@@ -72,3 +72,15 @@ def test_drafter_errors_name_the_directory(tiny_model_dir, trained):
         tr.translate_batch(["a b c"], method="gad", drafter=str(tiny_model_dir))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         tr.translate_batch(["a b c"], method="blockwise", drafter=str(trained / "missing"))
+
+
+def test_block_layout_masks_the_k_tokens_after_the_cut():
+    mask, pad, eos = 99, 1, 2
+    s, seq, limit, target = drafter_train.block_layout_batch(
+        src=[[10, 11], [12]], tgt=[[20, 21, 22, 23], [30, 31]], cuts=[1, 1], k=3, mask_id=mask)
+    assert s.tolist() == [[10, 11, eos], [12, eos, pad]]
+    # [eos, y_1 .. y_c, k masks]; the block after a cut of 1 covers y_2 .. y_4 (row 0) and y_2, eos (row 1).
+    assert seq.tolist() == [[eos, 20, mask, mask, mask], [eos, 30, mask, mask, mask]]
+    assert target.tolist() == [[pad, pad, 21, 22, 23], [pad, pad, 31, eos, pad]]
+    # Prefix positions attend causally; the masks see each other (up to the last mask).
+    assert limit.tolist() == [[0, 1, 4, 4, 4], [0, 1, 4, 4, 4]]
