@@ -9,6 +9,8 @@ verifier's, and each iteration feeds only the newly accepted tokens plus the mas
 
 Layout of one drafter call, row b (n_b new prefix tokens, k_b masks, right-padded to the batch):
     [new_1 .. new_{n_b}, M_1 .. M_{k_b}, pad ...]  at cache positions lengths[b] + t
+The pads are packed away (`Transformer.decode_hidden(valid=...)`): the drafter's linear layers run
+on the rows' real tokens only.
 Prefix token t attends to keys <= its position; mask tokens attend to keys <= the last mask.
 Only the n_b prefix positions are committed; the masks are rolled back.
 """
@@ -86,9 +88,11 @@ class NATDrafter:
         tokens = state.out.gather(1, src_idx)
         tokens = torch.where(is_mask, torch.full_like(tokens, self.mask_id), tokens)
         tokens = torch.where(is_prefix | is_mask, tokens, torch.full_like(tokens, state.pad))
-        hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit)
+        valid = is_prefix | is_mask  # a prefix of each row: pack it unless no row is padded
+        packed = not bool(valid.all())
+        hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit, valid=valid if packed else None)
         cache.commit(n_new)
-        logits = self.model.output_logits(hidden[is_mask])  # (sum k, V+1)
+        logits = self.model.output_logits(hidden[is_mask[valid]] if packed else hidden[is_mask])  # (sum k, V+1)
         logits[:, self.mask_id] = -float("inf")
         logits[:, state.pad] = -float("inf")
         kmax = int(k.max())
