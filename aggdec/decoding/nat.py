@@ -87,8 +87,8 @@ class NATDrafter:
         src_idx = (lengths[:, None] + torch.arange(width, device=lengths.device)).clamp(max=state.out.shape[1] - 1)
         tokens = state.out.gather(1, src_idx)
         tokens = torch.where(is_mask, torch.full_like(tokens, self.mask_id), tokens)
-        tokens = torch.where(is_prefix | is_mask, tokens, torch.full_like(tokens, state.pad))
-        valid = is_prefix | is_mask  # a prefix of each row: pack it unless no row is padded
+        valid = is_prefix | is_mask  # a prefix of each row: packed unless no row is padded
+        tokens = torch.where(valid, tokens, torch.full_like(tokens, state.pad))
         packed = not bool(valid.all())
         hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit, valid=valid if packed else None)
         cache.commit(n_new)
