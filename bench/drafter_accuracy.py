@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tr = Translator.load(args.model)
     sources, _ = read_tsv(args.data, args.src_col, args.src_col)
-    sources = [s for s in sources[: args.limit] if tr.prepare(s)[0] is not None]  # empty sources have no output
+    prepared = [(s, tr.prepare(s)[0]) for s in sources[: args.limit]]
+    prepared = [(s, ids) for s, ids in prepared if ids is not None]  # empty sources have no output
+    sources, src = [s for s, _ in prepared], [ids[:-1] for _, ids in prepared]
     results = tr.translate_batch(sources, DecodeOptions(method="greedy", max_batch_size=64, verify_precision="fp32"))
-    src = [tr.prepare(s)[0][:-1] for s in sources]
     out = [r.tokens for r in results]
     report = {"model": args.model, "sha": tr.bundle.sha, "data": args.data, "sentences": len(sources),
               "block_size": args.block_size, "machine": machine("cpu"), "drafters": {}}

@@ -113,7 +113,8 @@ class OutputProjection:
         top = zb.topk(2, dim=-1)
         best, runner = top.values.float().unbind(dim=1)
         r = self.rel_coef
-        slack = self.abs_coef * hidden.norm(dim=1)
+        h_norm = hidden.norm(dim=1)
+        slack = self.abs_coef * h_norm
         floor = best * (1 - r * best.sign()) - slack  # L: the least fp32 value of the bf16 top-1
         ok = floor > runner * (1 + r * runner.sign()) + slack  # -inf stays -inf (a constrained runner-up)
         pred = top.indices[:, 0].clone()
@@ -122,7 +123,7 @@ class OutputProjection:
         if n_ok == pred.shape[0]:
             return pred
         redo = (~ok).nonzero().squeeze(1)
-        refined, done = self._refine(hidden[redo], zb[redo], floor[redo], slack[redo])
+        refined, done = self._refine(hidden[redo], zb[redo], floor[redo], h_norm[redo])
         pred[redo[done]] = refined[done]
         self.refined += int(done.sum())
         redo = redo[~done]
@@ -134,9 +135,10 @@ class OutputProjection:
         return pred
 
     def _refine(self, hidden: torch.Tensor, zb: torch.Tensor, floor: torch.Tensor,
-                slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                h_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), zb (n, V)
-        constrained bf16 logits, floor and slack (n,). -> (argmax (n,) int64, proven (n,) bool)."""
+        constrained bf16 logits, floor L and h_norm ||h|| (n,). -> (argmax (n,) int64, proven (n,) bool)."""
+        slack = self.abs_coef * h_norm
         width = min(REFINE_WIDTH, zb.shape[1])
         top = zb.topk(width, dim=-1)
         v = top.values.float()
@@ -146,7 +148,7 @@ class OutputProjection:
         rows = self.weight[top.indices]  # (n, m, D) fp32
         zs = torch.bmm(rows, hidden[:, :, None]).squeeze(2).masked_fill(~cand, -math.inf)
         two = zs.topk(min(2, zs.shape[1]), dim=-1)
-        margin = 2 * self.ref_coef * hidden.norm(dim=1)
+        margin = 2 * self.ref_coef * h_norm
         runner = two.values[:, 1] if two.values.shape[1] > 1 else torch.full_like(margin, -math.inf)
         proven = complete & (two.values[:, 0] - runner > margin)
         return top.indices.gather(1, two.indices[:, :1]).squeeze(1), proven
