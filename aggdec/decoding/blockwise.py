@@ -17,6 +17,7 @@ from torch import nn
 
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.state import DecodeState
+from aggdec.model.linear import linear
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
 
@@ -88,7 +89,7 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        logits = F.linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
+        logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.pending = draft_argmax(logits)
         self.ready = torch.ones_like(self.ready)

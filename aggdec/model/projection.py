@@ -36,6 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from aggdec.model.linear import linear
+
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
 REFINE_WIDTH = 16
@@ -97,7 +99,7 @@ class OutputProjection:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> fp32 logits (N, V)."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
+from aggdec.model.linear import Linear, linear
 
 
 def sinusoidal_table(num: int, dim: int, padding_idx: int) -> torch.Tensor:
@@ -58,10 +59,10 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         self.heads = heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.q_proj = Linear(dim, dim)
+        self.k_proj = Linear(dim, dim)
+        self.v_proj = Linear(dim, dim)
+        self.out_proj = Linear(dim, dim)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
@@ -98,8 +99,8 @@ class EncoderLayer(FeedForward, nn.Module):
         self.act = F.relu if cfg.activation == "relu" else F.gelu
         self.self_attn = MultiheadAttention(d, cfg.enc_heads, cfg.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.enc_ffn)
-        self.fc2 = nn.Linear(cfg.enc_ffn, d)
+        self.fc1 = Linear(d, cfg.enc_ffn)
+        self.fc2 = Linear(cfg.enc_ffn, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -124,8 +125,8 @@ class DecoderLayer(FeedForward, nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.dec_ffn)
-        self.fc2 = nn.Linear(cfg.dec_ffn, d)
+        self.fc1 = Linear(d, cfg.dec_ffn)
+        self.fc2 = Linear(cfg.dec_ffn, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor, self_attn, cross_attn) -> torch.Tensor:
@@ -183,7 +184,7 @@ class Transformer(nn.Module):
         if cfg.share_decoder_input_output_embed or cfg.share_all_embeddings:
             self.decoder.output_projection = None
         else:
-            self.decoder.output_projection = nn.Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
+            self.decoder.output_projection = Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
             nn.init.normal_(self.decoder.output_projection.weight, mean=0, std=cfg.d_model**-0.5)
 
     # -- encoder ---------------------------------------------------------------------------------
@@ -223,7 +224,7 @@ class Transformer(nn.Module):
         return self.decoder.output_projection.weight
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.output_weight)
+        return linear(x, self.output_weight)
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Score a block of T new tokens per row on top of each row's cached prefix.

@@ -1,0 +1,54 @@
+"""aggdec.model.linear: the oneDNN route for large fp32 CPU inference products."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aggdec.model import linear as lin
+
+needs_onednn = pytest.mark.skipif(lin._ONEDNN is None, reason="PyTorch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(64, 256, 1024), (3, 7, 256, 8000), (20, 1024, 256)])
+def test_large_products_match_f_linear(shape):
+    *lead, d_in, d_out = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, d_in, generator=g)
+    w = torch.randn(d_out, d_in, generator=g) / d_in**0.5
+    b = torch.randn(d_out, generator=g)
+    assert x.numel() * d_out >= lin.MIN_MACS
+    with torch.no_grad():
+        y = lin.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    # fp32 accuracy for sums of d_in terms, like F.linear's own error
+    assert (y.double() - ref).abs().max() < 1e-5 * d_in**0.5 * ref.abs().max()
+    assert (F.linear(x, w, b).double() - ref).abs().max() < 1e-5 * d_in**0.5 * ref.abs().max()
+
+
+@needs_onednn
+def test_routes_by_size_grad_and_switch(monkeypatch):
+    calls = []
+    real = lin._ONEDNN
+    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = torch.randn(8000, 256)
+    big, small = torch.randn(4, 256), torch.randn(1, 256, 256)[:, 0]
+    with torch.no_grad():
+        lin.linear(big, w)
+        lin.linear(small, torch.randn(256, 256))  # 65k multiply-adds: stays on F.linear
+        with lin.use_onednn(False):
+            lin.linear(big, w)
+        assert lin.enabled()
+    assert calls == [big.shape]
+    # training: autograd needs F.linear
+    layer = lin.Linear(256, 8000)
+    x = torch.randn(4, 256, requires_grad=True)
+    layer(x).sum().backward()
+    assert calls == [big.shape] and x.grad is not None and layer.weight.grad is not None
+
+
+def test_linear_module_keeps_state_dict_keys():
+    layer = lin.Linear(4, 3)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert isinstance(layer, torch.nn.Linear)
