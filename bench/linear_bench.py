@@ -1,0 +1,119 @@
+"""fp32 products through oneDNN (aggdec.model.linear) against PyTorch's F.linear (MKL), side by side.
+
+    python bench/linear_bench.py --out bench/results/linear.json
+
+Part 1, products: median microseconds of `F.linear` and `linear` for the shapes the models use.
+Part 2, end to end, in one process with the two routes interleaved (`--repeat` medians): greedy and
+IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its drafter, at
+batch 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. Reports sentences/s of
+both routes, their ratio, and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from baseline_bench import machine
+
+from aggdec.api import DecodeOptions, Translator
+from aggdec.model import linear as lin
+from aggdec.train.ar import read_tsv
+
+SHAPES = [(m, d_in, d_out) for d_in, d_out in ((256, 256), (256, 1024), (1024, 256), (256, 8000)) for m in (1, 8, 20, 64)]
+
+
+def time_us(fn, n: int) -> float:
+    """Median over 5 rounds of the mean time of `n` calls, in microseconds."""
+    for _ in range(20):
+        fn()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(rounds)
+
+
+def products() -> list[dict]:
+    rows = []
+    with torch.no_grad():
+        for m, d_in, d_out in SHAPES:
+            x, w, b = torch.randn(m, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
+            n = max(50, 200_000 // max(1, m * d_out // 64))
+            ref = time_us(lambda: F.linear(x, w, b), n)
+            ours = time_us(lambda: lin.linear(x, w, b), n)
+            rows.append({"rows": m, "in": d_in, "out": d_out, "f_linear_us": round(ref, 1), "linear_us": round(ours, 1),
+                         "speedup": round(ref / ours, 2), "onednn": x.numel() * d_out >= lin.MIN_MACS})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gec", default="models/gec-base")
+    ap.add_argument("--gec-data", default="../shared/data/gec/test.tsv")
+    ap.add_argument("--ende", default="models/ende-base")
+    ap.add_argument("--drafter", default="models/ende-base-drafter")
+    ap.add_argument("--ende-data", default="../shared/data/ende/test.tsv")
+    ap.add_argument("--limit", type=int, default=1000, help="sentences per corpus at batch 64")
+    ap.add_argument("--bs1-limit", type=int, default=100, help="sentences per corpus at batch 1")
+    ap.add_argument("--precisions", default="fp32,bf16-certified")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/linear.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if lin._ONEDNN is None:
+        raise SystemExit("this PyTorch has no oneDNN: nothing to compare")
+
+    results: dict = {"machine": machine("cpu"), "torch": torch.__version__, "threads": args.threads,
+                     "min_macs": lin.MIN_MACS, "products": products(), "runs": []}
+    tasks = [("gec", args.gec, args.gec_data, "noisy", {"greedy": DecodeOptions(), "iad": DecodeOptions(method="iad")}),
+             ("ende", args.ende, args.ende_data, "en",
+              {"greedy": DecodeOptions(), "gad-k4": DecodeOptions(method="gad", drafter=args.drafter, block_size=4)})]
+    for corpus, model, data, col, methods in tasks:
+        tr = Translator.load(model)
+        src = read_tsv(data, col, col)[0][: args.limit]
+        for bs in (1, 64):
+            sents = src[: args.bs1_limit] if bs == 1 else src
+            configs = [(m, p, on) for m in methods for p in args.precisions.split(",") for on in (False, True)]
+            times: dict[tuple, list[float]] = {}
+            outputs: dict[tuple, list] = {}
+            for rep in range(args.repeat):
+                for m, prec, on in configs:
+                    opts = dataclasses.replace(methods[m], max_batch_size=bs, verify_precision=prec)
+                    with lin.use_onednn(on):
+                        if rep == 0:  # loads drafters and warms up outside the timed runs
+                            tr.translate_batch(sents[:4], opts)
+                        t0 = time.perf_counter()
+                        out = tr.translate_batch(sents, opts)
+                        times.setdefault((m, prec, on), []).append(time.perf_counter() - t0)
+                    outputs[(m, prec, on)] = [r.tokens for r in out]
+            for m in methods:
+                for prec in args.precisions.split(","):
+                    mkl, one = (statistics.median(times[(m, prec, on)]) for on in (False, True))
+                    run = {"corpus": corpus, "method": m, "precision": prec, "batch_size": bs, "sentences": len(sents),
+                           "f_linear_sent_per_s": len(sents) / mkl, "onednn_sent_per_s": len(sents) / one,
+                           "speedup": mkl / one, "seconds_all": {"f_linear": times[(m, prec, False)],
+                                                                "onednn": times[(m, prec, True)]},
+                           "identical": outputs[(m, prec, False)] == outputs[(m, prec, True)]
+                           and outputs[(m, prec, True)] == outputs[("greedy", "fp32", False)]}
+                    results["runs"].append(run)
+                    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in run.items()
+                                      if k != "seconds_all"}), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
