@@ -1,18 +1,21 @@
 """fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default.
 
-PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm. On non-Intel CPUs MKL runs a generic
-code path: on this project's benchmark machine (AMD EPYC, AVX-512) the same products through oneDNN's
-JIT kernels (which PyTorch already uses for bf16) took 0.4-0.6x the time from about a million
-multiply-adds up: a (20, 256) x (256, 1024) FFN layer 92 -> 54 us, a (64, 256) x (256, 8000) output
-projection 1.79 -> 0.86 ms. Below that, MKL's small-matrix paths are faster (a (1, 256) x (256, 256)
-product 5 us against 16), so `linear` keeps them.
+PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm, which runs a generic code path on
+non-Intel CPUs. On this project's benchmark machine (AMD EPYC, AVX-512; `bench/linear_bench.py`,
+2 threads) oneDNN's JIT kernels, which PyTorch already uses for bf16, computed the same products in
+0.43-0.75x the time from about a million multiply-adds up: a (20, 256) x (256, 1024) FFN layer
+96 -> 57 us, a (64, 256) x (256, 8000) output projection 1.72 -> 0.86 ms; one thread gains as much.
+Below `MIN_MACS` MKL's small-matrix paths are faster (a (1, 256) x (256, 256) product 5 us against
+6-16), so `linear` keeps them; just above it a (20, 256) x (256, 256) product is ~8% slower.
 
 Both are fp32 with fp32 accumulation; only the summation order differs (about 1e-6 relative), as it
 already does between MKL's matrix-vector and matrix-matrix paths, so lossless methods stay lossless
-(greedy and IAD/GAD share these kernels; tests check identical outputs).
+(greedy and IAD/GAD share these kernels; tests and benchmarks check identical outputs).
 
-Only inference takes the oneDNN path (grad disabled: oneDNN's op has no backward), and only while
-`enabled()`; `use_onednn(False)` restores plain `F.linear` everywhere (benchmarks compare both).
+The op, `torch.ops.mkldnn._linear_pointwise`, is the one torch.compile's CPU backend emits; it is
+not a public API, so `linear` falls back to `F.linear` where PyTorch lacks it. Only inference takes
+it (grad disabled: it has no backward), and only while `enabled()`; `set_onednn(False)` /
+`use_onednn(False)` restore plain `F.linear` everywhere (benchmarks compare both).
 """
 
 from __future__ import annotations
