@@ -52,3 +52,21 @@ def test_linear_module_keeps_state_dict_keys():
     layer = lin.Linear(4, 3)
     assert set(layer.state_dict()) == {"weight", "bias"}
     assert isinstance(layer, torch.nn.Linear)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weight_gives_the_unpacked_product(dtype):
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(500, 64, generator=g) / 8).to(dtype)
+    packed = lin.prepack(w)
+    assert packed is not None
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    with torch.no_grad():
+        y = lin.linear(x, w, packed=packed)
+        assert torch.equal(y, lin._ONEDNN(x, w, None, "none", [], ""))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(y.float(), F.linear(x.float(), w.float()), atol=tol, rtol=tol)
+        with lin.use_onednn(False):  # the plain weight then, not the packed one
+            assert torch.equal(lin.linear(x, w, packed=packed), F.linear(x, w))
+    assert lin.prepack(w.double()) is None

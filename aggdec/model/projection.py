@@ -34,9 +34,8 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from aggdec.model.linear import linear
+from aggdec.model.linear import linear, prepack
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -68,7 +67,8 @@ def native_bf16(device: torch.device) -> bool:
 class OutputProjection:
     """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
 
-    `certify=False` makes `top1` the plain fp32 argmax. Counters (positions, see `counts`):
+    Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
+    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions, see `counts`):
     `certified` by the bf16 bound, `refined` from their candidates' fp32 logits, `recomputed` as whole
     fp32 rows.
     """
@@ -78,9 +78,11 @@ class OutputProjection:
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {weight.dtype}")
         self.weight = weight
         self.certify = certify
-        self.weight_bf16 = self.abs_coef = self.rel_coef = None
+        self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = None
+        self.packed = prepack(weight)
         if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
+            self.packed_bf16 = prepack(self.weight_bf16)
             d = weight.shape[1]
             g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
             u = BF16_UNIT_ROUNDOFF
@@ -99,7 +101,7 @@ class OutputProjection:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> fp32 logits (N, V)."""
-        return linear(hidden, self.weight)
+        return linear(hidden, self.weight, packed=self.packed)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
@@ -110,7 +112,7 @@ class OutputProjection:
         return self._certified_top1(hidden, constrain)
 
     def _certified_top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
-        zb = F.linear(hidden.bfloat16(), self.weight_bf16)
+        zb = linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16)
         constrain(zb, None)
         top = zb.topk(2, dim=-1)
         best, runner = top.values.float().unbind(dim=1)
