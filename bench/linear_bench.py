@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/linear.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if lin._ONEDNN is None:
+    if not lin.enabled():
         raise SystemExit("this PyTorch has no oneDNN: nothing to compare")
 
     results: dict = {"machine": machine("cpu"), "torch": torch.__version__, "threads": args.threads,
