@@ -5,8 +5,9 @@
 Part 1, products: median microseconds of `F.linear` and `linear` for the shapes the models use.
 Part 2, end to end, in one process with the two routes interleaved (`--repeat` medians): greedy and
 IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its drafter, at
-batch 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. Reports sentences/s of
-both routes, their ratio, and whether the outputs are identical.
+batch 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. The oneDNN route
+includes the prepacked output projection (`use_onednn(False)` turns both off). Reports sentences/s
+of both routes, their ratio, and whether the outputs are identical.
 """
 
 from __future__ import annotations

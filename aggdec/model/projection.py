@@ -68,9 +68,9 @@ class OutputProjection:
     """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
 
     Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
-    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions, see `counts`):
-    `certified` by the bf16 bound, `refined` from their candidates' fp32 logits, `recomputed` as whole
-    fp32 rows.
+    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
+    see `counts`): `certified` by the bf16 bound, `refined` from their candidates' fp32 logits,
+    `recomputed` as whole fp32 rows.
     """
 
     def __init__(self, weight: torch.Tensor, certify: bool):
