@@ -70,3 +70,13 @@ def test_prepacked_weight_gives_the_unpacked_product(dtype):
         with lin.use_onednn(False):  # the plain weight then, not the packed one
             assert torch.equal(lin.linear(x, w, packed=packed), F.linear(x, w))
     assert lin.prepack(w.double()) is None
+
+
+def test_cpu_autocast_is_left_to_f_linear():
+    """bf16 training evaluates under no_grad + CPU autocast: its products must stay autocast's bf16."""
+    layer = lin.Linear(256, 8000)
+    x = torch.randn(64, 256)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    with torch.no_grad():
+        assert layer(x).dtype == torch.float32

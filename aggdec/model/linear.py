@@ -14,7 +14,8 @@ already does between MKL's matrix-vector and matrix-matrix paths, so lossless me
 
 The op, `torch.ops.mkldnn._linear_pointwise`, is the one torch.compile's CPU backend emits; it is
 not a public API, so `linear` falls back to `F.linear` where PyTorch lacks it. Only inference takes
-it (grad disabled: it has no backward), and only while `enabled()`; `set_onednn(False)` /
+it (grad disabled: it has no backward; CPU autocast off, so bf16 training's no-grad evaluation keeps
+autocast's bf16 products), and only while `enabled()`; `set_onednn(False)` /
 `use_onednn(False)` restore plain `F.linear` everywhere (benchmarks compare both).
 
 `prepack` reorders a fixed weight into oneDNN's blocked layout once, so that products with it skip
@@ -77,7 +78,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (..., in) @ weight (out, in).T + bias (out,) -> (..., out), as `F.linear`.
 
     packed: `prepack(weight)`, optional; used at inference while `enabled()`, whatever the size."""
-    if _enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled():
+    if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")):
         if packed is not None:
             return _ONEDNN(x, packed, bias, "none", [], "")
         if x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS:
