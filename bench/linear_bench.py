@@ -5,9 +5,9 @@
 Part 1, products: median microseconds of `F.linear` and `linear` for the shapes the models use.
 Part 2, end to end, in one process with the two routes interleaved (`--repeat` medians): greedy and
 IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its drafter, at
-batch 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. The oneDNN route
-includes the prepacked output projection (`use_onednn(False)` turns both off). Reports sentences/s
-of both routes, their ratio, and whether the outputs are identical.
+`--batch-sizes` 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. The oneDNN
+route includes the prepacked output projection (`use_onednn(False)` turns both off). Reports
+sentences/s of both routes, their ratio, and whether the outputs are identical.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from baseline_bench import machine
+from baseline_bench import add_run_args, machine
 
 from aggdec.api import DecodeOptions, Translator
 from aggdec.model import linear as lin
@@ -64,11 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ende", default="models/ende-base")
     ap.add_argument("--drafter", default="models/ende-base-drafter")
     ap.add_argument("--ende-data", default="../shared/data/ende/test.tsv")
-    ap.add_argument("--limit", type=int, default=1000, help="sentences per corpus at batch 64")
-    ap.add_argument("--bs1-limit", type=int, default=100, help="sentences per corpus at batch 1")
-    ap.add_argument("--precisions", default="fp32,bf16-certified")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    add_run_args(ap, batch_sizes="1,64")
+    ap.set_defaults(limit=1000, bs1_limit=100, precisions="fp32,bf16-certified", repeat=3)
     ap.add_argument("--out", default="bench/results/linear.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for corpus, model, data, col, methods in tasks:
         tr = Translator.load(model)
         src = read_tsv(data, col, col)[0][: args.limit]
-        for bs in (1, 64):
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
             sents = src[: args.bs1_limit] if bs == 1 else src
             configs = [(m, p, on) for m in methods for p in args.precisions.split(",") for on in (False, True)]
             times: dict[tuple, list[float]] = {}

@@ -155,9 +155,7 @@ class DraftVerifyLoop:
             k1 = block.shape[1]
             offs = torch.arange(k1, device=self.device)[None]
             valid = offs <= num_draft[:, None]  # (B, K+1)
-            hidden = self.model.decode_hidden(block, state.cache, valid=None if bool(valid.all()) else valid)
-            if hidden.dim() == 3:
-                hidden = hidden[valid]
+            hidden = self.model.decode_hidden(block, state.cache, valid=valid)  # (N, D), packed
             out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
             max_len = state.max_len[:, None].expand_as(valid)[valid]
 

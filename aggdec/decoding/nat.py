@@ -87,12 +87,11 @@ class NATDrafter:
         src_idx = (lengths[:, None] + torch.arange(width, device=lengths.device)).clamp(max=state.out.shape[1] - 1)
         tokens = state.out.gather(1, src_idx)
         tokens = torch.where(is_mask, torch.full_like(tokens, self.mask_id), tokens)
-        valid = is_prefix | is_mask  # a prefix of each row: packed unless no row is padded
+        valid = is_prefix | is_mask  # a prefix of each row
         tokens = torch.where(valid, tokens, torch.full_like(tokens, state.pad))
-        packed = not bool(valid.all())
-        hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit, valid=valid if packed else None)
+        hidden = self.model.decode_hidden(tokens, cache, key_limit=key_limit, valid=valid)  # (N, D), packed
         cache.commit(n_new)
-        logits = self.model.output_logits(hidden[is_mask[valid]] if packed else hidden[is_mask])  # (sum k, V+1)
+        logits = self.model.output_logits(hidden[is_mask[valid]])  # (sum k, V+1)
         logits[:, self.mask_id] = -float("inf")
         logits[:, state.pad] = -float("inf")
         kmax = int(k.max())

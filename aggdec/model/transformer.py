@@ -249,6 +249,9 @@ class Transformer(nn.Module):
         attention alone on the padded layout), only they are written to the cache, and the result
         is (N,D) in row-major order. Ragged drafts then cost their own length, not the longest.
         """
+        if valid is not None and bool(valid.all()):  # nothing to pack: the plain layout, flattened
+            hidden = self.decode_hidden(tokens, cache, key_limit)
+            return hidden.reshape(-1, hidden.shape[-1])
         cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
