@@ -80,3 +80,28 @@ def test_cpu_autocast_is_left_to_f_linear():
         assert layer(x).dtype == torch.bfloat16
     with torch.no_grad():
         assert layer(x).dtype == torch.float32
+
+
+@needs_onednn
+def test_linear_layer_prepacks_and_follows_weight_changes():
+    """Large inference products use a packed copy of the weight, repacked after in-place updates."""
+    import copy
+    import pickle
+
+    g = torch.Generator().manual_seed(2)
+    layer = lin.Linear(256, 1024)
+    x = torch.randn(20, 256, generator=g)
+    with torch.no_grad():
+        y = layer(x)
+        packed = layer._pack
+        assert packed is not None and torch.equal(y, lin._ONEDNN(x, packed, layer.bias, "none", [], ""))
+        assert torch.allclose(y, F.linear(x, layer.weight, layer.bias), atol=1e-5)
+        layer.weight.mul_(-1)  # as an optimizer step or load_state_dict would
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
+        assert layer._pack is not packed
+        assert layer._packed(x[:1]) is None  # too small: F.linear's weight
+        assert torch.allclose(layer.relu(x), F.relu(F.linear(x, layer.weight, layer.bias)), atol=1e-5)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert clone._pack is None
+        with torch.no_grad():
+            assert torch.equal(clone(x), layer(x))

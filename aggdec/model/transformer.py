@@ -85,7 +85,7 @@ class FeedForward(nn.Module):
     """Mixin for fc1/fc2 with fairseq's names; used by both layer kinds."""
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.fc1(x))
+        h = self.fc1.relu(x) if self.act is F.relu else self.act(self.fc1(x))
         h = F.dropout(h, self.activation_dropout, self.training)
         return F.dropout(self.fc2(h), self.dropout, self.training)
 
