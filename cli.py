@@ -58,6 +58,8 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
               help="IAD: per-row draft cap that adapts to acceptance (needs --draft-cap); GAD: adaptive block size.")
 @click.option("--substitution", is_flag=True,
               help="IAD: after a rejection with no unique re-alignment, keep copying (substitution guess).")
+@click.option("--nearest-match", is_flag=True,
+              help="IAD: after a rejection, re-align at the repeated match nearest the rejected token (deletion guess).")
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), default=None,
               help="gad/gad++: NAR drafter directory; blockwise: proposal-heads directory.")
 @click.option("--block-size", type=click.IntRange(min=1), default=10, show_default=True, help="GAD block size k; blockwise: use the first k-1 proposal heads.")
@@ -81,7 +83,7 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 @click.option("--input", "-i", "input_path", type=click.File("r", encoding="utf-8", errors="surrogateescape"), default="-",
               help="Input text, one sentence per line (default: stdin).")
 def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_len_b, draft_cap, adaptive_draft,
-           substitution, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint,
+           substitution, nearest_match, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint,
            device, verify_precision, stats_path, input_path) -> None:
     """Decode text in-process (no Ray): one sentence per line in, one output line out.
 
@@ -98,7 +100,7 @@ def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_l
     try:
         opts = DecodeOptions(method=method, beam=beam, lenpen=lenpen, max_batch_size=batch_size, max_tokens=max_tokens,
                              max_len_a=max_len_a, max_len_b=max_len_b, draft_cap=draft_cap, adaptive_draft=adaptive_draft,
-                             substitution=substitution, drafter=drafter, block_size=block_size, top_beta=top_beta, tau=tau,
+                             substitution=substitution, nearest_match=nearest_match, drafter=drafter, block_size=block_size, top_beta=top_beta, tau=tau,
                              top_k_accept=top_k_accept, min_block=min_block, verify_precision=verify_precision)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e

@@ -48,6 +48,8 @@ class DecodeOptions:
         doubles on full acceptance.
     substitution: IAD fallback after a rejection with no unique re-alignment: keep copying the input
         after the rejected token (a substitution guess) instead of one AR step.
+    nearest_match: IAD re-alignment after a rejection where the output's suffix occurs several times in
+        the input: take the occurrence nearest the rejected token (a deletion guess) instead of one AR step.
     drafter: GAD/GAD++: NAR drafter model directory; blockwise: proposal-heads directory.
     block_size: GAD block size k (masks per call); blockwise: k-1 proposals from the first k-1
         heads (at most all the heads have).
@@ -74,6 +76,7 @@ class DecodeOptions:
     draft_cap: int | None = None
     adaptive_draft: bool = False
     substitution: bool = False
+    nearest_match: bool = False
     drafter: str | None = None
     block_size: int = 10
     top_beta: int = 3
@@ -118,7 +121,8 @@ class DecodeOptions:
         if self.method == "beam":
             parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}" + (f"|nbest:{self.nbest}" if self.nbest > 1 else ""))
         if self.method == "iad":
-            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}|subst:{int(self.substitution)}")
+            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}|subst:{int(self.substitution)}"
+                         + (f"|nearest:{int(self.nearest_match)}" if self.nearest_match else ""))
         if self.method in ("gad", "gad++"):
             parts.append(f"k:{self.block_size}|adaptive:{int(self.adaptive_draft)}")
         if self.method == "gad++":
@@ -228,7 +232,8 @@ class Translator:
         if opts.method == "greedy":
             drafter = NoDraft()
         elif opts.method == "iad":
-            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution)
+            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution,
+                                nearest_match=opts.nearest_match)
         elif opts.method == "blockwise":
             heads = self._drafter_model(opts.drafter, bf16=bf16_drafts)
             drafter = BlockwiseHeads(self.model, heads, opts.block_size,

@@ -45,14 +45,18 @@ def edit_spans(a: list[int], b: list[int]) -> tuple[int, int]:
 
 
 def iad_drafter(variant: str) -> InputCopy:
-    """'none' | 'N' | 'adaptiveN', optionally suffixed '+sub' (substitution fallback)."""
-    cap, _, extra = variant.partition("+")
-    sub = extra == "sub"
+    """'none' | 'N' | 'adaptiveN', optionally suffixed '+sub' (substitution fallback) and/or
+    '+near' (nearest_match re-alignment)."""
+    cap, *extras = variant.split("+")
+    unknown = set(extras) - {"sub", "near"}
+    if unknown:
+        raise ValueError(f"--draft-caps: unknown IAD option(s) {sorted(unknown)} in {variant!r}")
+    kw = dict(substitution="sub" in extras, nearest_match="near" in extras)
     if cap == "none":
-        return InputCopy(substitution=sub)
+        return InputCopy(**kw)
     if cap.startswith("adaptive"):
-        return InputCopy(max_draft=int(cap.removeprefix("adaptive")), adaptive=True, substitution=sub)
-    return InputCopy(max_draft=int(cap), substitution=sub)
+        return InputCopy(max_draft=int(cap.removeprefix("adaptive")), adaptive=True, **kw)
+    return InputCopy(max_draft=int(cap), **kw)
 
 
 def run_loop(model, reqs, drafter, bs, projection=None):
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="beam,greedy,iad")
     ap.add_argument("--draft-caps", default="none",
                     help="IAD variants to try: cap ('none', an int, or 'adaptiveN'), optionally '+sub' for the "
-                         "substitution fallback, e.g. none,16,adaptive32+sub")
+                         "substitution fallback and '+near' for nearest-match re-alignment, e.g. none,16+sub+near")
     ap.add_argument("--ct2", action="store_true", help="add CTranslate2 greedy on the same weights (needs ctranslate2)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CTranslate2 runs on the CPU only)")
     ap.add_argument("--out", default="bench/results/iad.json")

@@ -79,6 +79,9 @@ class DecodeSpec:
     """IAD: per-row draft cap / GAD: per-row block size that halves on early rejection, doubles on full acceptance."""
     substitution: bool = False
     """IAD: after a rejection with no unique re-alignment, keep copying the input (a substitution guess)."""
+    nearest_match: bool = False
+    """IAD: after a rejection, where the output's suffix occurs several times in the input, re-align at the
+    occurrence nearest the rejected token (a deletion guess)."""
     block_size: int = 10
     """GAD: block size k (masks per verifier call)."""
     top_beta: int = 3

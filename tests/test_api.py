@@ -32,6 +32,7 @@ def test_lossless_methods_agree_and_options_validate(tiny_model_dir):
     src = synthetic_sentences(30, seed=3)
     greedy = [r.text for r in tr.translate_batch(src, method="greedy", max_batch_size=4)]
     for opts in (DecodeOptions(method="iad", max_batch_size=7), DecodeOptions(method="iad", draft_cap=3, substitution=True),
+                 DecodeOptions(method="iad", substitution=True, nearest_match=True),
                  DecodeOptions(method="iad", draft_cap=8, adaptive_draft=True, max_tokens=50)):
         assert [r.text for r in tr.translate_batch(src, opts)] == greedy
     beam1 = [r.text for r in tr.translate_batch(src, method="beam", beam=1)]

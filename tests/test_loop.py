@@ -66,15 +66,16 @@ def test_greedy_loop_equals_naive_recompute(kind):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 8), cap=st.one_of(st.none(), st.integers(1, 6)),
        adaptive=st.booleans(), refill=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
-       repeat=st.booleans(), substitution=st.booleans())
-def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution):
+       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans())
+def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution, nearest_match):
     model = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 10), model.cfg.src_vocab, model.cfg.eos, repeat=repeat)
     rng.shuffle(reqs)  # refill order
     greedy = _decode(model, NoDraft(), reqs, max_batch_size=3)
-    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, substitution=substitution) if adaptive
-               else InputCopy(max_draft=cap, substitution=substitution))
+    fallbacks = dict(substitution=substitution, nearest_match=nearest_match)
+    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
+               else InputCopy(max_draft=cap, **fallbacks))
     iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens)
     assert {i: h.tokens for i, h in iad.items()} == {i: h.tokens for i, h in greedy.items()}
     for h in iad.values():
@@ -104,22 +105,29 @@ def test_guided_drafts_accept_and_roll_back_losslessly(seed, bs, k, corrupt):
             assert h.stats.iterations == -(-need // (k + 1))
 
 
-def _reference_match(x: list[int], o: list[int]) -> int:
-    """Algorithm 1's re-alignment by brute force: smallest q with a unique occurrence of o[-q:] in x."""
+def _reference_match(x: list[int], o: list[int], anchor: int = -1) -> int:
+    """Algorithm 1's re-alignment by brute force: smallest q with a unique occurrence of o[-q:] in x.
+    With an anchor >= 0 and no unique occurrence: the end of the longest repeated suffix's occurrence
+    nearest the anchor (the later one on a tie)."""
+    repeated: list[int] = []
     for q in range(1, len(o) + 1):
         suffix = o[-q:]
         ends = [i for i in range(q - 1, len(x)) if x[i - q + 1 : i + 1] == suffix]
         if len(ends) == 1:
             return ends[0]
         if not ends:
-            return -1
+            break
+        repeated = ends
+    if anchor >= 0 and repeated:
+        return min(repeated, key=lambda i: (abs(i - anchor), -i))
     return -1
 
 
 @settings(max_examples=200, deadline=None)
-@given(src=st.lists(st.integers(4, 7), max_size=12), outs=st.lists(st.lists(st.integers(4, 7), max_size=10), min_size=1, max_size=4))
-def test_input_copy_match_is_algorithm_1(src, outs):
-    """Vectorized suffix matching equals the brute-force definition, row by row."""
+@given(src=st.lists(st.integers(4, 7), max_size=12), outs=st.lists(st.lists(st.integers(4, 7), max_size=10), min_size=1, max_size=4),
+       anchor_seed=st.integers(0, 10**6))
+def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
+    """Vectorized suffix matching equals the brute-force definition, row by row (also with anchors)."""
     from aggdec.decoding.state import DecodeState
     from tiny_models import tiny_model as _m
 
@@ -139,3 +147,7 @@ def test_input_copy_match_is_algorithm_1(src, outs):
     BOS = -1
     want = [_reference_match([BOS] + s, [BOS] + o) for o in outs]
     assert got == want
+    rng = random.Random(anchor_seed)
+    anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
+    got = InputCopy().match(state, torch.tensor(anchors)).tolist()
+    assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
