@@ -66,8 +66,9 @@ def test_greedy_loop_equals_naive_recompute(kind):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 8), cap=st.one_of(st.none(), st.integers(1, 6)),
        adaptive=st.booleans(), refill=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
-       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans())
-def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution, nearest_match):
+       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans(), encode_batch=st.integers(0, 6))
+def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution, nearest_match,
+                           encode_batch):
     model = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 10), model.cfg.src_vocab, model.cfg.eos, repeat=repeat)
@@ -76,13 +77,33 @@ def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, 
     fallbacks = dict(substitution=substitution, nearest_match=nearest_match)
     drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
                else InputCopy(max_draft=cap, **fallbacks))
-    iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens)
+    iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens,
+                  encode_batch=encode_batch)
     assert {i: h.tokens for i, h in iad.items()} == {i: h.tokens for i, h in greedy.items()}
     for h in iad.values():
         assert h.stats.iterations == len(h.stats.accepted_per_iter)
         assert h.stats.accepted == sum(h.stats.accepted_per_iter) <= h.stats.drafted
         assert 0 <= h.stats.iterations + h.stats.accepted - (len(h.tokens) + 1) <= 1
 
+
+
+def test_refills_are_encoded_ahead_in_batches(monkeypatch):
+    """Freed slots take sentences encoded ahead: every request is encoded once, in fewer, larger
+    encoder calls, and the outputs do not change."""
+    model = tiny_model("shallow-decoder-tied-output", vocab=9)
+    reqs = _requests(random.Random(5), 40, model.cfg.src_vocab, model.cfg.eos)
+    sizes: list[int] = []
+    encode = type(model).encode
+    monkeypatch.setattr(type(model), "encode", lambda self, src: sizes.append(src.shape[0]) or encode(self, src))
+    outs, calls = [], []
+    for ahead in (0, 8):
+        sizes.clear()
+        loop = DraftVerifyLoop(model, NoDraft(), max_batch_size=4, encode_batch=ahead)
+        outs.append({h.index: h.tokens for h in loop.run(reqs)})
+        assert sum(sizes) == loop.counters.encoded_rows == len(reqs)
+        calls.append(len(sizes))
+    assert outs[0] == outs[1]
+    assert calls[1] < calls[0] / 2, calls
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 12), corrupt=st.floats(0, 0.5))

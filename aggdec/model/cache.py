@@ -26,6 +26,13 @@ class CrossKV:
     v: list[torch.Tensor]
     src_pad: torch.Tensor
 
+    def take(self, rows: torch.Tensor, trim: bool = False) -> "CrossKV":
+        """The given rows (1-D index tensor), in that order; `trim` also drops source positions that
+        are padding in every one of them."""
+        width = int((~self.src_pad[rows]).sum(dim=1).max()) if trim and rows.numel() else self.src_pad.shape[1]
+        return CrossKV(k=[t[rows, :width] for t in self.k], v=[t[rows, :width] for t in self.v],
+                       src_pad=self.src_pad[rows, :width])
+
 
 class DecoderCache:
     """Self-attention cache for `n_layers` layers plus the cross-attention K/V of each row.
@@ -93,11 +100,7 @@ class DecoderCache:
         self.lengths = self.lengths.index_select(0, rows)
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
-        self.cross = CrossKV(
-            k=[t.index_select(0, rows) for t in self.cross.k],
-            v=[t.index_select(0, rows) for t in self.cross.v],
-            src_pad=self.cross.src_pad.index_select(0, rows),
-        )
+        self.cross = self.cross.take(rows)
 
     def replace(self, slots: torch.Tensor, cross: CrossKV) -> None:
         """Put new sentences into `slots` (continuous batching): their cross K/V, length 0.
