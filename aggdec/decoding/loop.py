@@ -211,7 +211,7 @@ class DraftVerifyLoop:
             done_list = done.tolist()
             if any(done_list):
                 state = yield from self._retire(state, done_list, queue)
-        return
+        self._ahead = None
 
     def _record(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
         nd, acc = num_draft.tolist(), accepted.tolist()
