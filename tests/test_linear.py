@@ -1,5 +1,8 @@
 """aggdec.model.linear: the oneDNN route for large fp32 CPU inference products."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,9 +88,6 @@ def test_cpu_autocast_is_left_to_f_linear():
 @needs_onednn
 def test_linear_layer_prepacks_and_follows_weight_changes():
     """Large inference products use a packed copy of the weight, repacked after in-place updates."""
-    import copy
-    import pickle
-
     g = torch.Generator().manual_seed(2)
     layer = lin.Linear(256, 1024)
     x = torch.randn(20, 256, generator=g)
