@@ -63,6 +63,9 @@ def test_prepacked_weight_gives_the_unpacked_product(dtype):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(500, 64, generator=g) / 8).to(dtype)
     packed = lin.prepack(w)
+    if dtype == torch.bfloat16 and not lin._BF16_PACK:  # AVX2-only CPU: bf16 stays unpacked, no error
+        assert packed is None
+        return
     assert packed is not None
     x = torch.randn(7, 64, generator=g).to(dtype)
     with torch.no_grad():

@@ -41,6 +41,9 @@ MIN_MACS = 1 << 20
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 _enabled = _ONEDNN is not None
+# oneDNN reorders bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere
+# (AVX2-only CPUs) it raises, so bf16 weights stay unpacked there.
+_BF16_PACK = _REORDER is not None and getattr(torch.cpu, "_is_avx512_supported", lambda: False)()
 
 
 def enabled() -> bool:
@@ -70,6 +73,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` (out, in), fp32 or bf16 on the CPU, in oneDNN's layout for `linear(..., packed=)`. A
     snapshot: later changes to `weight` are not seen. None where oneDNN cannot take it."""
     if _REORDER is None or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype == torch.bfloat16 and not _BF16_PACK:
         return None
     with torch.no_grad():
         return _REORDER(weight.detach())
