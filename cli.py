@@ -42,84 +42,101 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
         raise click.ClickException(str(e)) from e
 
 
+def _method_names() -> list[str]:
+    from aggdec.decoding.methods import METHODS
+
+    return list(METHODS)
+
+
+def _option_flags(fn):
+    """One click option per decoding option of every registered method (aggdec.decoding.methods),
+    generated from the options' fields: name, type, bounds, choices and help. Unset flags are None."""
+    from aggdec.decoding.methods import all_options
+
+    for name, (f, hint) in reversed(list(all_options().items())):
+        meta, base = f.metadata, _base_type(hint)
+        if base is bool:
+            kind = {"is_flag": True}
+        elif meta.get("choices"):
+            kind = {"type": click.Choice(meta["choices"])}
+        elif meta.get("path"):
+            kind = {"type": click.Path(exists=True, file_okay=False)}
+        elif base in (int, float):
+            rng = click.IntRange if base is int else click.FloatRange
+            kind = {"type": rng(min=meta["low"]) if meta.get("low") is not None else base}
+        else:
+            kind = {"type": str}
+        default = "" if f.default is None else f"  [default: {f.default}]"
+        flag = meta.get("flag") or "--" + name.replace("_", "-")
+        fn = click.option(flag, name, default=None, help=meta["help"] + default, **kind)(fn)
+    return fn
+
+
+def _base_type(hint):
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
 @main.command()
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Project model directory, or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
-@click.option("--method", type=click.Choice(["greedy", "beam", "iad", "gad", "gad++", "blockwise"]), default="greedy",
-              show_default=True, help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
-@click.option("--beam", type=click.IntRange(min=1), default=5, show_default=True, help="Beam size for --method beam.")
-@click.option("--lenpen", type=float, default=1.0, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Most sentences decoded at once.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Most source tokens decoded at once.")
-@click.option("--max-len-a", type=float, default=1.5, show_default=True, help="Output limit a*src_len + b.")
-@click.option("--max-len-b", type=int, default=10, show_default=True)
-@click.option("--draft-cap", type=click.IntRange(min=1), default=None, help="IAD: most draft tokens per row and call.")
-@click.option("--adaptive-draft", is_flag=True,
-              help="IAD: per-row draft cap that adapts to acceptance (needs --draft-cap); GAD: adaptive block size.")
-@click.option("--substitution", is_flag=True,
-              help="IAD: after a rejection with no unique re-alignment, keep copying (substitution guess).")
-@click.option("--nearest-match", is_flag=True,
-              help="IAD: after a rejection, re-align at the repeated match nearest the rejected token (deletion guess).")
-@click.option("--drafter", type=click.Path(exists=True, file_okay=False), default=None,
-              help="gad/gad++: NAR drafter directory; blockwise: proposal-heads directory.")
-@click.option("--block-size", type=click.IntRange(min=1), default=10, show_default=True, help="GAD block size k; blockwise: use the first k-1 proposal heads.")
-@click.option("--top-beta", type=click.IntRange(min=1), default=3, show_default=True, help="GAD++: top-beta.")
-@click.option("--tau", type=click.FloatRange(min=0), default=1.0, show_default=True, help="GAD++: log-prob gap tau.")
-@click.option("--top-k-accept", type=click.IntRange(min=1), default=1, show_default=True,
-              help="blockwise: accept proposals in the verifier's top-k (1 = exact, lossless).")
-@click.option("--min-block", type=click.IntRange(min=0), default=0, show_default=True,
-              help="blockwise/gad: always keep this many proposals (approximate; 0 = off).")
+@click.option("--method", default="greedy", show_default=True, type=click.Choice(_method_names()),
+              help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
+@_option_flags
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
 @click.option("--trust-checkpoint", is_flag=True, help="Allow loading a pickled fairseq .pt file (it can run code).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the model runs (fp32 either way).")
-@click.option("--verify-precision", type=click.Choice(["auto", "fp32", "bf16-certified"]), default="auto", show_default=True,
-              help="Verifier top-1: fp32, or a bf16 output projection certified equal to fp32's (same outputs, "
-                   "faster on CPUs with native bf16); auto picks bf16-certified there, fp32 elsewhere.")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write per-sentence statistics as JSON lines here.")
 @click.option("--input", "-i", "input_path", type=click.File("r", encoding="utf-8", errors="surrogateescape"), default="-",
               help="Input text, one sentence per line (default: stdin).")
-def decode(model, method, beam, lenpen, batch_size, max_tokens, max_len_a, max_len_b, draft_cap, adaptive_draft,
-           substitution, nearest_match, drafter, block_size, top_beta, tau, top_k_accept, min_block, data_dir, bpe, bpe_model, trust_checkpoint,
-           device, verify_precision, stats_path, input_path) -> None:
+def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, stats_path, input_path, **flags) -> None:
     """Decode text in-process (no Ray): one sentence per line in, one output line out.
+
+    Decoding options are those of aggdec.decoding.methods; options of other methods than --method
+    are ignored (with a note).
 
     \b
     Examples:
       aggdec decode --method iad < noisy.txt > corrected.txt
       aggdec decode -m models/ende-base --method beam --beam 5 < en.txt > de.txt
-      aggdec decode -m models/ende-base --method gad --drafter models/ende-base-drafter --block-size 10 < en.txt
+      aggdec decode -m models/ende-base --method gad --drafter models/ende-base-drafter --block-size 4 < en.txt
       aggdec decode -m models/ende-base --method gad++ --drafter models/ende-base-drafter --top-beta 3 --tau 1
       aggdec decode -m ckpt/checkpoint_best.pt --data-dir data-bin --trust-checkpoint --method greedy < in.txt
     """
-    from aggdec.api import DecodeOptions, summarize
+    from aggdec.api import summarize
+    from aggdec.decoding.methods import options_from_mapping
+    from aggdec.decoding.options import OptionError
+    from aggdec.schema import decoded_columns
 
+    given = {k: v for k, v in flags.items() if v is not None and v is not False}
     try:
-        opts = DecodeOptions(method=method, beam=beam, lenpen=lenpen, max_batch_size=batch_size, max_tokens=max_tokens,
-                             max_len_a=max_len_a, max_len_b=max_len_b, draft_cap=draft_cap, adaptive_draft=adaptive_draft,
-                             substitution=substitution, nearest_match=nearest_match, drafter=drafter, block_size=block_size, top_beta=top_beta, tau=tau,
-                             top_k_accept=top_k_accept, min_block=min_block, verify_precision=verify_precision)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from e
-    if adaptive_draft and method == "iad" and draft_cap is None:
-        raise click.BadParameter("--adaptive-draft needs --draft-cap", param_hint="--adaptive-draft")
+        opts, unused = options_from_mapping({"method": method, **given}, method)
+    except OptionError as e:
+        raise click.BadParameter(e.message, param_hint="--" + e.name.replace("_", "-")) from e
+    if unused:
+        click.echo(f"note: not options of method {method}, ignored: {', '.join(unused)}", err=True)
     translator = _load_translator(model, trust_checkpoint, data_dir, bpe, bpe_model, device)
     lines = [line.rstrip("\n") for line in input_path]
     t0 = time.perf_counter()
-    results = translator.translate_batch(lines, opts)
+    try:
+        results = translator.translate_batch(lines, opts)
+    except (FileNotFoundError, ValueError) as e:  # a drafter that does not load or fit the model
+        raise click.ClickException(str(e)) from e
     seconds = time.perf_counter() - t0
     for r in results:
         click.echo(r.text)
     if stats_path:
+        columns = decoded_columns(results)
+        columns.pop("hyp")
         with open(stats_path, "w", encoding="utf-8") as f:
-            for i, r in enumerate(results):
-                row = {"line": i + 1, "status": r.status, "error": r.error, "src_len": r.src_len, "hyp_len": len(r.tokens),
-                       "iterations": r.stats.iterations, "drafted": r.stats.drafted, "accepted": r.stats.accepted,
-                       "accepted_per_iter": r.stats.accepted_per_iter, "decode_ms": round(r.stats.decode_ms, 3)}
-                f.write(json.dumps(row) + "\n")
+            for i in range(len(results)):
+                f.write(json.dumps({"line": i + 1, **{k: v[i] for k, v in columns.items()}}) + "\n")
     summary = summarize(results, seconds)
     bad = {k: v for k, v in summary["status"].items() if k != "ok"}
     click.echo(f"{summary['rows']} sentences in {seconds:.2f}s ({summary['sentences_per_s']:.1f}/s), "
@@ -212,7 +229,7 @@ DEFAULT_SPEC = str(Path(__file__).resolve().parent / "examples" / "correct.toml"
 def _overrides(sets: tuple[str, ...], **flags) -> list[str]:
     """Explicit flags become dotted overrides (applied after --set, so they win)."""
     names = {"input_path": "input.path", "output": "output.dir", "model": "model", "method": "decode.method",
-             "drafter": "drafter",
+             "drafter": "decode.drafter",
              "actors": "resources.actors", "gpus_per_actor": "resources.gpus_per_actor"}
     out = list(sets)
     for key, value in flags.items():
@@ -236,9 +253,9 @@ _spec_overrides = [
     click.option("--input", "input_path", default=None, help="Same as --set input.path=PATH."),
     click.option("--output", "-o", "output", default=None, help="Same as --set output.dir=DIR."),
     click.option("--model", "-m", "model", default=None, help="Same as --set model=DIR."),
-    click.option("--method", default=None,
-                 help="Same as --set decode.method=METHOD (greedy, beam, iad, gad, gad++, blockwise)."),
-    click.option("--drafter", default=None, help="Same as --set drafter=DIR (gad, gad++, blockwise)."),
+    click.option("--method", default=None, type=click.Choice(_method_names()),
+                 help="Same as --set decode.method=METHOD."),
+    click.option("--drafter", default=None, help="Same as --set decode.drafter=DIR (gad, gad++, blockwise)."),
     click.option("--actors", type=click.IntRange(min=0), default=None, help="Same as --set resources.actors=N."),
     click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=None,
                  help="Same as --set resources.gpus_per_actor=G (1: one actor per GPU)."),
@@ -400,7 +417,8 @@ TASK_OF_KIND = {"correct": "gec", "translate": "translation"}
 
 def _eval_inputs(out_dir, hyp_file, ref_file, src_file, ref_column, task) -> tuple[dict, str]:
     """(hyps/refs/srcs plus provenance, task) from an output directory or from text files."""
-    from aggdec.evaluate import read_lines, read_manifest, read_outputs
+    from aggdec.evaluate import read_lines
+    from aggdec.schema import count_status, read_manifest, read_outputs
 
     if out_dir and (hyp_file or ref_file or src_file):
         raise click.UsageError("give OUT_DIR or --hyp/--ref/--src files, not both")
@@ -411,9 +429,7 @@ def _eval_inputs(out_dir, hyp_file, ref_file, src_file, ref_column, task) -> tup
         if task is None:
             raise click.UsageError(f"{out_dir}: the job manifest does not say the task; give --task")
         table = read_outputs(out_dir, ["src", "hyp", ref_column, "status"])
-        status: dict[str, int] = {}
-        for s in table.column("status").to_pylist():
-            status[s] = status.get(s, 0) + 1
+        status = count_status(table.column("status").to_pylist())
         text = {name: ["" if v is None else str(v) for v in table.column(col).to_pylist()]
                 for name, col in (("src", "src"), ("hyp", "hyp"), ("ref", ref_column))}
         return {**text, "input": {"out_dir": out_dir, "ref_column": ref_column, "status": status,
@@ -459,7 +475,8 @@ def eval_cmd(out_dir, task, ref_column, hyp_file, ref_file, src_file, tokenise, 
       aggdec eval --hyp hyp.txt --ref ref.txt --src src.txt --task gec
       aggdec eval out/iad --compare out/greedy
     """
-    from aggdec.evaluate import bleu_chrf, compare_outputs, gec_scores, read_by_id
+    from aggdec.evaluate import bleu_chrf, compare_outputs, gec_scores
+    from aggdec.schema import read_by_id
 
     try:
         if compare_dir:

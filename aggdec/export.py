@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from aggdec.evaluate import id_sort_key, output_files, read_outputs
+from aggdec.schema import id_sort_key, output_files, read_outputs
 
 FAIRSEQ_COLUMNS = ("id", "src", "hyp", "iterations", "accepted_per_iter")
 

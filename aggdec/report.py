@@ -28,10 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from aggdec.evaluate import read_manifest, read_outputs
+from aggdec.schema import STATS_COLUMNS, count_status, read_manifest, read_outputs
 
-REPORT_COLUMNS = ("src", "hyp", "status", "method", "src_len", "hyp_len", "iterations", "drafted", "accepted",
-                  "accepted_per_iter", "decode_ms")
+REPORT_COLUMNS = ("src", "hyp", "status", "method", *STATS_COLUMNS)
 BENCH_KEYS = ("method", "batch_size", "sentences_per_s")
 LENGTH_EDGES = (0, 10, 20, 30, 40, 60, 80, 120)  # src_len buckets (lo, hi]; the last is open
 EDIT_RATIO_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)  # binned medians: exactly 0, (lo, hi], > 0.5
@@ -308,9 +307,7 @@ def _img(png: str, alt: str) -> str:
 def _load_rows(out_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     table = read_outputs(out_dir, REPORT_COLUMNS)
     status = table.column("status").to_pylist()
-    status_counts: dict[str, int] = {}
-    for s in status:
-        status_counts[str(s)] = status_counts.get(str(s), 0) + 1
+    status_counts = count_status(str(s) for s in status)
     keep = np.isin(np.asarray(status, dtype=object), ["ok", "truncated"])
     if not keep.any():
         raise ValueError(f"{out_dir}: no rows with status ok/truncated to report on (status counts: {status_counts})")

@@ -20,7 +20,7 @@ import torch
 from baseline_bench import machine
 
 from aggdec import checkpoint
-from aggdec.api import DecodeOptions, Translator
+from aggdec.api import Translator, decode_options
 from aggdec.train.ar import PAD, read_tsv
 from aggdec.train.drafter import block_layout_batch
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = [(s, tr.prepare(s)[0]) for s in sources[: args.limit]]
     prepared = [(s, ids) for s, ids in prepared if ids is not None]  # empty sources have no output
     sources, src = [s for s, _ in prepared], [ids[:-1] for _, ids in prepared]
-    results = tr.translate_batch(sources, DecodeOptions(method="greedy", max_batch_size=64, verify_precision="fp32"))
+    results = tr.translate_batch(sources, decode_options("greedy", max_batch_size=64, verify_precision="fp32"))
     out = [r.tokens for r in results]
     report = {"model": args.model, "sha": tr.bundle.sha, "data": args.data, "sentences": len(sources),
               "block_size": args.block_size, "machine": machine("cpu"), "drafters": {}}

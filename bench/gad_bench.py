@@ -26,23 +26,23 @@ import sacrebleu
 import torch
 from baseline_bench import add_run_args, greedy_like, machine, with_precision
 
-from aggdec.api import DecodeOptions, Translator
+from aggdec.api import DecodeOptions, Translator, decode_options
 from aggdec.train.ar import read_tsv
 
 
 def method_table(drafter: str | None, heads: str | None, gadpp_k: int) -> dict[str, DecodeOptions]:
     """Name -> options; methods whose model is missing are left out."""
-    m = {"beam5": DecodeOptions(method="beam", beam=5), "greedy": DecodeOptions(method="greedy")}
+    m = {"beam5": decode_options("beam", beam=5), "greedy": decode_options("greedy")}
     if drafter:
-        m["gad-k4"] = DecodeOptions(method="gad", drafter=drafter, block_size=4)
-        m["gad-k10"] = DecodeOptions(method="gad", drafter=drafter, block_size=10)
-        m["gad-k25"] = DecodeOptions(method="gad", drafter=drafter, block_size=25)
-        m["gad-k25-adaptive"] = DecodeOptions(method="gad", drafter=drafter, block_size=25, adaptive_draft=True)
-        m["gad++-b3-t1"] = DecodeOptions(method="gad++", drafter=drafter, block_size=gadpp_k, top_beta=3, tau=1.0)
-        m["gad++-b5-t3"] = DecodeOptions(method="gad++", drafter=drafter, block_size=gadpp_k, top_beta=5, tau=3.0)
+        m["gad-k4"] = decode_options("gad", drafter=drafter, block_size=4)
+        m["gad-k10"] = decode_options("gad", drafter=drafter, block_size=10)
+        m["gad-k25"] = decode_options("gad", drafter=drafter, block_size=25)
+        m["gad-k25-adaptive"] = decode_options("gad", drafter=drafter, block_size=25, adaptive_draft=True)
+        m["gad++-b3-t1"] = decode_options("gad++", drafter=drafter, block_size=gadpp_k, top_beta=3, tau=1.0)
+        m["gad++-b5-t3"] = decode_options("gad++", drafter=drafter, block_size=gadpp_k, top_beta=5, tau=3.0)
     if heads:
-        m["blockwise-k4"] = DecodeOptions(method="blockwise", drafter=heads, block_size=4)
-        m["blockwise-k8"] = DecodeOptions(method="blockwise", drafter=heads, block_size=8)
+        m["blockwise-k4"] = decode_options("blockwise", drafter=heads, block_size=4)
+        m["blockwise-k8"] = decode_options("blockwise", drafter=heads, block_size=8)
     return m
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--methods: unknown or unavailable {unknown}; available: {sorted(table)}")
     src_all, ref_all = read_tsv(args.data, args.src_col, args.ref_col)
     src_all, ref_all = src_all[: args.limit], ref_all[: args.limit]
-    tr.translate_batch(src_all[:16], DecodeOptions(max_batch_size=16))  # warm-up
+    tr.translate_batch(src_all[:16], decode_options(max_batch_size=16))  # warm-up
     for n in names:
         for prec in args.precisions.split(","):
             if table[n].drafter:  # loads the drafter in this precision outside the timed runs

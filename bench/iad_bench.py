@@ -29,7 +29,8 @@ from baseline_bench import add_run_args, ctranslate2_greedy, export_ct2, greedy_
 
 from aggdec.api import Translator
 from aggdec.decoding.beam import beam_search
-from aggdec.decoding.drafters import InputCopy, NoDraft
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request

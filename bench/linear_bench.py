@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from baseline_bench import add_run_args, machine
 
-from aggdec.api import DecodeOptions, Translator
+from aggdec.api import Translator, decode_options
 from aggdec.model import linear as lin
 from aggdec.train.ar import read_tsv
 
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"machine": machine("cpu"), "torch": torch.__version__, "threads": args.threads,
                      "min_macs": lin.MIN_MACS, "products": products(), "runs": []}
-    tasks = [("gec", args.gec, args.gec_data, "noisy", {"greedy": DecodeOptions(), "iad": DecodeOptions(method="iad")}),
+    tasks = [("gec", args.gec, args.gec_data, "noisy", {"greedy": decode_options(), "iad": decode_options("iad")}),
              ("ende", args.ende, args.ende_data, "en",
-              {"greedy": DecodeOptions(), "gad-k4": DecodeOptions(method="gad", drafter=args.drafter, block_size=4)})]
+              {"greedy": decode_options(), "gad-k4": decode_options("gad", drafter=args.drafter, block_size=4)})]
     for corpus, model, data, col, methods in tasks:
         tr = Translator.load(model)
         src = read_tsv(data, col, col)[0][: args.limit]

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                                     f"input.text_column={args.text_column}", f"decode.method={args.method}",
                                     *([f"input.id_column={args.id_column}"] if args.id_column else []),
                                     f"batching.rows_per_task={args.rows_per_task}",
-                                    f"batching.max_batch_size={args.max_batch_size}", f"resources.actors={actors}"])
+                                    f"decode.max_batch_size={args.max_batch_size}", f"resources.actors={actors}"])
 
         actor_counts = [int(a) for a in args.actors.split(",")]
         conn = connect(None, num_cpus=args.num_cpus, log_to_driver=False)

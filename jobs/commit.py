@@ -2,7 +2,7 @@
 
 Layout of output.dir:
     <stem>.parquet        one per input shard, written only by `commit`
-    <stem>.tsv            distill jobs: the shard's training pairs (jobs.distill), written before the marker
+    <stem>.tsv            distill jobs: the shard's training pairs (aggdec.distill), written before the marker
     _SUCCESS.<stem>       JSON marker, written after the shard file is durable (its presence = committed)
     _manifest.json        job summary, rewritten after every commit
     .<name>.tmp           in-flight writes; stale ones are deleted when a run starts
@@ -26,10 +26,10 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from aggdec.schema import MANIFEST_NAME
 from jobs.spec import SpecError
 
 MARKER_PREFIX = "_SUCCESS."
-MANIFEST_NAME = "_manifest.json"
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -94,8 +94,9 @@ class OutputDir:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 record = None
             if record is not None and record.get("fingerprint") != fingerprint:
-                raise SpecError(f"output.dir: {marker} was written by a different job ({record.get('fingerprint')}); "
-                                f"this job is {fingerprint}. Use another output.dir or delete that one")
+                raise SpecError(f"output.dir: {marker} was written by a different job: "
+                                f"{_difference(record.get('fingerprint'), fingerprint)}. "
+                                "Use another output.dir or delete that one")
             if (record is not None and out.is_file() and _num_rows(out) == record.get("rows")
                     and (not record.get("tsv") or self.tsv_path(stem).is_file())):
                 return record
@@ -117,6 +118,15 @@ class OutputDir:
         if tsv is not None:
             atomic_write(self.tsv_path(stem), lambda f: f.write(tsv))
         write_json(self.marker_path(stem), record)
+
+
+def _difference(old: Any, new: dict) -> str:
+    """The fingerprint fields that differ, as '<field>: <old> there, <new> in this job; ...'."""
+    if not isinstance(old, dict):
+        return f"its fingerprint is {old!r}"
+    keys = [*new, *(k for k in old if k not in new)]
+    return "; ".join(f"{k}: {old.get(k, '<unset>')!r} there, {new.get(k, '<unset>')!r} in this job"
+                     for k in keys if old.get(k, "<unset>") != new.get(k, "<unset>"))
 
 
 def _num_rows(path: Path) -> int | None:

@@ -17,11 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from aggdec.schema import RESULT_COLUMNS
 from jobs.spec import JobSpec, SpecError
 
-# Columns the job writes itself (besides passthrough columns), in output order.
-RESULT_COLUMNS = ("status", "error", "method", "src_len", "hyp_len", "iterations", "drafted", "accepted",
-                  "accepted_per_iter", "decode_ms")
 RAY_SYNTHETIC = ("path", "row_hash")
 
 
@@ -67,7 +65,7 @@ def read_schema(path: str) -> tuple[pa.Schema, int]:
 def inspect_inputs(spec: JobSpec) -> list[Shard]:
     """All shards of `spec.input`, schemas checked. Raises SpecError naming the file and column."""
     text, id_col = spec.input.text_column, spec.input.id_column
-    reserved = {"id", "src", "hyp", *RESULT_COLUMNS}
+    reserved = {"id", "src", "hyp", *RESULT_COLUMNS, "score", "nbest", "kept", "filter_reason"}
     shards: list[Shard] = []
     stems: dict[str, str] = {}
     first: tuple[str, pa.Schema] | None = None

@@ -13,20 +13,13 @@ earlier run count exactly once.
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
+from aggdec.distill import merge_counts
 from aggdec.stats import SpeedupStats
-from jobs.distill import merge_counts
+from aggdec.versions import package_version
 
 FORMAT = "aggdec-job-manifest v1"
-
-
-def package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def totals(records: dict[str, dict]) -> dict[str, Any]:

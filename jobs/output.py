@@ -1,10 +1,6 @@
 """The output table of a shard and its statistics.
 
-Output columns, in order: id (string), src (the input text as stored), hyp, <passthrough columns,
-types unchanged>, status, error, method, src_len, hyp_len, iterations, drafted, accepted,
-accepted_per_iter (list<int32>), decode_ms, then the optional decoded columns (score, nbest; see
-cluster.actors.output_schema) when the actors returned them; distill jobs add kept and
-filter_reason (jobs.distill). Row i of the output is row i of the input file.
+Columns as aggdec.schema describes them; row i of the output is row i of the input file.
 """
 
 from __future__ import annotations
@@ -14,16 +10,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from aggdec.schema import STATS_COLUMNS, count_status
 from aggdec.stats import SpeedupStats
-from cluster.actors import OUTPUT_SCHEMA
 from jobs.inputs import Shard
-
-DECODED = ("status", "error", "src_len", "hyp_len", "iterations", "drafted", "accepted", "accepted_per_iter", "decode_ms")
 
 
 def build_output_table(shard: Shard, decoded: pa.Table, *, text_column: str, id_column: str | None,
                        method: str) -> pa.Table:
-    """Join `decoded` (OUTPUT_SCHEMA rows in input-row order, one per row) with the input file's columns."""
+    """Join `decoded` (aggdec.schema decoded rows in input-row order, one per row) with the input file's columns."""
     if decoded.num_rows != shard.rows:
         raise RuntimeError(f"{shard.path}: {decoded.num_rows} decoded rows for {shard.rows} input rows")
     columns = [text_column, *([id_column] if id_column else []), *shard.passthrough]
@@ -40,25 +34,18 @@ def build_output_table(shard: Shard, decoded: pa.Table, *, text_column: str, id_
     out["status"] = decoded.column("status")
     out["error"] = decoded.column("error")
     out["method"] = pa.array([method] * shard.rows, type=pa.string())
-    for name in DECODED[2:]:
+    for name in STATS_COLUMNS:
         out[name] = decoded.column(name)
-    for name in decoded.column_names:
-        if name not in OUTPUT_SCHEMA.names:
+    for name in ("score", "nbest"):
+        if name in decoded.column_names:
             out[name] = decoded.column(name)
     return pa.table(out)
-
-
-def empty_decoded(schema: pa.Schema = OUTPUT_SCHEMA) -> pa.Table:
-    """The decoded rows of an empty shard, with the columns the actors would have returned."""
-    return schema.empty_table()
 
 
 def shard_stats(decoded: pa.Table) -> tuple[dict[str, int], SpeedupStats]:
     """(rows per status, SpeedupStats over the ok/truncated rows) -- as aggdec.api.summarize."""
     status = decoded.column("status").to_pylist()
-    counts: dict[str, int] = {}
-    for s in status:
-        counts[s] = counts.get(s, 0) + 1
+    counts = count_status(status)
     mask = np.isin(np.asarray(status, dtype=object), ["ok", "truncated"])
 
     def total(name: str) -> np.ndarray:

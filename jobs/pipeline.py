@@ -5,8 +5,8 @@ Read:   ray.data.read_parquet(files, include_paths=True, include_row_hash=True) 
         position, which the driver inverts to a row number). Passthrough columns are not shipped:
         the driver copies them from the input file when it commits a shard.
 Decode: map_batches(DecodeWorker) on a fixed actor pool (cluster.resources.ActorPlan); output
-        columns as cluster.actors.output_schema (score when spec.keep_scores, nbest when the
-        decode options ask for n-best), one row per input row.
+        columns as cluster.actors.output_schema (score when spec.keep_scores, nbest when
+        spec.nbest), one row per input row.
 """
 
 from __future__ import annotations
@@ -57,11 +57,9 @@ def build_pipeline(spec: JobSpec, plan: ActorPlan) -> Callable[[Dataset], Datase
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             return ds.map_batches(
                 DecodeWorker,
-                fn_constructor_kwargs=dict(model_dir=spec.model, options=spec.decode_options(),
+                fn_constructor_kwargs=dict(model_dir=spec.model, options=spec.decode,
                                            text_column=spec.input.text_column, device=plan.device,
-                                           torch_threads=plan.torch_threads,
-                                           fail_once_marker=spec.debug.fail_once_marker,
-                                           score=spec.keep_scores),
+                                           torch_threads=plan.torch_threads, score=spec.keep_scores),
                 batch_size=spec.batching.rows_per_task,
                 batch_format="numpy",
                 udf_modifying_row_count=False,

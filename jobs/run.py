@@ -8,7 +8,7 @@ Order of work: (1) check every input schema and the output directory, before any
 (2) delete stale tmp files, keep committed shards, delete partial ones; (3) stream the remaining
 shards through Read -> Decode; the driver commits each shard as soon as all its rows arrived;
 (4) write the manifest (also after every commit, so a killed driver leaves an up-to-date one).
-Distill jobs also filter each shard's pairs and commit its training TSV (jobs.distill).
+Distill jobs also filter each shard's pairs and commit its training TSV (aggdec.distill).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aggdec.checkpoint import file_sha
-from cluster.actors import output_schema
+from aggdec.decoding.methods import output_options
+from aggdec.distill import distill_table
+from aggdec.schema import decoded_schema
 from cluster.connection import cluster_resources
 from cluster.resources import ActorPlan, plan_actors
 from jobs.assemble import ShardAssembler
 from jobs.commit import OutputDir, write_json
-from jobs.distill import distill_shard
 from jobs.inputs import Shard, inspect_inputs
 from jobs.manifest import build_manifest, totals
-from jobs.output import build_output_table, empty_decoded, shard_stats
+from jobs.output import build_output_table, shard_stats
 from jobs.pipeline import build_pipeline, read_shards
 from jobs.spec import JobSpec, SpecError
 
@@ -74,12 +75,16 @@ class JobResult:
                 + f"; output {self.output_dir}")
 
 
-def fingerprint(spec: JobSpec, signature: str) -> dict:
-    """What must match for a rerun to reuse committed shards (distill jobs: also the [distill] options)."""
-    fp = {"kind": spec.kind, "signature": signature, "drafter": spec.drafter, "text_column": spec.input.text_column,
-          "id_column": spec.input.id_column}
+def fingerprint(spec: JobSpec, model_sha: str) -> dict:
+    """What must match for a rerun to reuse committed shards, by dotted spec field: the kind, the
+    model's weights, every decoding option that can change an output (aggdec.decoding.methods.
+    output_options, which includes the package version and the acceptance rule), the input columns
+    and (distill jobs) the [distill] options."""
+    fp = {"kind": spec.kind, "model.sha": model_sha,
+          **{f"decode.{k}": v for k, v in output_options(spec.decode).items()},
+          "input.text_column": spec.input.text_column, "input.id_column": spec.input.id_column}
     if spec.kind == "distill":
-        fp["distill"] = dataclasses.asdict(spec.distill)
+        fp.update({f"distill.{k}": v for k, v in dataclasses.asdict(spec.distill).items()})
     return fp
 
 
@@ -93,8 +98,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     shards = inspect_inputs(spec)
     model_sha = file_sha(Path(spec.model) / "model.safetensors")
-    signature = spec.decode_options().signature(model_sha)
-    fp = fingerprint(spec, signature)
+    signature = spec.decode.signature(model_sha)
+    fp = fingerprint(spec, model_sha)
     out = OutputDir(spec.output.dir)
     stale = out.prepare()
     records: dict[str, dict] = {}
@@ -121,7 +126,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
         }
         tsv = None
         if spec.kind == "distill":
-            table, tsv, record["distill"] = distill_shard(table, spec.distill)
+            table, tsv, record["distill"] = distill_table(table, spec.distill, tsv=spec.distill.tsv)
             record["tsv"] = str(out.tsv_path(shard.stem)) if tsv is not None else None
         record["seconds_since_start"] = round(time.perf_counter() - t_start, 3)
         record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -144,8 +149,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     complete = False
     try:
         for shard in [s for s in todo if s.rows == 0]:
-            commit(shard, empty_decoded(output_schema(score=spec.keep_scores,
-                                                      nbest=spec.decode_options().nbest > 1)), t_pipe)
+            commit(shard, decoded_schema(score=spec.keep_scores, nbest=spec.nbest).empty_table(), t_pipe)
         if plan is not None:
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}

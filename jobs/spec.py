@@ -6,34 +6,38 @@ A spec is a TOML file (see examples/correct.toml) plus command-line overrides:
     model = "../models/gec-base"
     [input]   path = "data/gec-sample"  text_column = "src"  id_column = "id"
     [output]  dir = "../out/gec-sample"
-    [decode]  method = "iad"  draft_cap = 32
-    [batching] rows_per_task = 512  max_batch_size = 64  max_tokens = 4096
+    [decode]  method = "iad"  draft_cap = 16  max_batch_size = 64  max_tokens = 4096
+    [batching] rows_per_task = 512
     [resources] actors = 0  gpus_per_actor = 0  cpus_per_actor = 0.25
-    [distill] nbest = 1  keep_scores = false  max_len_ratio = 3.0  tsv = true   # kind distill only
+    [distill] keep_scores = false  max_len_ratio = 3.0  tsv = true   # kind distill only
 
 Paths written in the TOML file are relative to the file's directory; paths given on the command
 line (`--set input.path=...`, `--input`, `--output`, `--model`) are relative to the current
 directory. Both are stored absolute. Every error names the field at fault
-("decode.method: must be one of greedy, beam, iad; got 'foo'").
+("decode.method: must be one of greedy, beam, iad, ...; got 'foo'").
+
+[decode] is the decoding method's options class itself (aggdec.decoding.methods): `method` plus
+any option of any method; options of other methods than the chosen one are ignored (and listed in
+`unused_options`), so a spec can switch methods with `--set decode.method=...`.
 
 All three kinds run the same pipeline (one output row per input row); the kind is recorded in the
 manifest and picks the default decode method: correct -> iad (output mostly copies the input),
 translate and distill -> greedy. Distill jobs also filter pairs and write a training TSV per shard
-([distill], see DistillSpec and jobs.distill).
+([distill], see DistillSpec and aggdec.distill).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aggdec.api import METHODS, NEEDS_DRAFTER, VERIFY_PRECISIONS, DecodeOptions
+from aggdec.decoding.drafters import GreedyOptions
+from aggdec.decoding.methods import options_from_mapping, to_mapping
+from aggdec.decoding.options import DecodeOptions, OptionError, coerce, type_hints
+from aggdec.distill import PairFilter
 
 KINDS = ("correct", "translate", "distill")
 DEFAULT_METHOD = {"correct": "iad", "translate": "greedy", "distill": "greedy"}
@@ -60,53 +64,11 @@ class OutputSpec:
 
 
 @dataclass
-class DecodeSpec:
-    """Mirrors aggdec.api.DecodeOptions (batch limits are under [batching], the drafter is top-level)."""
-
-    method: str | None = None
-    """One of aggdec.api.METHODS (greedy, beam, iad, gad, gad++, blockwise). None: the kind's default."""
-    beam: int = 5
-    """Beam size (method beam)."""
-    lenpen: float = 1.0
-    """Length penalty (method beam)."""
-    max_len_a: float = 1.5
-    """Output length limit a * src_len + b."""
-    max_len_b: int = 10
-    """Output length limit a * src_len + b."""
-    draft_cap: int | None = None
-    """IAD: most draft tokens per row and verifier call (None: the whole remaining input)."""
-    adaptive_draft: bool = False
-    """IAD: per-row draft cap / GAD: per-row block size that halves on early rejection, doubles on full acceptance."""
-    substitution: bool = False
-    """IAD: after a rejection with no unique re-alignment, keep copying the input (a substitution guess)."""
-    nearest_match: bool = False
-    """IAD: after a rejection, where the output's suffix occurs several times in the input, re-align at the
-    occurrence nearest the rejected token (a deletion guess)."""
-    block_size: int = 10
-    """GAD: block size k (masks per verifier call)."""
-    top_beta: int = 3
-    """GAD++: accept a drafted token within the verifier's top-beta ..."""
-    tau: float = 1.0
-    """GAD++: ... and within tau of the top log-probability."""
-    top_k_accept: int = 1
-    """Approximate acceptance: a drafted token within the verifier's top-k is accepted (1: exact, lossless)."""
-    min_block: int = 0
-    """Blockwise: always keep the first min_block proposals (approximate, lossy; 0: off)."""
-    verify_precision: str = "auto"
-    """fp32 | bf16-certified | auto: how the verifier's top-1 is computed; outputs are the same either way
-    (see aggdec.model.projection). auto: bf16-certified on a CPU with native bf16, else fp32."""
-
-
-@dataclass
 class BatchingSpec:
     rows_per_task: int = 512
-    """Rows handed to one actor call (Ray Data batch_size); the engine batches continuously inside it,
-    so keep it several times max_batch_size (64-row calls ran 1.6x slower than 512-row calls in
-    bench/pipeline_bench.py); smaller values only buy more parallelism across actors."""
-    max_batch_size: int = 64
-    """Engine: most sentences decoded at once (continuous batching)."""
-    max_tokens: int | None = None
-    """Engine: most source tokens decoded at once (None: no token budget)."""
+    """Rows handed to one actor call (Ray Data batch_size); the engine batches continuously inside it
+    (decode.max_batch_size, decode.max_tokens), so keep it several times decode.max_batch_size;
+    smaller values only buy more parallelism across actors."""
 
 
 @dataclass
@@ -127,30 +89,16 @@ class ResourcesSpec:
 
 
 @dataclass
-class DistillSpec:
-    """Seq-KD corpus options (kind distill only); see jobs.distill for the filters and the TSV."""
+class DistillSpec(PairFilter):
+    """Seq-KD corpus options (kind distill only): the pair filter (aggdec.distill.PairFilter) plus what
+    to store. The n best beam hypotheses are stored when decode.nbest > 1 (method beam)."""
 
-    nbest: int = 1
-    """> 1: also store the n best beam hypotheses per row (Parquet column nbest); needs decode.method
-    beam with decode.beam >= nbest. The TSV always holds the 1-best."""
     keep_scores: bool = False
     """Store the output's score (Parquet column score): beam's normalized score, for other methods
     the sum of log-probs incl. eos (one extra teacher-forced verifier pass per batch)."""
-    min_len_ratio: float | None = None
-    """Drop pairs whose hyp/src token-length ratio (both without eos) is below this (None: no limit)."""
-    max_len_ratio: float | None = None
-    """Drop pairs whose hyp/src token-length ratio is above this (None: no limit)."""
-    drop_empty: bool = True
-    """Drop pairs with an empty source or output."""
     tsv: bool = True
     """Also write <stem>.tsv (header `src<TAB>kd`, one line per kept pair), the format of
     `python -m aggdec.train.drafter --data`."""
-
-
-@dataclass
-class DebugSpec:
-    fail_once_marker: str | None = None
-    """Tests only: if set and the file does not exist, the first actor call creates it and kills its process."""
 
 
 @dataclass
@@ -161,44 +109,46 @@ class JobSpec:
     """correct | translate | distill (recorded in the manifest; picks the default decode method)."""
     model: str = ""
     """Verifier: a project-format model directory (config.json, model.safetensors, tokenizer)."""
-    drafter: str | None = None
-    """Drafter for gad / gad++ (a NAR drafter model directory) or blockwise (a proposal-heads directory)."""
     input: InputSpec = field(default_factory=InputSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
-    decode: DecodeSpec = field(default_factory=DecodeSpec)
+    decode: DecodeOptions = field(default_factory=GreedyOptions)
+    """The decoding method and its options (aggdec.decoding.methods); `method` defaults to the kind's."""
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     distill: DistillSpec = field(default_factory=DistillSpec)
-    debug: DebugSpec = field(default_factory=DebugSpec)
+    unused_options: tuple[str, ...] = ()
+    """[decode] options given that belong to other methods than decode.method (ignored); not a TOML key."""
     source: str | None = None
     """The spec file this was loaded from (None: built in code); not a TOML key."""
 
     @property
     def method(self) -> str:
-        return self.decode.method or DEFAULT_METHOD[self.kind]
+        return self.decode.method
 
     @property
     def keep_scores(self) -> bool:
         """Whether decode actors return a score per row (distill.keep_scores of a distill job)."""
         return self.kind == "distill" and self.distill.keep_scores
 
-    def decode_options(self) -> DecodeOptions:
-        """The engine options: [decode] plus batching.max_batch_size / max_tokens, the drafter and
-        (distill jobs) distill.nbest."""
-        fields = dataclasses.asdict(self.decode)
-        fields["method"] = self.method
-        return DecodeOptions(**fields, max_batch_size=self.batching.max_batch_size,
-                             max_tokens=self.batching.max_tokens, drafter=self.drafter,
-                             nbest=self.distill.nbest if self.kind == "distill" else 1)
+    @property
+    def nbest(self) -> bool:
+        """Whether decode actors return the n-best list (decode.nbest > 1, method beam)."""
+        return getattr(self.decode, "nbest", 1) > 1
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["decode"]["method"] = self.method
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_TOML}
+        for name, value in out.items():
+            if dataclasses.is_dataclass(value):
+                out[name] = dataclasses.asdict(value)
+        out["decode"] = to_mapping(self.decode)
         return out
 
 
-PATH_FIELDS = ("model", "drafter", "input.path", "output.dir", "debug.fail_once_marker")
-SECTIONS = {f.name: f.type for f in dataclasses.fields(JobSpec)}
+NOT_TOML = ("unused_options", "source")
+PATH_FIELDS = ("model", "decode.drafter", "input.path", "output.dir")
+MOVED = {"drafter": "decode.drafter", "batching.max_batch_size": "decode.max_batch_size",
+         "batching.max_tokens": "decode.max_tokens", "distill.nbest": "decode.nbest"}
+"""Fields that moved into [decode], where every decoding option now lives."""
 
 
 def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
@@ -278,13 +228,29 @@ def _absolute(value: str, base: Path) -> str:
 
 def from_dict(data: dict) -> JobSpec:
     """Build a JobSpec from nested dicts, checking names and types; errors name the dotted field."""
-    return _build(JobSpec, data, prefix="", skip={"source"})
+    for old, new in MOVED.items():
+        section, _, leaf = old.rpartition(".")
+        node = data.get(section) if section else data
+        if isinstance(node, dict) and leaf in node:
+            raise SpecError(f"{old}: moved to {new} (every decoding option is in [decode])")
+    decode = data.get("decode", {})
+    if not isinstance(decode, dict):
+        raise SpecError(f"decode: must be a table/section, got {type(decode).__name__}")
+    spec = _build(JobSpec, {k: v for k, v in data.items() if k != "decode"}, prefix="", skip={"decode", *NOT_TOML})
+    if spec.kind not in KINDS:
+        raise SpecError(f"kind: must be one of {', '.join(KINDS)}; got {spec.kind!r}")
+    try:
+        spec.decode, unused = options_from_mapping(decode, DEFAULT_METHOD[spec.kind])
+    except OptionError as e:
+        raise SpecError(f"decode.{e}") from e
+    spec.unused_options = tuple(unused)
+    return spec
 
 
 def _build(cls, data: Any, prefix: str, skip: set[str] = frozenset()):
     if not isinstance(data, dict):
         raise SpecError(f"{prefix.rstrip('.')}: must be a table/section, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)} - skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -295,47 +261,18 @@ def _build(cls, data: Any, prefix: str, skip: set[str] = frozenset()):
         if dataclasses.is_dataclass(typ):
             kwargs[name] = _build(typ, data[name], f"{prefix}{name}.")
         else:
-            kwargs[name] = _check_type(f"{prefix}{name}", data[name], typ)
+            try:
+                kwargs[name] = coerce(f"{prefix}{name}", data[name], typ)
+            except OptionError as e:
+                raise SpecError(str(e)) from e
     return cls(**kwargs)
 
 
-def _check_type(name: str, value: Any, typ) -> Any:
-    args = typing.get_args(typ)
-    optional = isinstance(typ, types.UnionType) and type(None) in args
-    base = next((a for a in args if a is not type(None)), typ) if optional else typ
-    if optional and value in (None, "none", "None", "null"):
-        return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if base is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if base is bool and isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
-        raise SpecError(f"{name}: must be {base.__name__}{' or none' if optional else ''}, got {value!r}")
-    return value
-
-
 def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
-    """Check values that need no file access beyond the model directory; raise SpecError naming the field."""
-    if spec.kind not in KINDS:
-        raise SpecError(f"kind: must be one of {', '.join(KINDS)}; got {spec.kind!r}")
-    if spec.decode.method is not None and spec.decode.method not in METHODS:
-        raise SpecError(f"decode.method: must be one of {', '.join(METHODS)}; got {spec.decode.method!r}")
-    if spec.method == "beam" and importlib.util.find_spec("aggdec.decoding.beam") is None:
-        raise SpecError("decode.method: 'beam' needs aggdec/decoding/beam.py, which this install lacks")
-    if spec.decode.verify_precision not in VERIFY_PRECISIONS:
-        raise SpecError(f"decode.verify_precision: must be one of {', '.join(VERIFY_PRECISIONS)}; "
-                        f"got {spec.decode.verify_precision!r}")
-    if spec.decode.adaptive_draft and spec.method == "iad" and spec.decode.draft_cap is None:
-        raise SpecError("decode.adaptive_draft: with method iad needs decode.draft_cap")
-    for name, low in (("beam", 1), ("max_len_b", 0), ("block_size", 1), ("top_beta", 1), ("top_k_accept", 1),
-                      ("min_block", 0), ("tau", 0)):
-        _at_least(f"decode.{name}", getattr(spec.decode, name), low)
-    _at_least("decode.draft_cap", spec.decode.draft_cap, 1)
+    """Check values that need no file access beyond the model directory; raise SpecError naming the field.
+
+    Decoding options were validated when [decode] was read (aggdec.decoding.options)."""
     _at_least("batching.rows_per_task", spec.batching.rows_per_task, 1)
-    _at_least("batching.max_batch_size", spec.batching.max_batch_size, 1)
-    _at_least("batching.max_tokens", spec.batching.max_tokens, 1)
     r = spec.resources
     _at_least("resources.actors", r.actors, 0)
     _at_least("resources.gpus_per_actor", r.gpus_per_actor, 0)
@@ -358,28 +295,20 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
         raise SpecError("model: required (a model directory)")
     if check_model and not (Path(spec.model) / "config.json").is_file():
         raise SpecError(f"model: {spec.model} is not a model directory (no config.json)")
-    if check_model and spec.drafter is not None and not any(
-            (Path(spec.drafter) / name).is_file() for name in ("config.json", "heads.safetensors")):
-        raise SpecError(f"drafter: {spec.drafter} is neither a model directory (config.json) nor proposal heads "
+    drafter = getattr(spec.decode, "drafter", None)
+    if check_model and drafter is not None and not any(
+            (Path(drafter) / name).is_file() for name in ("config.json", "heads.safetensors")):
+        raise SpecError(f"decode.drafter: {drafter} is neither a model directory (config.json) nor proposal heads "
                         "(heads.safetensors)")
-    if spec.method in NEEDS_DRAFTER and not spec.drafter:
-        raise SpecError(f"drafter: decode.method {spec.method!r} needs a drafter (a NAR drafter or proposal-heads directory)")
     _validate_distill(spec)
-    try:
-        spec.decode_options()
-    except ValueError as e:  # anything DecodeOptions checks that is not checked above
-        raise SpecError(f"decode: {e}") from e
 
 
 def _validate_distill(spec: JobSpec) -> None:
     d = spec.distill
     if spec.kind != "distill" and d != DistillSpec():
         raise SpecError(f"distill: only applies to kind = \"distill\"; this job's kind is {spec.kind!r}")
-    _at_least("distill.nbest", d.nbest, 1)
-    if d.nbest > 1 and spec.method != "beam":
-        raise SpecError(f"distill.nbest: {d.nbest} needs decode.method = \"beam\", got {spec.method!r}")
-    if d.nbest > spec.decode.beam:
-        raise SpecError(f"distill.nbest: must be <= decode.beam ({spec.decode.beam}), got {d.nbest}")
+    if spec.kind == "distill" and "nbest" in spec.unused_options:
+        raise SpecError(f"decode.nbest: needs decode.method = \"beam\", got {spec.method!r}")
     for name in ("min_len_ratio", "max_len_ratio"):
         value = getattr(d, name)
         if value is not None and not 0 <= value < float("inf"):

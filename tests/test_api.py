@@ -4,7 +4,7 @@ import pytest
 
 from conftest import synthetic_sentences
 
-from aggdec.api import DecodeOptions, Translator, summarize
+from aggdec.api import Translator, decode_options, summarize
 from aggdec.text import clean_text
 
 
@@ -31,16 +31,16 @@ def test_lossless_methods_agree_and_options_validate(tiny_model_dir):
     tr = Translator.load(tiny_model_dir)
     src = synthetic_sentences(30, seed=3)
     greedy = [r.text for r in tr.translate_batch(src, method="greedy", max_batch_size=4)]
-    for opts in (DecodeOptions(method="iad", max_batch_size=7), DecodeOptions(method="iad", draft_cap=3, substitution=True),
-                 DecodeOptions(method="iad", substitution=True, nearest_match=True),
-                 DecodeOptions(method="iad", draft_cap=8, adaptive_draft=True, max_tokens=50)):
+    for opts in (decode_options("iad", max_batch_size=7), decode_options("iad", draft_cap=3, substitution=True),
+                 decode_options("iad", substitution=True, nearest_match=True),
+                 decode_options("iad", draft_cap=8, adaptive_draft=True, max_tokens=50)):
         assert [r.text for r in tr.translate_batch(src, opts)] == greedy
     beam1 = [r.text for r in tr.translate_batch(src, method="beam", beam=1)]
     assert beam1 == greedy
-    with pytest.raises(ValueError, match="method must be one of"):
-        DecodeOptions(method="nope")
+    with pytest.raises(ValueError, match="method: must be one of"):
+        decode_options("nope")
     with pytest.raises(ValueError, match="max_batch_size"):
-        DecodeOptions(max_batch_size=0)
+        decode_options(max_batch_size=0)
 
 
 def test_translate_iterable_keeps_order(tiny_model_dir):

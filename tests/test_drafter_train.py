@@ -7,7 +7,7 @@ import torch
 
 from conftest import synthetic_sentences
 
-from aggdec.api import DecodeOptions, Translator
+from aggdec.api import Translator, decode_options
 from aggdec.train import drafter as drafter_train
 from aggdec.train.seqkd import generate
 
@@ -40,10 +40,10 @@ def test_gad_family_is_lossless_through_the_api(tiny_model_dir, trained):
     tr = Translator.load(tiny_model_dir)
     src = synthetic_sentences(40, seed=9) + ["", "   "]
     greedy = [r.text for r in tr.translate_batch(src, method="greedy", max_batch_size=8)]
-    for opts in (DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, max_batch_size=8),
-                 DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, adaptive_draft=True),
-                 DecodeOptions(method="gad++", drafter=str(trained / "drafter"), top_beta=1, tau=3.0),
-                 DecodeOptions(method="blockwise", drafter=str(trained / "heads"), max_batch_size=5)):
+    for opts in (decode_options("gad", drafter=str(trained / "drafter"), block_size=4, max_batch_size=8),
+                 decode_options("gad", drafter=str(trained / "drafter"), block_size=4, adaptive_draft=True),
+                 decode_options("gad++", drafter=str(trained / "drafter"), top_beta=1, tau=3.0),
+                 decode_options("blockwise", drafter=str(trained / "heads"), max_batch_size=5)):
         for precision in ("fp32", "bf16-certified"):  # the second also runs the drafters in bf16
             res = tr.translate_batch(src, dataclasses.replace(opts, verify_precision=precision))
             assert [r.text for r in res] == greedy, (opts, precision)
@@ -55,9 +55,9 @@ def test_no_output_depends_on_verify_precision(tiny_model_dir, trained):
     """Lossy methods keep fp32 drafters and fp32 logits under bf16-certified, so they match too."""
     tr = Translator.load(tiny_model_dir)
     src = synthetic_sentences(40, seed=11)
-    for opts in (DecodeOptions(method="gad++", drafter=str(trained / "drafter"), top_beta=3, tau=2.0),
-                 DecodeOptions(method="blockwise", drafter=str(trained / "heads"), top_k_accept=3),
-                 DecodeOptions(method="gad", drafter=str(trained / "drafter"), block_size=4, min_block=2)):
+    for opts in (decode_options("gad++", drafter=str(trained / "drafter"), top_beta=3, tau=2.0),
+                 decode_options("blockwise", drafter=str(trained / "heads"), top_k_accept=3),
+                 decode_options("gad", drafter=str(trained / "drafter"), block_size=4, min_block=2)):
         assert not opts.lossless
         runs = [[r.text for r in tr.translate_batch(src, dataclasses.replace(opts, verify_precision=p))]
                 for p in ("fp32", "bf16-certified")]
@@ -67,7 +67,7 @@ def test_no_output_depends_on_verify_precision(tiny_model_dir, trained):
 def test_drafter_errors_name_the_directory(tiny_model_dir, trained):
     tr = Translator.load(tiny_model_dir)
     with pytest.raises(ValueError, match="needs a drafter"):
-        DecodeOptions(method="gad")
+        decode_options("gad")
     with pytest.raises(ValueError, match="not a NAR drafter"):
         tr.translate_batch(["a b c"], method="gad", drafter=str(tiny_model_dir))
     with pytest.raises(FileNotFoundError, match="no config.json"):

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from aggdec.evaluate import bleu_chrf, compare_outputs, f_score, id_sort_key, read_by_id, read_lines, read_outputs
+from aggdec.evaluate import bleu_chrf, compare_outputs, f_score, read_lines
+from aggdec.schema import id_sort_key, read_by_id, read_outputs
 
 HYPS = ["the cat sat on the mat", "a quick brown fox jumps"]
 REFS = ["the cat sat on a mat", "the quick brown fox jumped"]

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from tiny_models import tiny_model
 
 from aggdec.decoding.acceptance import ExactMatch, TopKTolerance
-from aggdec.decoding.blockwise import BlockwiseHeads, ProposalHeads
+from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.nat import NATDrafter, block_layout
+from aggdec.model.heads import ProposalHeads
 
 
 def _drafter(verifier, seed=1):
@@ -68,7 +69,7 @@ def test_gad_equals_greedy(seed, bs, k, adaptive):
     reqs = _requests(rng, rng.randint(1, 8), 9, verifier.cfg.eos)
     greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=4), reqs)
     drafter = _drafter(verifier, seed=seed % 7)
-    gad = NATDrafter(drafter, mask_id=drafter.cfg.tgt_vocab - 1, block_size=k, adaptive=adaptive, min_block=1)
+    gad = NATDrafter(drafter, mask_id=drafter.cfg.tgt_vocab - 1, block_size=k, adaptive=adaptive, min_draft=1)
     assert _tokens(DraftVerifyLoop(verifier, gad, max_batch_size=bs), reqs) == greedy
 
 

@@ -64,7 +64,7 @@ def read_outputs(out: Path) -> pa.Table:
 
 
 def in_process(model: Path, texts: list[str], spec) -> list:
-    return Translator.load(model).translate_batch(texts, spec.decode_options())
+    return Translator.load(model).translate_batch(texts, spec.decode)
 
 
 def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, tmp_path):
@@ -99,7 +99,7 @@ def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, t
     assert manifest["complete"] and manifest["totals"]["rows"] == SHARDS * ROWS
     assert manifest["totals"]["ok"] == result.ok == sum(r.status == "ok" for r in ref)
     assert manifest["model"]["sha"] == Translator.load(tiny_model_dir).bundle.sha
-    assert manifest["signature"].startswith("aggdec|method:iad") and manifest["signature"].endswith(manifest["model"]["sha"])
+    assert "|method:iad|" in manifest["signature"] and manifest["signature"].endswith(manifest["model"]["sha"])
     assert manifest["totals"]["speedup"]["accepted"] == sum(r.stats.accepted for r in ref)
     assert manifest["timings"]["actors"]["actors"] == 2 and manifest["aggdec_version"]
     first = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
@@ -131,12 +131,30 @@ def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, t
                                  "decode.method=greedy"]))
 
 
-def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp_path):
+def kill_once_worker(marker: Path) -> type:
+    """A DecodeWorker whose first call anywhere creates `marker` and kills its own process (defined in a
+    function, so Ray ships the class by value to the actors)."""
+    from cluster.actors import DecodeWorker
+
+    class KillOnce(DecodeWorker):
+        def __call__(self, batch):
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return super().__call__(batch)
+            os.close(fd)
+            os._exit(1)
+
+    return KillOnce
+
+
+def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp_path, monkeypatch):
     inp = write_corpus(tmp_path / "in", seed=2)
     out = tmp_path / "out"
     marker = tmp_path / "killed-once"
     spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out, resources={"actors": "1"},
-                                decode={"method": '"greedy"'}, debug={"fail_once_marker": f'"{marker}"'}))
+                                decode={"method": '"greedy"'}))
+    monkeypatch.setattr("jobs.pipeline.DecodeWorker", kill_once_worker(marker))
     result = run_job(spec)
     assert marker.is_file()  # an actor did call os._exit(1) on its first batch
     table = read_outputs(out)
@@ -174,10 +192,10 @@ def test_surrogates_cannot_be_stored_but_the_engine_handles_them(tiny_model_dir)
 
 
 def test_decode_worker_turns_a_failing_row_into_an_error_row(tiny_model_dir):
-    from aggdec.api import DecodeOptions
+    from aggdec.api import decode_options
     from cluster.actors import DecodeWorker
 
-    worker = DecodeWorker(str(tiny_model_dir), DecodeOptions(method="greedy"), "src")
+    worker = DecodeWorker(str(tiny_model_dir), decode_options("greedy"), "src")
     run = worker.translator._run
 
     def flaky(reqs, opts):
@@ -233,16 +251,18 @@ def test_spec_fields_overrides_and_paths(tiny_model_dir, tmp_path, monkeypatch):
     spec = load_spec(spec_file)
     assert spec.input.path == str(tmp_path / "jobs" / "data")  # relative to the spec file
     assert spec.output.dir == str(tmp_path / "out")
-    assert spec.method == "iad" and spec.decode_options().draft_cap == 8
+    assert spec.method == "iad" and spec.decode.draft_cap == 8
     monkeypatch.chdir(tmp_path)
     spec = load_spec(spec_file, ["output.dir=elsewhere", "resources.cpus_per_actor=0.25", "decode.adaptive_draft=true",
                                  "kind=translate"])
     assert spec.output.dir == str(tmp_path / "elsewhere")  # relative to the current directory
-    assert spec.resources.cpus_per_actor == 0.25 and spec.decode.adaptive_draft and spec.method == "greedy"
+    assert spec.resources.cpus_per_actor == 0.25 and spec.method == "greedy"
+    assert spec.unused_options == ("adaptive_draft", "draft_cap")  # IAD's options, ignored by greedy
     for override, message in [("decode.method=foo", "decode.method: must be one of greedy, beam, iad.*; got 'foo'"),
-                              ("decode.method=gad", "drafter: decode.method 'gad' needs a drafter"),
-                              ("decode.beems=2", "decode.beems: unknown field"),
-                              ("batching.max_batch_size=0", "batching.max_batch_size: must be >= 1"),
+                              ("decode.method=gad", "decode.drafter: method 'gad' needs a drafter"),
+                              ("decode.beems=2", "decode.beems: unknown option"),
+                              ("decode.max_batch_size=0", "decode.max_batch_size: must be >= 1"),
+                              ("batching.max_batch_size=8", "batching.max_batch_size: moved to decode.max_batch_size"),
                               ("resources.actors=two", "resources.actors: must be int"),
                               ("kind=summarize", "kind: must be one of correct, translate, distill"),
                               ("model=/nonexistent", "model: /nonexistent is not a model directory")]:
@@ -250,15 +270,14 @@ def test_spec_fields_overrides_and_paths(tiny_model_dir, tmp_path, monkeypatch):
             load_spec(spec_file, [override])
 
 
-def test_decode_section_mirrors_decode_options():
-    import dataclasses
+def test_decode_table_is_the_method_options(tiny_model_dir, tmp_path):
+    from aggdec.api import decode_options
+    from jobs.spec import from_dict
 
-    from aggdec.api import DecodeOptions
-    from jobs.spec import DecodeSpec
-
-    spec_fields = {f.name for f in dataclasses.fields(DecodeSpec)} | {"max_batch_size", "max_tokens", "drafter",
-                                                                      "nbest"}  # nbest: [distill]
-    assert spec_fields == {f.name for f in dataclasses.fields(DecodeOptions)}
+    spec = load_spec(None, [f"model={tiny_model_dir}", "input.path=x", f"output.dir={tmp_path}", "decode.method=iad",
+                            "decode.draft_cap=8", "decode.max_batch_size=16", "decode.max_len_a=2"])
+    assert spec.decode == decode_options("iad", draft_cap=8, max_batch_size=16, max_len_a=2.0)
+    assert from_dict(spec.to_dict()).decode == spec.decode  # the manifest's spec reads back
 
 
 def test_actor_plans_leave_a_cpu_for_reads():
@@ -311,7 +330,7 @@ def test_cli_run(ray_local, tiny_model_dir, tmp_path):
     spec = write_spec(tmp_path / "job.toml", tiny_model_dir, inp, tmp_path / "unused")
     out = tmp_path / "cli-out"
     res = CliRunner().invoke(main, ["run", str(spec), "--output", str(out), "--method", "greedy",
-                                    "--set", "batching.max_tokens=256"])
+                                    "--set", "decode.max_tokens=256"])
     assert res.exit_code == 0, res.output
     assert "10 rows (" in res.stdout and f"output {out}" in res.stdout and "sentences/s" in res.stdout
     assert read_outputs(out).num_rows == 10
@@ -357,3 +376,26 @@ def test_cluster_configs_parse():
     assert job["kind"] == "RayJob" and "-m cli run" in job["spec"]["entrypoint"]
     assert "working_dir" in yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     assert "nvidia.com/gpu" in job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_a_resumed_job_refuses_a_changed_output_option(ray_local, tiny_model_dir, tmp_path):
+    from aggdec import checkpoint
+    from aggdec.model.heads import ProposalHeads
+
+    heads = tmp_path / "heads"
+    bundle = checkpoint.load(tiny_model_dir)
+    checkpoint.save_heads(heads, ProposalHeads(bundle.model.cfg.d_model, 3, 16), {"verifier_sha": bundle.sha})
+    inp = write_corpus(tmp_path / "in", shards=2, rows=6)
+    out = tmp_path / "out"
+    base = [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}", "decode.method=blockwise",
+            f"decode.drafter={heads}", "batching.rows_per_task=6"]
+    first = run_job(load_spec(None, base))
+    assert first.decoded_rows == 12
+    # a lossy acceptance option changes the output: refused, naming the option, nothing mixed
+    with pytest.raises(SpecError, match=r"decode\.min_block: 0 there, 2 in this job"):
+        run_job(load_spec(None, [*base, "decode.min_block=2"]))
+    with pytest.raises(SpecError, match=r"decode\.accept: 'exact' there, 'top3-tauinf' in this job"):
+        run_job(load_spec(None, [*base, "decode.top_k_accept=3"]))
+    # batching cannot change an output: the committed shards are reused
+    again = run_job(load_spec(None, [*base, "decode.max_batch_size=2"]))
+    assert again.decoded_rows == 0 and len(again.skipped) == 2

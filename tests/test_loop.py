@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tiny_models import naive_greedy, tiny_model
 
-from aggdec.decoding.drafters import InputCopy, NoDraft
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import DraftBatch, Request
 

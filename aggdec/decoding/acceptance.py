@@ -76,6 +76,9 @@ class VerifierScores:
 
 
 class Acceptance(Protocol):
+    def describe(self) -> str:
+        """The rule and its parameters, for output signatures."""
+
     def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, scores: VerifierScores,
                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide per row.
@@ -105,6 +108,9 @@ class ExactMatch:
 
     name = "exact"
 
+    def describe(self) -> str:
+        return self.name
+
     def accept(self, draft, num_draft, scores, valid):
         pred = _unpack(scores.top1, valid, -1)  # (B, K+1)
         m = _prefix_len(pred[:, :-1] == draft, num_draft)
@@ -125,6 +131,9 @@ class TopKTolerance:
         if tau < 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
         self.beta, self.tau = beta, tau
+
+    def describe(self) -> str:
+        return f"top{self.beta}-tau{self.tau}"
 
     def accept(self, draft, num_draft, scores, valid):
         logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
@@ -149,6 +158,14 @@ class MinBlock:
         if min_block < 1:
             raise ValueError(f"min_block must be >= 1, got {min_block}")
         self.inner, self.min_block = inner, min_block
+
+    @classmethod
+    def around(cls, inner: Acceptance, min_block: int) -> Acceptance:
+        """`inner` with a minimum block of `min_block` tokens (0: `inner` itself)."""
+        return cls(inner, min_block) if min_block else inner
+
+    def describe(self) -> str:
+        return f"minblock{self.min_block}+{self.inner.describe()}"
 
     def accept(self, draft, num_draft, scores, valid):
         m, bonus = self.inner.accept(draft, num_draft, scores, valid)

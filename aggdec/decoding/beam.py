@@ -25,12 +25,33 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.options import DecodeOptions, OptionError, option
 from aggdec.model.transformer import Transformer
+
+
+@dataclass(frozen=True, kw_only=True)
+class BeamOptions(DecodeOptions):
+    """Beam search as fairseq-generate --beam (not a draft -> verify method)."""
+
+    method: ClassVar[str] = "beam"
+
+    beam: int = option(5, "Beam size.", low=1)
+    lenpen: float = option(1.0, "Length penalty: hypotheses are ranked by sum of log-probs / len ** lenpen.")
+    nbest: int = option(1, "Results also carry the nbest best hypotheses with their scores.", low=1)
+
+    def validate(self) -> None:
+        if self.nbest > self.beam:
+            raise OptionError("nbest", f"must be <= beam ({self.beam}), got {self.nbest}")
+
+    def run(self, model: Transformer, requests: list[Request]) -> list[Hypothesis]:
+        return beam_search(model, requests, beam=self.beam, lenpen=self.lenpen, max_batch_size=self.max_batch_size,
+                           nbest=self.nbest)
 
 
 @dataclass

@@ -11,42 +11,35 @@ iteration is one verifier call plus k-1 small head FFNs on one position per row.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
+import torch
+
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
+from aggdec.decoding.drafters import RowState
 from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.options import DecodeOptions, DraftModel, option
 from aggdec.decoding.state import DecodeState
+from aggdec.model.heads import ProposalHeads
 from aggdec.model.linear import linear
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
 
 
-class ProposalHeads(nn.Module):
-    """k-1 residual FFN heads. forward(h (N,D)) -> states (N, k-1, D) for the output projection."""
+@dataclass(frozen=True, kw_only=True)
+class BlockwiseOptions(DraftModel, DecodeOptions):
+    """Blockwise parallel decoding: `drafter` is a proposal-heads directory; lossless with top_k_accept
+    1 and min_block 0."""
 
-    def __init__(self, d_model: int, num_heads: int, hidden: int):
-        super().__init__()
-        if num_heads < 1:
-            raise ValueError(f"need at least one proposal head (block size k >= 2), got {num_heads}")
-        self.fc1 = nn.Parameter(torch.empty(num_heads, d_model, hidden))
-        self.b1 = nn.Parameter(torch.zeros(num_heads, hidden))
-        self.fc2 = nn.Parameter(torch.zeros(num_heads, hidden, d_model))  # heads start as identity
-        self.b2 = nn.Parameter(torch.zeros(num_heads, d_model))
-        nn.init.normal_(self.fc1, std=d_model**-0.5)
+    method: ClassVar[str] = "blockwise"
 
-    @property
-    def num_heads(self) -> int:
-        return self.fc1.shape[0]
+    top_k_accept: int = option(1, "Accept proposals within the verifier's top-k (1: exact, lossless).", low=1)
 
-    def forward(self, h: torch.Tensor, num: int | None = None) -> torch.Tensor:
-        """h (N,D) -> (N, num, D) from the first `num` heads (default all). Heads are independent,
-        so the first k-1 heads of a model trained with block size K >= k serve block size k."""
-        n = self.num_heads if num is None else num
-        z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1[:n]) + self.b1[:n])  # (N, n, hidden)
-        # einsum leaves a head-major layout; the output projection is 3x (fp32) to 170x (bf16)
-        # slower on such a strided input, so return a contiguous tensor.
-        return (h[:, None] + torch.einsum("nkh,khd->nkd", z, self.fc2[:n]) + self.b2[:n]).contiguous()
+    def acceptance(self) -> Acceptance:
+        inner = TopKTolerance(self.top_k_accept, math.inf) if self.top_k_accept > 1 else ExactMatch()
+        return MinBlock.around(inner, self.min_block)
 
 
 class BlockwiseHeads:
@@ -67,29 +60,29 @@ class BlockwiseHeads:
         self.heads = heads
         self.out_weight = verifier.output_weight if out_weight is None else out_weight
         self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
-        self.pending: torch.Tensor | None = None  # (B, k-1) proposals for the next call
-        self.ready: torch.Tensor | None = None  # (B,) bool: row has proposals
+        self.rows = RowState()  # pending (B, k-1): proposals for the next call; ready (B,): has proposals
+
+    @classmethod
+    def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
+        """The heads of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
+        return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
+                   out_weight=ctx.projection.weight_bf16 if ctx.bf16 else None)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        b, k1 = state.batch_size, self.k1
-        if self.pending is None or self.pending.shape[0] != b or slots.numel() == b:
-            self.pending = torch.full((b, k1), state.pad, dtype=torch.long, device=state.out.device)
-            self.ready = torch.zeros(b, dtype=torch.bool, device=state.out.device)
-        self.ready[slots] = False
+        self.rows.admit(state, slots, pending=torch.full((self.k1,), state.pad), ready=False)
 
     def select(self, rows: torch.Tensor) -> None:
-        self.pending = self.pending.index_select(0, rows)
-        self.ready = self.ready.index_select(0, rows)
+        self.rows.select(rows)
 
     def propose(self, state: DecodeState) -> DraftBatch:
-        num = torch.where(self.ready, self.k1, 0)
-        if not bool(self.ready.any()):
+        ready = self.rows.ready
+        if not bool(ready.any()):
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        return DraftBatch(tokens=self.pending.clone(), num_draft=num)
+        return DraftBatch(tokens=self.rows.pending.clone(), num_draft=torch.where(ready, self.k1, 0))
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
         logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
-        self.pending = draft_argmax(logits)
-        self.ready = torch.ones_like(self.ready)
+        self.rows.pending = draft_argmax(logits)
+        self.rows.ready = torch.ones_like(self.rows.ready)

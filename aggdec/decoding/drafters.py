@@ -3,17 +3,22 @@
 A drafter is the batched counterpart of HF's CandidateGenerator: `propose` returns a ragged
 DraftBatch for the active rows, `observe` sees how many tokens each row accepted. The loop tells a
 drafter when rows enter (`admit`, continuous batching) and when the batch is compacted
-(`select`), so drafters may keep per-row state aligned with the loop's rows.
+(`select`), so drafters may keep per-row state aligned with the loop's rows (`RowState`).
+
+Each drafter lives in its own module with its options class (iad.py, nat.py, blockwise.py) and is
+registered in aggdec.decoding.methods. This module holds the protocol, greedy's empty drafter and
+what drafters share.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.options import DecodeOptions
 from aggdec.decoding.state import DecodeState
 
 
@@ -35,6 +40,65 @@ class Drafter(Protocol):
         (blockwise heads propose from it)."""
 
 
+class RowState:
+    """Named per-row tensors of a drafter, kept aligned with the loop's rows.
+
+    `admit(state, slots, name=fill, ...)` starts fresh tensors when a new batch starts (every slot
+    admitted, or the batch size changed) and otherwise sets the refilled slots to their fill; a fill
+    is a scalar (a (B,) tensor of its type) or a tensor (rows of that shape). `select(rows)` keeps
+    `rows`. The tensors are attributes: `rows.cap`, `rows.cap = ...`.
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_tensors", {})
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: torch.Tensor) -> None:
+        self._tensors[name] = value
+
+    def admit(self, state: DecodeState, slots: torch.Tensor, **fills: Any) -> bool:
+        """-> True when this started a new batch (all tensors fresh)."""
+        b = state.batch_size
+        fresh = slots.numel() == b or any(t.shape[0] != b for t in self._tensors.values())
+        if fresh:
+            self._tensors.clear()
+        for name, fill in fills.items():
+            row = torch.as_tensor(fill, device=state.out.device)
+            if fresh:
+                self._tensors[name] = row.expand(b, *row.shape).clone()
+            else:
+                self._tensors[name][slots] = row
+        return fresh
+
+    def select(self, rows: torch.Tensor) -> None:
+        for name, t in self._tensors.items():
+            self._tensors[name] = t.index_select(0, rows)
+
+
+def adapt_length(length: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor, low: int,
+                 high: int) -> torch.Tensor:
+    """The adaptive per-row draft length (option `adaptive_draft`): doubled after a call whose draft
+    was fully accepted, halved after one rejected in its first half, kept within [low, high].
+
+    length, drafted, accepted: (B,) int64 (drafted: tokens proposed, accepted: tokens kept)."""
+    full = (accepted == drafted) & (drafted > 0)
+    early = accepted < drafted // 2
+    length = torch.where(full, length * 2, torch.where(early, length // 2, length))
+    return length.clamp(low, high)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GreedyOptions(DecodeOptions):
+    """Greedy decoding: one verifier call per output token; the reference of every lossless method."""
+
+    method: ClassVar[str] = "greedy"
+
+
 class NoDraft:
     """Greedy decoding: every row drafts nothing, so each call adds the verifier's token."""
 
@@ -51,150 +115,3 @@ class NoDraft:
 
     def observe(self, state, draft, accepted, hidden):
         pass
-
-
-_BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
-_NO_TOKEN = -2  # source padding, matches nothing
-
-
-class InputCopy:
-    """IAD (Ge et al., Algorithm 1): draft the input's continuation after a unique suffix match.
-
-    Let x = (BOS, x_1 .. x_n, eos) be the input and o = (BOS, o_1 .. o_j) the output so far. Find the
-    smallest q >= 1 such that o's last q tokens occur in x at exactly one end position i; the draft is
-    then x_{i+1} .. (at most `max_draft` tokens). At the start o = (BOS) matches x_0, so the first
-    draft is the whole input. If the suffix occurs nowhere, the row drafts nothing (one AR step).
-
-    `max_draft` caps each row's draft per call (None: no cap). With `adaptive=True` the cap of a row
-    halves after a call whose draft was rejected early and doubles after a fully accepted draft,
-    between `min_draft` and `max_draft`.
-
-    `substitution=True` goes beyond Algorithm 1: where no unique match exists right after a
-    rejected draft token, assume the verifier's token replaced it (the most common edit) and keep
-    copying the input after the rejected token, instead of drafting nothing. Like every draft, this
-    cannot change the output; it only saves the AR steps that re-alignment would take.
-
-    `nearest_match=True` also goes beyond Algorithm 1: right after a rejected draft token, where no
-    suffix of the output is unique in the input but its longest matching suffix occurs several
-    times, re-align at the occurrence nearest to the input token after the rejected one (where a
-    deleted token would put it) instead of drafting nothing. Repeated tokens ("the", ",") made
-    Algorithm 1 lose a call after most deletions: on gec/test (gec-base) verifier calls per sentence
-    went 1.92 -> 1.82, and 1.85 -> 1.76 with `substitution` (the oracle bound is 1.68).
-    """
-
-    name = "iad"
-
-    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
-                 substitution: bool = False, nearest_match: bool = False):
-        if max_draft is not None and max_draft < 1:
-            raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
-        if adaptive and max_draft is None:
-            raise ValueError("adaptive draft caps need max_draft")
-        self.max_draft = max_draft
-        self.adaptive = adaptive
-        self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
-        self.substitution = substitution
-        self.nearest_match = nearest_match
-        self.cap: torch.Tensor | None = None  # (B,) per-row cap when adaptive
-        self.resume: torch.Tensor | None = None  # (B,) x index to copy from after a rejection, or -1
-        self.start: torch.Tensor | None = None  # (B,) x index of the last draft's first token
-
-    def _rows(self, t: torch.Tensor | None, b: int, fill: int, device) -> torch.Tensor:
-        if t is None or t.shape[0] != b:
-            grown = torch.full((b,), fill, dtype=torch.long, device=device)
-            if t is not None:
-                grown[: t.shape[0]] = t[:b]
-            return grown
-        return t
-
-    def admit(self, state, slots):
-        b, dev = state.batch_size, state.out.device
-        if self.adaptive:
-            self.cap = self._rows(self.cap, b, self.max_draft, dev)
-            self.cap[slots] = self.max_draft
-        self.resume = self._rows(self.resume, b, -1, dev)
-        self.start = self._rows(self.start, b, -1, dev)
-        self.resume[slots] = -1
-        self.start[slots] = -1
-
-    def select(self, rows):
-        if self.cap is not None:
-            self.cap = self.cap.index_select(0, rows)
-        self.resume = self.resume.index_select(0, rows)
-        self.start = self.start.index_select(0, rows)
-
-    def match(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) end position i in x of the unique suffix match, or -1 where there is none.
-
-        anchor (B,) x index or -1, optional: where a row has no unique match but its longest matching
-        suffix occurs more than once, take the occurrence whose end is nearest to the anchor (the
-        later one on a tie) instead of -1."""
-        bsz = state.batch_size
-        dev = state.out.device
-        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
-        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
-        out = state.out.clone()
-        out[:, 0] = _BOS_MARK
-        j = state.out_len - 1  # index of the last output token
-        cand = torch.ones_like(x, dtype=torch.bool)
-        pos = torch.full((bsz,), -1, dtype=torch.long, device=dev)
-        open_rows = torch.ones(bsz, dtype=torch.bool, device=dev)
-        last = torch.zeros_like(cand)  # candidates of each row's longest suffix that occurs at all
-        q = 0
-        while bool(open_rows.any()):
-            idx = j - q
-            tok = out.gather(1, idx.clamp(min=0)[:, None])  # (B, 1)
-            shifted = F.pad(x, (q, 0), value=_NO_TOKEN)[:, : x.shape[1]]  # shifted[b, i] = x[b, i - q]
-            cand &= (shifted == tok) & (idx >= 0)[:, None]
-            count = cand.sum(dim=1)
-            unique = open_rows & (count == 1)
-            pos = torch.where(unique, cand.long().argmax(dim=1), pos)
-            if anchor is not None:
-                last = torch.where((open_rows & (count > 1))[:, None], cand, last)
-            open_rows &= (count > 1) & (idx > 0)
-            q += 1
-        if anchor is not None:
-            at = torch.arange(x.shape[1], device=dev)[None]
-            dist = 2 * (at - anchor[:, None]).abs() - (at > anchor[:, None]).long()
-            near = dist.masked_fill(~last, x.shape[1] * 4).argmin(dim=1)
-            pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), near, pos)
-        return pos
-
-    def propose(self, state):
-        bsz = state.batch_size
-        dev = state.out.device
-        pos = self.match(state, self.resume if self.nearest_match else None)
-        if self.substitution:
-            pos = torch.where((pos < 0) & (self.resume >= 0), self.resume - 1, pos)
-        start = pos + 1  # index in x of the first drafted token; x index i is src index i - 1
-        self.start = torch.where(pos >= 0, start, torch.full_like(start, -1))
-        avail = torch.where(pos >= 0, state.src_len + 1 - start, torch.zeros_like(pos))
-        if self.adaptive:
-            avail = torch.minimum(avail, self.cap)
-        elif self.max_draft is not None:
-            avail = avail.clamp(max=self.max_draft)
-        num = avail.clamp(min=0)
-        k = int(num.max()) if bsz else 0
-        if k == 0:
-            return DraftBatch.empty(bsz, dev, state.pad)
-        offs = torch.arange(k, device=dev)[None]
-        src_idx = (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1)
-        tokens = state.src.gather(1, src_idx)
-        tokens = tokens.masked_fill(offs >= num[:, None], state.pad)
-        return DraftBatch(tokens=tokens, num_draft=num)
-
-    def observe(self, state, draft, accepted, hidden):
-        if self.substitution or self.nearest_match:
-            # after rejecting draft token m (x index start+m), resume copying at start+m+1
-            rejected = (accepted < draft.num_draft) & (self.start >= 0)
-            self.resume = torch.where(rejected, self.start + accepted + 1, torch.full_like(self.resume, -1))
-        if not self.adaptive:
-            return
-        full = (accepted == draft.num_draft) & (draft.num_draft > 0)
-        early = accepted < draft.num_draft // 2
-        cap = torch.where(full, self.cap * 2, self.cap)
-        cap = torch.where(early, cap // 2, cap)
-        self.cap = cap.clamp(self.min_draft, self.max_draft)
-
-
-DRAFTERS = {"greedy": NoDraft, "iad": InputCopy}

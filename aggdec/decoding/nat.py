@@ -17,13 +17,43 @@ Only the n_b prefix positions are committed; the masks are rolled back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
+from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, DraftModel, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.cache import DecoderCache
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
+
+
+@dataclass(frozen=True, kw_only=True)
+class GADOptions(DraftModel, AdaptiveDraft, DecodeOptions):
+    """GAD (SpecDec): a NAR drafter proposes `block_size` tokens, exact top-1 verification (lossless
+    unless min_block > 0). With adaptive_draft a row's block size moves between 2 and block_size."""
+
+    method: ClassVar[str] = "gad"
+
+    def acceptance(self) -> Acceptance:
+        return MinBlock.around(ExactMatch(), self.min_block)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GADPlusOptions(GADOptions):
+    """GAD++: a drafted token is accepted within the verifier's top-beta and log-prob gap tau (lossy)."""
+
+    method: ClassVar[str] = "gad++"
+
+    top_beta: int = option(3, "Accept a drafted token within the verifier's top-beta ...", low=1)
+    tau: float = option(1.0, "... and within tau of the top log-probability.", low=0)
+
+    def acceptance(self) -> Acceptance:
+        return MinBlock.around(TopKTolerance(self.top_beta, self.tau), self.min_block)
 
 
 def block_layout(n_new: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,13 +74,12 @@ def block_layout(n_new: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) ->
 class NATDrafter:
     """GAD/SpecDec drafter for the shared loop. `block_size` masks per row per call.
 
-    adaptive: per-row block size that doubles after a fully accepted draft and halves after a draft
-    rejected in its first half, between `min_block` and `block_size`.
+    adaptive: per-row block size (`adapt_length`) between `min_draft` and `block_size`.
     """
 
     name = "gad"
 
-    def __init__(self, model: Transformer, mask_id: int, block_size: int = 10, adaptive: bool = False, min_block: int = 2):
+    def __init__(self, model: Transformer, mask_id: int, block_size: int = 10, adaptive: bool = False, min_draft: int = 2):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if mask_id != model.cfg.tgt_vocab - 1:
@@ -59,29 +88,33 @@ class NATDrafter:
         self.mask_id = mask_id
         self.block_size = block_size
         self.adaptive = adaptive
-        self.min_block = min(min_block, block_size)
+        self.min_draft = min(min_draft, block_size)
         self.cache: DecoderCache | None = None
-        self.k: torch.Tensor | None = None  # (B,) per-row block size
+        self.rows = RowState()  # k: (B,) per-row block size
+
+    @classmethod
+    def from_options(cls, opts: GADOptions, ctx) -> "NATDrafter":
+        """The drafter of `opts.drafter` for the verifier of `ctx` (a methods.DraftContext)."""
+        nat = ctx.drafter_model(opts.drafter)
+        return cls(nat.model, nat.meta["mask_id"], opts.block_size, adaptive=opts.adaptive_draft)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        if self.cache is None or self.cache.batch_size != state.batch_size or slots.numel() == state.batch_size:
+        if self.rows.admit(state, slots, k=self.block_size) or self.cache is None:
             self.cache = self.model.start(state.src, capacity=32)
-            self.k = torch.full((state.batch_size,), self.block_size, dtype=torch.long, device=state.src.device)
             return
         memory, src_pad = self.model.encode(state.src[slots, : int(state.src_len[slots].max())])
         self.cache.replace(slots, self.model.cross_kv(memory, src_pad))
-        self.k[slots] = self.block_size
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)
-        self.k = self.k.index_select(0, rows)
+        self.rows.select(rows)
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> DraftBatch:
         cache = self.cache
         lengths = cache.lengths
         n_new = state.out_len - lengths  # tokens the drafter has not seen yet (>= 1)
-        k = self.k
+        k = self.rows.k
         is_prefix, is_mask, key_limit = block_layout(n_new, k, lengths)
         width = is_prefix.shape[1]
         src_idx = (lengths[:, None] + torch.arange(width, device=lengths.device)).clamp(max=state.out.shape[1] - 1)
@@ -101,10 +134,5 @@ class NATDrafter:
         return DraftBatch(tokens=draft, num_draft=k.clone())
 
     def observe(self, state, draft, accepted, hidden):
-        if not self.adaptive:
-            return
-        full = accepted >= draft.num_draft
-        early = accepted < draft.num_draft // 2
-        k = torch.where(full, self.k * 2, self.k)
-        k = torch.where(early, k // 2, k)
-        self.k = k.clamp(self.min_block, self.block_size)
+        if self.adaptive:
+            self.rows.k = adapt_length(self.rows.k, draft.num_draft, accepted, self.min_draft, self.block_size)

@@ -28,7 +28,7 @@ from torch import nn
 
 from aggdec import checkpoint
 from aggdec.checkpoint import save_heads
-from aggdec.decoding.blockwise import ProposalHeads
+from aggdec.model.heads import ProposalHeads
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.train.ar import EOS, PAD, collate, encode_pairs, init_weights, log, ls_loss, make_batches, read_tsv, round_up, to_device, training_autocast

@@ -12,27 +12,32 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
-from aggdec.api import DecodeOptions, Translator
+from aggdec.api import Translator, decode_options
+from aggdec.distill import TSV_HEADER, PairFilter, filter_reasons, pair_lines
+from aggdec.schema import decoded_columns
 from aggdec.train.ar import log, read_tsv
 
 
 def generate(model_dir: str | Path, sources: list[str], out_tsv: str | Path, *, method: str = "greedy",
-             batch_size: int = 64, chunk: int = 2048, device: str = "cpu") -> int:
-    """Decode `sources` and write (src, kd) rows for every row whose status is ok; returns rows written."""
+             batch_size: int = 64, chunk: int = 2048, device: str = "cpu", keep: PairFilter | None = None) -> int:
+    """Decode `sources` and write the (src, kd) pairs that `keep` (default: PairFilter()) keeps, as
+    distill jobs do (aggdec.distill); returns pairs written."""
     tr = Translator.load(model_dir, device=device)
-    opts = DecodeOptions(method=method, max_batch_size=batch_size)
+    opts = decode_options(method, max_batch_size=batch_size)
+    keep = keep or PairFilter()
     written = 0
     t0 = time.time()
-    with open(out_tsv, "w", encoding="utf-8") as f:
-        f.write("src\tkd\n")
+    with open(out_tsv, "wb") as f:
+        f.write(TSV_HEADER.encode("utf-8"))
         for start in range(0, len(sources), chunk):
             part = sources[start : start + chunk]
-            for s, r in zip(part, tr.translate_batch(part, opts)):
-                if r.status == "ok" and r.text and "\t" not in r.text and "\n" not in r.text:
-                    f.write(f"{r.source}\t{r.text}\n")
-                    written += 1
+            table = pa.table({"src": part, **decoded_columns(tr.translate_batch(part, opts))})
+            kept = filter_reasons(table, keep) == ""
+            f.write(pair_lines(table, kept))
+            written += int(kept.sum())
             log(f"seqkd {start + len(part)}/{len(sources)} ({(start + len(part)) / (time.time() - t0):.1f} sent/s)")
     return written
 

@@ -1,18 +1,19 @@
-"""Distill jobs (Seq-KD data): which decoded pairs are training data, and the shard's training TSV.
+"""Seq-KD data: which decoded pairs are training data, and the training TSV.
 
-Every row stays in the Parquet output; `kept` (bool) and `filter_reason` ("" when kept) say whether
-it is a training pair. The first filter that applies is the reason:
+The one filter of the project, used by distill jobs (every row stays in their Parquet output, with
+`kept` (bool) and `filter_reason` ("" when kept)) and by `python -m aggdec.train.seqkd`. The first
+filter that applies is the reason:
 
   error           status "error" (always)
   truncated       status "truncated": the output covers only the source's first tokens (always)
-  empty           status "empty", or an output that is empty or only whitespace (distill.drop_empty)
+  empty           status "empty", or an output that is empty or only whitespace (drop_empty)
   control_chars   the output holds a control character (tab, CR, LF, ...; always, see the TSV below)
-  len_ratio_low   hyp_len / (src_len - 1) < distill.min_len_ratio
-  len_ratio_high  hyp_len / (src_len - 1) > distill.max_len_ratio
+  len_ratio_low   hyp_len / (src_len - 1) < min_len_ratio
+  len_ratio_high  hyp_len / (src_len - 1) > max_len_ratio
                   (token counts without eos, the source's by the source tokenizer; rows without
                   source tokens have no ratio and pass both)
 
-TSV (distill.tsv): UTF-8, header `src<TAB>kd`, then one `<src><TAB><hyp>` line per kept row in input
+TSV: UTF-8, header `src<TAB>kd`, then one `<src><TAB><hyp>` line per kept row in input
 order, no quoting and no escaping: `aggdec.train.ar.read_tsv` (what `python -m aggdec.train.drafter
 --data` uses) splits on tabs and newlines with csv.QUOTE_NONE and has no unescaping. So nothing is
 escaped: the source written is `clean_text(src)`, the text the verifier actually decoded, in which
@@ -22,19 +23,33 @@ every control character is already a space; an output holding a control characte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from aggdec.text import clean_text
-from jobs.spec import DistillSpec
 
 REASONS = ("error", "truncated", "empty", "control_chars", "len_ratio_low", "len_ratio_high")
 TSV_HEADER = "src\tkd\n"
 _CONTROL = r"[\x00-\x1f\x7f-\x{9f}]"  # Unicode category Cc, what clean_text replaces
 
 
-def filter_reasons(table: pa.Table, opts: DistillSpec) -> np.ndarray:
+@dataclass
+class PairFilter:
+    """Which decoded pairs are kept as training data (errors, truncated sources and outputs with
+    control characters never are)."""
+
+    min_len_ratio: float | None = None
+    """Drop pairs whose hyp/src token-length ratio (both without eos) is below this (None: no limit)."""
+    max_len_ratio: float | None = None
+    """Drop pairs whose hyp/src token-length ratio is above this (None: no limit)."""
+    drop_empty: bool = True
+    """Drop pairs with an empty source or output."""
+
+
+def filter_reasons(table: pa.Table, opts: PairFilter) -> np.ndarray:
     """The filter_reason of every row of `table` (columns status, hyp, src_len, hyp_len): "" if kept."""
     status = np.asarray(table.column("status").to_pylist(), dtype=object)
     hyp = table.column("hyp")
@@ -51,9 +66,9 @@ def filter_reasons(table: pa.Table, opts: DistillSpec) -> np.ndarray:
     return np.select(conditions, list(REASONS), default="").astype(object)
 
 
-def distill_shard(table: pa.Table, opts: DistillSpec) -> tuple[pa.Table, bytes | None, dict]:
-    """Add `kept` and `filter_reason` to a shard's output table (columns src, hyp, status, src_len,
-    hyp_len); -> (table, TSV bytes or None when distill.tsv is off, counts).
+def distill_table(table: pa.Table, opts: PairFilter, *, tsv: bool = True) -> tuple[pa.Table, bytes | None, dict]:
+    """Add `kept` and `filter_reason` to a decoded table (columns src, hyp, status, src_len, hyp_len);
+    -> (table, the TSV of the kept pairs (None when `tsv` is False), counts).
 
     counts: {"kept": n, "filtered": {reason: n}} with only the reasons that occurred, in REASONS order.
     """
@@ -63,17 +78,19 @@ def distill_shard(table: pa.Table, opts: DistillSpec) -> tuple[pa.Table, bytes |
     table = table.append_column("filter_reason", pa.array(reasons.tolist(), pa.string()))
     filtered = {r: int((reasons == r).sum()) for r in REASONS}
     counts = {"kept": int(kept.sum()), "filtered": {r: n for r, n in filtered.items() if n}}
-    tsv = None
-    if opts.tsv:
-        rows = np.flatnonzero(kept)
-        src = table.column("src").take(rows).to_pylist()
-        hyp = table.column("hyp").take(rows).to_pylist()
-        tsv = (TSV_HEADER + "".join(f"{clean_text(s)}\t{h}\n" for s, h in zip(src, hyp))).encode("utf-8")
-    return table, tsv, counts
+    return table, (TSV_HEADER.encode("utf-8") + pair_lines(table, kept)) if tsv else None, counts
+
+
+def pair_lines(table: pa.Table, kept: np.ndarray) -> bytes:
+    """The TSV lines (no header) of the rows of `table` where `kept` (bool array) holds."""
+    rows = np.flatnonzero(kept)
+    src = table.column("src").take(rows).to_pylist()
+    hyp = table.column("hyp").take(rows).to_pylist()
+    return "".join(f"{clean_text(s)}\t{h}\n" for s, h in zip(src, hyp)).encode("utf-8")
 
 
 def merge_counts(counts: list[dict]) -> dict:
-    """Sum distill_shard counts over shards."""
+    """Sum distill_table counts over shards."""
     filtered: dict[str, int] = {}
     for c in counts:
         for r, n in c["filtered"].items():

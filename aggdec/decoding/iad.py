@@ -1,0 +1,163 @@
+"""IAD, input-guided aggressive decoding (Ge et al. 2022): the draft is a copy of the input.
+
+For correction-like tasks, where the output mostly copies the input. Lossless: the output is greedy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from aggdec.decoding.drafters import RowState, adapt_length
+from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, OptionError, option
+from aggdec.decoding.state import DecodeState
+
+
+@dataclass(frozen=True, kw_only=True)
+class IADOptions(AdaptiveDraft, DecodeOptions):
+    """IAD's options; with adaptive_draft the cap of a row moves between 4 and draft_cap."""
+
+    method: ClassVar[str] = "iad"
+
+    draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
+                                         "input).", low=1)
+    substitution: bool = option(False, "After a rejection with no unique re-alignment, keep copying the input "
+                                       "after the rejected token (a substitution guess) instead of one AR step.")
+    nearest_match: bool = option(False, "After a rejection where the output's suffix occurs several times in the "
+                                        "input, re-align at the occurrence nearest the rejected token (a deletion "
+                                        "guess) instead of one AR step.")
+
+    def validate(self) -> None:
+        if self.adaptive_draft and self.draft_cap is None:
+            raise OptionError("adaptive_draft", "with method iad needs draft_cap")
+
+
+_BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
+_NO_TOKEN = -2  # source padding, matches nothing
+
+
+class InputCopy:
+    """IAD (Ge et al., Algorithm 1): draft the input's continuation after a unique suffix match.
+
+    Let x = (BOS, x_1 .. x_n, eos) be the input and o = (BOS, o_1 .. o_j) the output so far. Find the
+    smallest q >= 1 such that o's last q tokens occur in x at exactly one end position i; the draft is
+    then x_{i+1} .. (at most `max_draft` tokens). At the start o = (BOS) matches x_0, so the first
+    draft is the whole input. If the suffix occurs nowhere, the row drafts nothing (one AR step).
+
+    `max_draft` caps each row's draft per call (None: no cap). With `adaptive=True` the cap of a row
+    halves after a call whose draft was rejected early and doubles after a fully accepted draft,
+    between `min_draft` and `max_draft`.
+
+    `substitution=True` goes beyond Algorithm 1: where no unique match exists right after a
+    rejected draft token, assume the verifier's token replaced it (the most common edit) and keep
+    copying the input after the rejected token, instead of drafting nothing. Like every draft, this
+    cannot change the output; it only saves the AR steps that re-alignment would take.
+
+    `nearest_match=True` also goes beyond Algorithm 1: right after a rejected draft token, where no
+    suffix of the output is unique in the input but its longest matching suffix occurs several
+    times, re-align at the occurrence nearest to the input token after the rejected one (where a
+    deleted token would put it) instead of drafting nothing. Repeated tokens ("the", ",") made
+    Algorithm 1 lose a call after most deletions (docs/design.md).
+    """
+
+    name = "iad"
+
+    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
+                 substitution: bool = False, nearest_match: bool = False):
+        if max_draft is not None and max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
+        if adaptive and max_draft is None:
+            raise ValueError("adaptive draft caps need max_draft")
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
+        self.substitution = substitution
+        self.nearest_match = nearest_match
+        # per row: cap (adaptive only), the draft cap; resume, the x index to copy from after a
+        # rejection, or -1; start, the x index of the last draft's first token, or -1
+        self.rows = RowState()
+
+    @classmethod
+    def from_options(cls, opts: IADOptions, ctx=None) -> "InputCopy":
+        return cls(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution,
+                   nearest_match=opts.nearest_match)
+
+    def admit(self, state, slots):
+        self.rows.admit(state, slots, resume=-1, start=-1, **({"cap": self.max_draft} if self.adaptive else {}))
+
+    def select(self, rows):
+        self.rows.select(rows)
+
+    def match(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) end position i in x of the unique suffix match, or -1 where there is none.
+
+        anchor (B,) x index or -1, optional: where a row has no unique match but its longest matching
+        suffix occurs more than once, take the occurrence whose end is nearest to the anchor (the
+        later one on a tie) instead of -1."""
+        bsz = state.batch_size
+        dev = state.out.device
+        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
+        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
+        out = state.out.clone()
+        out[:, 0] = _BOS_MARK
+        j = state.out_len - 1  # index of the last output token
+        cand = torch.ones_like(x, dtype=torch.bool)
+        pos = torch.full((bsz,), -1, dtype=torch.long, device=dev)
+        open_rows = torch.ones(bsz, dtype=torch.bool, device=dev)
+        last = torch.zeros_like(cand)  # candidates of each row's longest suffix that occurs at all
+        q = 0
+        while bool(open_rows.any()):
+            idx = j - q
+            tok = out.gather(1, idx.clamp(min=0)[:, None])  # (B, 1)
+            shifted = F.pad(x, (q, 0), value=_NO_TOKEN)[:, : x.shape[1]]  # shifted[b, i] = x[b, i - q]
+            cand &= (shifted == tok) & (idx >= 0)[:, None]
+            count = cand.sum(dim=1)
+            unique = open_rows & (count == 1)
+            pos = torch.where(unique, cand.long().argmax(dim=1), pos)
+            if anchor is not None:
+                last = torch.where((open_rows & (count > 1))[:, None], cand, last)
+            open_rows &= (count > 1) & (idx > 0)
+            q += 1
+        if anchor is not None:
+            at = torch.arange(x.shape[1], device=dev)[None]
+            dist = 2 * (at - anchor[:, None]).abs() - (at > anchor[:, None]).long()
+            near = dist.masked_fill(~last, x.shape[1] * 4).argmin(dim=1)
+            pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), near, pos)
+        return pos
+
+    def propose(self, state):
+        bsz = state.batch_size
+        dev = state.out.device
+        rows = self.rows
+        pos = self.match(state, rows.resume if self.nearest_match else None)
+        if self.substitution:
+            pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)
+        start = pos + 1  # index in x of the first drafted token; x index i is src index i - 1
+        rows.start = torch.where(pos >= 0, start, torch.full_like(start, -1))
+        avail = torch.where(pos >= 0, state.src_len + 1 - start, torch.zeros_like(pos))
+        if self.adaptive:
+            avail = torch.minimum(avail, rows.cap)
+        elif self.max_draft is not None:
+            avail = avail.clamp(max=self.max_draft)
+        num = avail.clamp(min=0)
+        k = int(num.max()) if bsz else 0
+        if k == 0:
+            return DraftBatch.empty(bsz, dev, state.pad)
+        offs = torch.arange(k, device=dev)[None]
+        src_idx = (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1)
+        tokens = state.src.gather(1, src_idx)
+        tokens = tokens.masked_fill(offs >= num[:, None], state.pad)
+        return DraftBatch(tokens=tokens, num_draft=num)
+
+    def observe(self, state, draft, accepted, hidden):
+        rows = self.rows
+        if self.substitution or self.nearest_match:
+            # after rejecting draft token m (x index start+m), resume copying at start+m+1
+            rejected = (accepted < draft.num_draft) & (rows.start >= 0)
+            rows.resume = torch.where(rejected, rows.start + accepted + 1, torch.full_like(rows.resume, -1))
+        if self.adaptive:
+            rows.cap = adapt_length(rows.cap, draft.num_draft, accepted, self.min_draft, self.max_draft)

@@ -1,0 +1,151 @@
+"""Decoding options: every option is declared once, as a field of a frozen dataclass.
+
+`DecodeOptions` holds the fields every method has (batching, length limits, precision); each method
+adds its own in a subclass that lives beside its drafter (`iad.IADOptions`, `nat.GADOptions`, ...),
+and `aggdec.decoding.methods` registers them. A field's metadata (see `option`) carries its help
+text, its lower bound or choices, its command-line flag and whether it can change an output, so
+validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature are
+all generated from the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from aggdec.decoding.acceptance import Acceptance, ExactMatch
+
+VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
+
+
+class OptionError(ValueError):
+    """An invalid option; `name` is the field at fault and the message starts with it."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"{name}: {message}")
+        self.name, self.message = name, message
+
+
+def option(default: Any, help: str, *, low: float | None = None, choices: tuple[str, ...] | None = None,
+           flag: str | None = None, output: bool = True, path: bool = False) -> Any:
+    """A dataclass field with its documentation and rules.
+
+    low: smallest allowed value (None allowed where the type is optional); choices: allowed strings;
+    flag: the `aggdec decode` flag (default --field-name); output: False for options that never
+    change an output (left out of the signature); path: a directory path (checked to exist by the CLI).
+    """
+    meta = {"help": help, "low": low, "choices": choices, "flag": flag, "output": output, "path": path}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeOptions:
+    """Options every method has. Subclasses add a method's own options and set `method`."""
+
+    method: ClassVar[str] = ""
+
+    max_batch_size: int = option(64, "Most sentences decoded at once (continuous batching).", low=1,
+                                 flag="--batch-size", output=False)
+    max_tokens: int | None = option(None, "Most source tokens decoded at once (none: no token budget).", low=1,
+                                    output=False)
+    max_len_a: float = option(1.5, "Output length limit a * src_len + b (src_len counts the eos), as "
+                                   "fairseq-generate.", low=0)
+    max_len_b: int = option(10, "Output length limit a * src_len + b.", low=0)
+    verify_precision: str = option(
+        "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
+                "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
+                "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
+                "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with native bf16, else fp32.",
+        choices=VERIFY_PRECISIONS, output=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if meta.get("low") is not None and value is not None and value < meta["low"]:
+                raise OptionError(f.name, f"must be >= {meta['low']}, got {value}")
+            if meta.get("choices") and value not in meta["choices"]:
+                raise OptionError(f.name, f"must be one of {', '.join(meta['choices'])}; got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Rules that involve several fields; raise OptionError naming one of them."""
+
+    def acceptance(self) -> Acceptance:
+        """The acceptance rule of a draft -> verify method: exact top-1 unless the method says otherwise."""
+        return ExactMatch()
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output is greedy's, token for token (see aggdec.decoding.methods)."""
+        from aggdec.decoding.methods import method_of
+
+        return method_of(self).lossless(self)
+
+    def signature(self, sha: str = "") -> str:
+        """A string that changes with anything that can change an output (see methods.signature)."""
+        from aggdec.decoding.methods import signature
+
+        return signature(self, sha)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveDraft:
+    """Mixin: the adaptive per-row draft length (aggdec.decoding.drafters.adapt_length)."""
+
+    adaptive_draft: bool = option(False, "Per-row draft length that halves after a draft rejected in its first "
+                                         "half and doubles after a fully accepted one (iad: needs draft_cap).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftModel:
+    """Mixin: methods whose drafts come from a trained drafter model."""
+
+    drafter: str | None = option(None, "Drafter directory: a NAR drafter (gad, gad++) or proposal heads "
+                                       "(blockwise), trained for this verifier.", path=True)
+    block_size: int = option(10, "Draft block size k: masks per drafter call (gad, gad++); blockwise: propose "
+                                 "k-1 tokens with the first k-1 heads.", low=1)
+    min_block: int = option(0, "Always keep the first min_block drafted tokens (Stern et al. 5.3; approximate, "
+                               "lossy; 0: off).", low=0)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.drafter:
+            raise OptionError("drafter", f"method {self.method!r} needs a drafter (a NAR drafter or proposal-heads "
+                                         "directory)")
+
+
+def option_fields(cls: type[DecodeOptions]) -> dict[str, dataclasses.Field]:
+    """{name: field} of an options class, common fields last."""
+    own = [f for f in dataclasses.fields(cls) if f.name not in _COMMON]
+    return {f.name: f for f in own + [_COMMON[name] for name in _COMMON]}
+
+
+_COMMON = {f.name: f for f in dataclasses.fields(DecodeOptions)}
+
+
+def coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` as type `hint` (int, float, bool, str, or X | None), as read from TOML or the command
+    line: ints widen to float, whole floats narrow to int, "true"/"false" become bools and
+    none/null mean None. Raises OptionError naming `name` when the value does not fit."""
+    args = typing.get_args(hint)
+    optional = isinstance(hint, types.UnionType) and type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if optional and value in (None, "none", "None", "null"):
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if base is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+        raise OptionError(name, f"must be {base.__name__}{' or none' if optional else ''}, got {value!r}")
+    return value
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass (annotations are strings under `from __future__`)."""
+    return typing.get_type_hints(cls)
