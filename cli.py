@@ -249,7 +249,7 @@ def _load_spec(spec_path: str | None, overrides: list[str], check_model: bool = 
 
 _spec_overrides = [
     click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                 help="Override a spec field, e.g. --set decode.method=iad --set batching.max_tokens=4096."),
+                 help="Override a spec field, e.g. --set decode.method=iad --set decode.max_tokens=4096."),
     click.option("--input", "input_path", default=None, help="Same as --set input.path=PATH."),
     click.option("--output", "-o", "output", default=None, help="Same as --set output.dir=DIR."),
     click.option("--model", "-m", "model", default=None, help="Same as --set model=DIR."),
@@ -286,7 +286,7 @@ def run_cmd(spec, address, num_cpus, sets, input_path, output, model, method, dr
     Examples:
       aggdec run
       aggdec run examples/correct.toml --set decode.method=greedy --output out/greedy
-      aggdec run job.toml --input 'data/*.parquet' --actors 2 --set batching.max_tokens=4096
+      aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
       aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
     """
     from cluster.connection import connect, disconnect

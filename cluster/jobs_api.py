@@ -46,10 +46,6 @@ def submit(address: str, spec: str, run_args: list[str] | tuple[str, ...] = (), 
                                        metadata={"tool": "aggdec", "spec": spec})
 
 
-def status(address: str, job_id: str) -> str:
-    return str(_client(address).get_job_status(job_id))
-
-
 def info(address: str, job_id: str) -> dict:
     details = _client(address).get_job_info(job_id)
     return {"job_id": job_id, "status": str(details.status), "message": details.message,

@@ -5,10 +5,10 @@ CPU only: every actor gets a fractional CPU share so at least one CPU stays free
 read tasks; actors that take all CPUs deadlock Ray Data (reads never schedule,
 ray-project/ray#44687). The real parallelism of a CPU actor is `torch_threads`, not its share.
 
-CPU default (actors = 0): one single-threaded actor per core, at most AUTO_CPU_ACTORS. Measured on
-2 cores (bench/pipeline_bench.py): a 2-thread actor decodes ~25% slower inside the pipeline than
-the same code in-process, because every wake-up of the driver or Ray Data preempts one of its
-OpenMP threads and stalls the other at the next barrier; single-threaded actors do not stall.
+CPU default (actors = 0): one single-threaded actor per core, at most AUTO_CPU_ACTORS. A
+multi-threaded actor decodes slower inside the pipeline than the same code in-process
+(bench/pipeline_bench.py), because every wake-up of the driver or Ray Data preempts one of its
+OpenMP threads and stalls the others at the next barrier; single-threaded actors do not stall.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ class ActorPlan:
         """Keyword arguments for Dataset.map_batches: a fixed actor pool plus fault tolerance.
 
         One task in flight per actor: with two, the first actor to start queued a second block and,
-        on small inputs, took every block while the other actors idled (measured: 4 blocks on 2
-        actors all ran on one, 15.5 s instead of 10 s; one actor alone loses nothing with 1).
+        on small inputs, took every block while the other actors idled.
 
         max_restarts / max_task_retries go to the actor options (Ray Data 2.60 accepts them as extra
         remote args; its own default is -1/-1, i.e. unbounded, which loops forever on a row that

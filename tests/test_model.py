@@ -71,7 +71,7 @@ def test_rollback_then_refeed_equals_fresh(kind):
         cache.commit(torch.tensor([5, 5, 5]))
         model.decode(torch.randint(4, model.cfg.tgt_vocab, (3, 4)), cache)  # a rejected draft
         cache.commit(torch.tensor([0, 1, 2]))  # keep part of it for rows 1, 2 ...
-        cache.rollback(torch.tensor([5, 5, 5]))  # ... then roll every row back to 5
+        cache.lengths = torch.tensor([5, 5, 5])  # ... then roll every row back to 5
         again = model.decode(tgt[:, 5:7], cache)
     torch.testing.assert_close(again, ref[:, 5:7], rtol=0, atol=1e-10)
 

@@ -8,7 +8,7 @@ Each iteration, for all active rows at once:
      is rolled back by not advancing its length).
   5. Observe: the drafter sees the accepted counts and the verifier state behind each bonus token.
   6. Retire and refill: rows that produced eos leave; free slots are refilled from the queue of
-     pending sentences (continuous batching), which are encoded as they enter.
+     pending sentences (continuous batching), encoded a batch at a time ahead of admission.
 """
 
 from __future__ import annotations
@@ -59,10 +59,8 @@ class DraftVerifyLoop:
     `encode_batch`: refills are encoded at least this many at a time (default max_batch_size): when a
     slot frees up, the next pending sentences are encoded with it and wait, as cross-attention K/V,
     for their own slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder
-    several times more per sentence than a full one: on gec/test (certified bf16 top-1, medians of 3
-    interleaved runs) this made greedy 1.15x / 1.14x and IAD 1.28x / 1.20x as fast at batch 8 / 64 as
-    encoding each refill alone, with identical outputs.
-    Admission order is unchanged; 0 or 1 encodes each refill alone.
+    several times more per sentence than a full one (docs/design.md). Admission order is unchanged;
+    0 or 1 encodes each refill alone.
     """
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,

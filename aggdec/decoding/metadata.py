@@ -13,12 +13,10 @@ class DraftBatch:
 
     tokens:    (B, K) int64, row b's draft in tokens[b, :num_draft[b]], the rest is pad.
     num_draft: (B,) int64, 0 <= num_draft[b] <= K.
-    logits:    (B, K, V) drafter scores for its tokens, or None (IAD has none).
     """
 
     tokens: torch.Tensor
     num_draft: torch.Tensor
-    logits: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, device: torch.device, pad: int) -> "DraftBatch":

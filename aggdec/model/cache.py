@@ -91,10 +91,6 @@ class DecoderCache:
         """Advance row b by n[b] positions of the block just written; the rest is rolled back."""
         self.lengths = self.lengths + n
 
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Set each row's valid length (must not exceed what was written)."""
-        self.lengths = lengths.clone()
-
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (1-D index tensor), in that order: finished rows leave, beams reorder."""
         self.lengths = self.lengths.index_select(0, rows)

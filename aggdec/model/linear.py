@@ -1,12 +1,9 @@
 """fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default.
 
 PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm, which runs a generic code path on
-non-Intel CPUs. On this project's benchmark machine (AMD EPYC, AVX-512; `bench/linear_bench.py`,
-2 threads) oneDNN's JIT kernels, which PyTorch already uses for bf16, computed the same products in
-0.43-0.75x the time from about a million multiply-adds up: a (20, 256) x (256, 1024) FFN layer
-96 -> 57 us, a (64, 256) x (256, 8000) output projection 1.72 -> 0.86 ms; one thread gains as much.
-Below `MIN_MACS` MKL's small-matrix paths are faster (a (1, 256) x (256, 256) product 5 us against
-6-16), so `linear` keeps them; just above it a (20, 256) x (256, 256) product is ~8% slower.
+non-Intel CPUs. oneDNN's JIT kernels, which PyTorch already uses for bf16, compute the same products
+faster from about a million multiply-adds up (`bench/linear_bench.py`, docs/design.md); below
+`MIN_MACS` MKL's small-matrix paths are faster, so `linear` keeps them.
 
 Both are fp32 with fp32 accumulation; only the summation order differs (about 1e-6 relative), as it
 already does between MKL's matrix-vector and matrix-matrix paths, so lossless methods stay lossless
@@ -19,11 +16,9 @@ autocast's bf16 products), and only while `enabled()`; `set_onednn(False)` /
 `use_onednn(False)` restore plain `F.linear` everywhere (benchmarks compare both).
 
 `prepack` reorders a fixed weight into oneDNN's blocked layout once, so that products with it skip
-that step: for the 8000 x 256 output projection this halved the time of a bf16 product at 1-64 rows
-(142 -> 53 us at 1 row, 830 -> 401 us at 64) and took fp32's to 0.4-0.8x at 2-64 rows, with results
-equal to the unpacked ones (bf16 at any row count; fp32 from 2 rows). `Linear` layers keep their
-own packed weight and fuse the FFN's ReLU into the product (`Linear.relu`): on gec-base that made
-IAD 5% (batch 1) and 9% (batch 64) faster and greedy 6% at batch 64 (medians of 5 interleaved runs).
+that step, with results equal to the unpacked ones (bf16 at any row count; fp32 from 2 rows).
+`Linear` layers keep their own packed weight and fuse the FFN's ReLU into the product
+(`Linear.relu`).
 """
 
 from __future__ import annotations

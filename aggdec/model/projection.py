@@ -1,8 +1,8 @@
 """The verifier's output projection, and its top-1 computed in bfloat16 but certified exact.
 
 Verification mostly needs one thing from the (N, V) logits: their argmax. On CPUs with native
-bfloat16 (AVX512-BF16, AMX) a bf16 matmul is 2-5x faster than fp32 here, but its
-argmax differs from fp32's at 0.03-0.5% of positions, so it cannot be used as is. Instead,
+bfloat16 (AVX512-BF16, AMX) a bf16 matmul is several times faster than fp32, but its argmax
+sometimes differs from fp32's, so it cannot be used as is. Instead,
 `OutputProjection.top1` (certify=True) bounds the bf16 error of every logit and keeps the bf16 argmax only where the
 bound proves that the fp32 argmax is the same token; the other positions are recomputed in fp32.
 The result equals the argmax of the fp32 logits at every position.
@@ -49,15 +49,14 @@ tensor into the N positions, or None for all of them)."""
 
 
 def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim via topk(1): 2-4x faster than torch.argmax on CPU for ~8k-wide rows in
+    """argmax over the last dim via topk(1): faster than torch.argmax on CPU for ~8k-wide rows in
     bf16 or fp32. Ties may resolve differently from argmax, so use it for drafts only."""
     return logits.topk(1, dim=-1).indices.squeeze(-1)
 
 
 def native_bf16(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is known to pay off on `device`: a CPU with AVX512-BF16 or
-    AMX (measured: bench/iad_bench.py). Not on GPUs: on an H100 it made greedy 0.70-0.99x, IAD
-    0.73-1.08x and GAD 0.14-0.30x as fast as fp32 (bench/results/*-gpu-bf16c.json): False."""
+    AMX. Not on GPUs, where it is slower than fp32 (docs/benchmarks.md)."""
     if device.type != "cpu":
         return False
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")

@@ -159,7 +159,7 @@ def training_autocast(device: str, bf16: bool) -> torch.autocast:
     """The forward passes' autocast context for `device` (bfloat16 when `bf16`; reusable, not nestable).
 
     On CUDA this also turns off cuDNN's scaled-dot-product attention: it plans a graph for every new
-    batch shape, and on an H100 the first ~200 updates ran ~10x slower until the shapes were seen.
+    batch shape, so the first few hundred updates run several times slower until the shapes were seen.
     """
     kind = torch.device(device).type
     if kind == "cuda":

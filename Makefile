@@ -1,0 +1,25 @@
+# The two entry points the README shows; CI runs `make test` (.ci/run).
+PYTHON ?= python
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: run test setup setup-dev
+
+## Set up and run the embedded default job (examples/correct.toml on a local Ray).
+run: setup
+	aggdec run
+
+## Set up and run the default test suite.
+test: setup-dev
+	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider
+
+setup:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+
+# fairseq (for the parity tests) builds against the installed torch; it pulls a torchaudio that
+# cannot load with torch 2.13 and is not needed, so it is removed again.
+setup-dev:
+	$(PIP) install torch==2.13.0 cython numpy wheel
+	MAX_JOBS=2 $(PIP) install --no-build-isolation fairseq-fixed==0.12.3.1
+	$(PIP) uninstall -y torchaudio
+	$(PIP) install -e '.[dev,gec,report]'
