@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from aggdec.model.config import ModelConfig
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
@@ -27,6 +28,7 @@ from aggdec.tokenizers.dictionary import Dictionary
 
 FORMAT = "aggdec-ckpt v1"
 HEADS_FORMAT = "aggdec-heads v1"
+DRAFT_HEAD_FORMAT = "aggdec-draft-head v1"
 
 
 @dataclass
@@ -148,11 +150,14 @@ def load_heads(path: str | Path, verifier_sha: str | None = None) -> ProposalHea
 
 
 def load_drafter(path: str | Path, verifier: Bundle, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> Bundle | ProposalHeads:
-    """A drafter directory for `verifier`: proposal heads (heads.safetensors) or a NAR drafter bundle.
-    Raises ValueError when it was not made for this verifier."""
+                 dtype: torch.dtype = torch.float32) -> Bundle | ProposalHeads | DraftHead:
+    """A drafter directory for `verifier`: proposal heads (heads.safetensors), a GAD draft head
+    (draft_head.safetensors) or a NAR drafter bundle. Raises ValueError when it was not made for
+    this verifier."""
     if (Path(path) / "heads.safetensors").is_file():
         return load_heads(path, verifier.sha).to(device=device, dtype=dtype)
+    if (Path(path) / "draft_head.safetensors").is_file():
+        return load_draft_head(path, verifier.sha).to(device=device, dtype=dtype)
     drafter = load(path, device=device, dtype=dtype)
     if drafter.meta.get("role") != "nar-drafter":
         raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {drafter.meta.get('role')!r})")
@@ -160,3 +165,27 @@ def load_drafter(path: str | Path, verifier: Bundle, *, device: str | torch.devi
         raise ValueError(f"{path}: drafter vocabulary ({drafter.model.cfg.tgt_vocab - 1}) differs from the "
                          f"verifier's ({verifier.model.cfg.tgt_vocab})")
     return drafter
+
+
+def save_draft_head(out: str | Path, head: DraftHead, meta: dict) -> Path:
+    """Write a GAD draft head directory: config.json + draft_head.safetensors (fp32)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(head, str(out / "draft_head.safetensors"))
+    config = {"format": DRAFT_HEAD_FORMAT, "head": head.cfg.to_dict(), "meta": meta}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def load_draft_head(path: str | Path, verifier_sha: str | None = None) -> DraftHead:
+    """A draft head directory (no pickle); raises ValueError if it belongs to another verifier."""
+    d = Path(path)
+    config = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    if config.get("format") != DRAFT_HEAD_FORMAT:
+        raise ValueError(f"{d / 'config.json'}: format is {config.get('format')!r}, expected {DRAFT_HEAD_FORMAT!r}")
+    want = config.get("meta", {}).get("verifier_sha")
+    if verifier_sha and want and want != verifier_sha:
+        raise ValueError(f"{d}: draft head was trained for verifier {want}, not {verifier_sha}")
+    head = DraftHead(DraftHeadConfig(**config["head"]))
+    load_model(head, str(d / "draft_head.safetensors"))
+    return head.eval()

@@ -18,11 +18,13 @@ from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import BeamOptions
 from aggdec.decoding.blockwise import BlockwiseHeads, BlockwiseOptions
 from aggdec.decoding.drafters import Drafter, GreedyOptions, NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import IADOptions, InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.decoding.nat import GADOptions, GADPlusOptions, NATDrafter
 from aggdec.decoding.options import DecodeOptions, OptionError, coerce, option_fields, type_hints
+from aggdec.model.draft_head import DraftHead
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.versions import package_version
@@ -80,11 +82,18 @@ def register(method: Method) -> Method:
     return method
 
 
+def _gad_drafter(opts: GADOptions, ctx: DraftContext) -> Drafter:
+    """GAD's drafter: a draft head (reads the verifier) or a NAR drafter model, as the directory holds."""
+    if isinstance(ctx.drafter_model(opts.drafter), DraftHead):
+        return DraftHeadDrafter.from_options(opts, ctx)
+    return NATDrafter.from_options(opts, ctx)
+
+
 register(Method(GreedyOptions, lambda opts, ctx: NoDraft()))
 register(Method(BeamOptions))
 register(Method(IADOptions, InputCopy.from_options))
-register(Method(GADOptions, NATDrafter.from_options))
-register(Method(GADPlusOptions, NATDrafter.from_options))
+register(Method(GADOptions, _gad_drafter))
+register(Method(GADPlusOptions, _gad_drafter))
 register(Method(BlockwiseOptions, BlockwiseHeads.from_options))
 
 

@@ -211,7 +211,10 @@ class Transformer(nn.Module):
 
     def start(self, src: torch.Tensor, capacity: int = 64) -> DecoderCache:
         """Encode `src` and return an empty decoder cache for it."""
-        memory, src_pad = self.encode(src)
+        return self.start_from(*self.encode(src), capacity=capacity)
+
+    def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64) -> DecoderCache:
+        """An empty decoder cache for encoder output `memory` (B,S,D) with padding mask `src_pad`."""
         return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity)
 
     # -- decoder ---------------------------------------------------------------------------------

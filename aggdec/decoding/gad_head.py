@@ -1,0 +1,78 @@
+"""GAD with a draft head (aggdec.model.draft_head): the next draft comes out of the current call.
+
+After each verifier call the head reads, per row, the verifier's final state behind the bonus
+token, the bonus token and the verifier's last-layer cross-attention keys/values, and proposes the
+next `block_size` tokens in one non-autoregressive pass. A row's first call drafts nothing (there
+is no verifier state yet); afterwards every call verifies the head's block. An iteration is one
+verifier call plus the head on k + 1 positions per row: no second encoder, no second decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aggdec.decoding.drafters import RowState
+from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.state import DecodeState
+from aggdec.model.draft_head import DraftHead
+from aggdec.model.linear import linear, prepack
+from aggdec.model.projection import draft_argmax
+from aggdec.model.transformer import Transformer
+
+
+class DraftHeadDrafter:
+    """Drafter for the shared loop; `block_size` (at most the head's) tokens per call.
+
+    out_weight (V, D): the output projection to draft with (default: the verifier's, in the head's
+    dtype); only the head's draft vocabulary rows are used.
+    """
+
+    name = "gad"
+
+    def __init__(self, verifier: Transformer, head: DraftHead, block_size: int | None = None,
+                 out_weight: torch.Tensor | None = None):
+        self.head = head
+        self.k = head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size)
+        dtype = next(head.parameters()).dtype
+        weight = verifier.output_weight if out_weight is None else out_weight
+        if head.cfg.draft_vocab:
+            weight = weight[head.vocab]
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.packed = prepack(self.weight)
+        dec = verifier.decoder
+        self.embed = (dec.embed_scale * dec.embed_tokens.weight).detach().to(dtype)
+        self.cross_layer = len(dec.layers) - 1
+        self.vocab = head.vocab if head.cfg.draft_vocab else None
+        self.rows = RowState()  # pending (B, k): the next draft; ready (B,): the row has one
+
+    @classmethod
+    def from_options(cls, opts, ctx) -> "DraftHeadDrafter":
+        """The head of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
+        return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
+                   out_weight=ctx.projection.weight_bf16 if ctx.bf16 else None)
+
+    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
+        self.rows.admit(state, slots, pending=torch.full((self.k,), state.pad), ready=False)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows.select(rows)
+
+    def propose(self, state: DecodeState) -> DraftBatch:
+        ready = self.rows.ready
+        if not bool(ready.any()):
+            return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
+        return DraftBatch(tokens=self.rows.pending.clone(), num_draft=torch.where(ready, self.k, 0))
+
+    @torch.no_grad()
+    def observe(self, state, draft, accepted, hidden):
+        dtype = self.weight.dtype
+        cross = state.cache.cross
+        ck, cv = cross.k[self.cross_layer].to(dtype), cross.v[self.cross_layer].to(dtype)
+        bonus = state.last_tokens()
+        states = self.head.states(hidden.to(dtype), self.embed[bonus], ck, cv, cross.src_pad, self.k)
+        logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
+        if self.vocab is None:
+            logits[..., state.pad] = -float("inf")
+        ids = draft_argmax(logits)
+        self.rows.pending = ids if self.vocab is None else self.vocab[ids]
+        self.rows.ready = torch.ones_like(self.rows.ready)

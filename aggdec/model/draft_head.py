@@ -1,0 +1,113 @@
+"""GAD's draft head: a small non-autoregressive block drafter that reads the verifier.
+
+It has no encoder and no embeddings of its own. After a verifier call, row b's verifier state h
+(the final decoder state that produced the row's bonus token t) and t itself are fused into one
+context vector; `block_size` learned mask queries attend to it and to each other (no causal mask)
+and cross-attend to the verifier's own cross-attention keys/values of its last decoder layer; the
+verifier's output projection (frozen, optionally restricted to a draft vocabulary of frequent
+tokens) turns mask i into the draft of the i-th token after t:
+
+    x_0 = W [h ; e(t)],  x_i = m_i  (i = 1..k)
+    x = Layer_L( ... Layer_1(x) ),  Layer = pre-norm self-attention, cross-attention, FFN
+    draft_i = argmax  W_out[vocab] . LN(x_i)
+
+So a GAD iteration is one verifier call plus this head on k + 1 positions per row, and drafts for
+the next call come out of the current one (as blockwise parallel decoding's heads do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aggdec.model.linear import Linear
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig:
+    d_model: int
+    heads: int  # the verifier's decoder heads (cross-attention reads its keys/values)
+    ffn: int = 1024
+    layers: int = 1
+    block_size: int = 4  # mask queries: most tokens drafted per call
+    draft_vocab: int = 0  # rows of the draft vocabulary (0: the verifier's whole vocabulary)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv: bool):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = Linear(dim, dim)
+        self.out_proj = Linear(dim, dim)
+        if kv:
+            self.k_proj = Linear(dim, dim)
+            self.v_proj = Linear(dim, dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """q (B,T,D) queries before q_proj; k, v (B,L,D) projected; keep (B,1,1|T,L) bool or None."""
+        b, t, d = q.shape
+        h = self.heads
+        qh = self.q_proj(q).view(b, t, h, d // h).transpose(1, 2)
+        kh = k.view(b, -1, h, d // h).transpose(1, 2)
+        vh = v.view(b, -1, h, d // h).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = _Attention(d, cfg.heads, kv=True)
+        self.cross_attn = _Attention(d, cfg.heads, kv=False)
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1 = Linear(d, cfg.ffn)
+        self.fc2 = Linear(cfg.ffn, d)
+
+    def forward(self, x: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
+                cross_keep: torch.Tensor) -> torch.Tensor:
+        """x (N,K1,D): one block of K1 = k + 1 positions per row; self-attention within the block,
+        cross-attention to the row's source (cross_k/v (N,S,D), keep (N,1,1,S))."""
+        h = self.norm1(x)
+        x = x + self.self_attn(h, self.self_attn.k_proj(h), self.self_attn.v_proj(h), None)
+        x = x + self.cross_attn(self.norm2(x), cross_k, cross_v, cross_keep)
+        return x + self.fc2(self.fc1.relu(self.norm3(x)))
+
+
+class DraftHead(nn.Module):
+    """See the module docstring. `vocab` (draft_vocab,) int64 buffer: the token ids the head can draft
+    (all of the verifier's when draft_vocab is 0)."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.fuse = Linear(2 * d, d)
+        self.masks = nn.Parameter(torch.randn(cfg.block_size, d) * d**-0.5)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(d)
+        self.register_buffer("vocab", torch.arange(cfg.draft_vocab, dtype=torch.long))
+
+    def states(self, h: torch.Tensor, token_emb: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
+               src_pad: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Final states of the first `k` masks (default all).
+
+        h, token_emb: (N,D) verifier states and the embeddings of the tokens they produced;
+        cross_k/v (N,S,D): the verifier's last-layer cross-attention keys/values of each row's
+        source; src_pad (N,S) bool. -> (N,k,D).
+        """
+        k = self.cfg.block_size if k is None else k
+        n, d = h.shape
+        ctx = self.fuse(torch.cat([h, token_emb], dim=-1))[:, None]  # (N,1,D)
+        x = torch.cat([ctx, self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
+        keep = (~src_pad)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, cross_k, cross_v, keep)
+        return self.norm(x[:, 1:])
