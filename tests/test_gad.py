@@ -12,11 +12,15 @@ from tiny_models import tiny_model
 
 from aggdec.decoding.acceptance import ExactMatch, TopKTolerance
 from aggdec.decoding.blockwise import BlockwiseHeads
+from aggdec.decoding.budget import DraftBudget
+from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.nat import NATDrafter, block_layout
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
+from test_loop import RandomBudget
 
 
 def _drafter(verifier, seed=1):
@@ -71,6 +75,25 @@ def test_gad_equals_greedy(seed, bs, k, adaptive):
     drafter = _drafter(verifier, seed=seed % 7)
     gad = NATDrafter(drafter, mask_id=drafter.cfg.tgt_vocab - 1, block_size=k, adaptive=adaptive, min_draft=1)
     assert _tokens(DraftVerifyLoop(verifier, gad, max_batch_size=bs), reqs) == greedy
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 6), vocab=st.sampled_from([0, 4]),
+       layers=st.integers(1, 2), budget=st.sampled_from([None, "random", "measured"]))
+def test_draft_head_equals_greedy(seed, bs, k, vocab, layers, budget):
+    """The draft head's drafts, at any draft lengths the budget picks (0 included), leave greedy's output."""
+    verifier = tiny_model("shallow-decoder-tied-output", vocab=9)
+    rng = random.Random(seed)
+    reqs = _requests(rng, rng.randint(1, 8), 9, verifier.cfg.eos)
+    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=4), reqs)
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=layers, block_size=k,
+                                     draft_vocab=vocab)).double().eval()
+    if vocab:
+        head.vocab.copy_(torch.tensor([2, 4, 5, 6]))
+    budgets = {None: None, "random": RandomBudget(seed, k), "measured": DraftBudget(k, warmup=2, explore_every=3)}
+    loop = DraftVerifyLoop(verifier, DraftHeadDrafter(verifier, head), max_batch_size=bs, budget=budgets[budget])
+    assert _tokens(loop, reqs) == greedy
 
 
 def test_gad_plus_plus_beta1_equals_gad_and_tolerance_accepts_more():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tiny_models import naive_greedy, tiny_model
 
+from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
@@ -35,6 +36,17 @@ class GuideDrafter(NoDraft):
         for b, r in enumerate(rows):
             toks[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         return DraftBatch(tokens=toks, num_draft=torch.tensor([len(r) for r in rows], dtype=torch.long))
+
+
+class RandomBudget(DraftBudget):
+    """Draft lengths drawn at random (0 included): outputs must not depend on them."""
+
+    def __init__(self, seed: int, max_length: int):
+        super().__init__(max_length)
+        self.rng = random.Random(seed)
+
+    def next_length(self, rows, limit):
+        return self.rng.randint(0, limit)
 
 
 def _requests(rng, n, vocab, eos, max_src=14, repeat=False):
@@ -67,9 +79,10 @@ def test_greedy_loop_equals_naive_recompute(kind):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 8), cap=st.one_of(st.none(), st.integers(1, 6)),
        adaptive=st.booleans(), refill=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
-       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans(), encode_batch=st.integers(0, 6))
+       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans(), encode_batch=st.integers(0, 6),
+       budget=st.sampled_from([None, "random", "measured"]))
 def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution, nearest_match,
-                           encode_batch):
+                           encode_batch, budget):
     model = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 10), model.cfg.src_vocab, model.cfg.eos, repeat=repeat)
@@ -78,8 +91,10 @@ def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, 
     fallbacks = dict(substitution=substitution, nearest_match=nearest_match)
     drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
                else InputCopy(max_draft=cap, **fallbacks))
+    budgets = {None: None, "random": RandomBudget(seed, cap or 6), "measured": DraftBudget(cap or 6, warmup=2,
+                                                                                             explore_every=3)}
     iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens,
-                  encode_batch=encode_batch)
+                  encode_batch=encode_batch, budget=budgets[budget])
     assert {i: h.tokens for i, h in iad.items()} == {i: h.tokens for i, h in greedy.items()}
     for h in iad.values():
         assert h.stats.iterations == len(h.stats.accepted_per_iter)

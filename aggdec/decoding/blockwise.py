@@ -20,7 +20,7 @@ import torch
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.drafters import RowState
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import DecodeOptions, DraftModel, option
+from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.heads import ProposalHeads
 from aggdec.model.linear import linear
@@ -29,7 +29,7 @@ from aggdec.model.transformer import Transformer
 
 
 @dataclass(frozen=True, kw_only=True)
-class BlockwiseOptions(DraftModel, DecodeOptions):
+class BlockwiseOptions(Drafting, DraftModel, DecodeOptions):
     """Blockwise parallel decoding: `drafter` is a proposal-heads directory; lossless with top_k_accept
     1 and min_block 0."""
 
@@ -60,6 +60,7 @@ class BlockwiseHeads:
         self.heads = heads
         self.out_weight = verifier.output_weight if out_weight is None else out_weight
         self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
+        self.max_draft = self.k1
         self.rows = RowState()  # pending (B, k-1): proposals for the next call; ready (B,): has proposals
 
     @classmethod
@@ -82,6 +83,9 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
+        if not bool((state.budget > 0).any()):  # the next call drafts nothing
+            self.rows.ready = torch.zeros_like(self.rows.ready)
+            return
         logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.rows.pending = draft_argmax(logits)

@@ -43,6 +43,7 @@ class DraftHeadDrafter:
         self.embed = (dec.embed_scale * dec.embed_tokens.weight).detach().to(dtype)
         self.cross_layer = len(dec.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
+        self.max_draft = self.k
         self.rows = RowState()  # pending (B, k): the next draft; ready (B,): the row has one
 
     @classmethod
@@ -52,7 +53,8 @@ class DraftHeadDrafter:
                    out_weight=ctx.projection.weight_bf16 if ctx.bf16 else None)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        self.rows.admit(state, slots, pending=torch.full((self.k,), state.pad), ready=False)
+        if self.rows.admit(state, slots, ready=False):  # a new batch; refilled rows keep stale drafts, not ready
+            self.rows.pending = torch.full((state.batch_size, self.k), state.pad, device=state.out.device)
 
     def select(self, rows: torch.Tensor) -> None:
         self.rows.select(rows)
@@ -61,15 +63,20 @@ class DraftHeadDrafter:
         ready = self.rows.ready
         if not bool(ready.any()):
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        return DraftBatch(tokens=self.rows.pending.clone(), num_draft=torch.where(ready, self.k, 0))
+        pending = self.rows.pending
+        return DraftBatch(tokens=pending.clone(), num_draft=torch.where(ready, pending.shape[1], 0))
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
+        k = min(self.k, int(state.budget.max()))
+        if k == 0:  # the next call drafts nothing
+            self.rows.ready = torch.zeros_like(self.rows.ready)
+            return
         dtype = self.weight.dtype
         cross = state.cache.cross
         ck, cv = cross.k[self.cross_layer].to(dtype), cross.v[self.cross_layer].to(dtype)
         bonus = state.last_tokens()
-        states = self.head.states(hidden.to(dtype), self.embed[bonus], ck, cv, cross.src_pad, self.k)
+        states = self.head.states(hidden.to(dtype), self.embed[bonus], ck, cv, cross.src_pad, k)
         logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, OptionError, option
+from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, Drafting, OptionError, option
 from aggdec.decoding.state import DecodeState
 
 
 @dataclass(frozen=True, kw_only=True)
-class IADOptions(AdaptiveDraft, DecodeOptions):
+class IADOptions(Drafting, AdaptiveDraft, DecodeOptions):
     """IAD's options; with adaptive_draft the cap of a row moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
@@ -133,6 +133,9 @@ class InputCopy:
         bsz = state.batch_size
         dev = state.out.device
         rows = self.rows
+        if not bool((state.budget > 0).any()):
+            rows.start = torch.full_like(rows.start, -1)
+            return DraftBatch.empty(bsz, dev, state.pad)
         pos = self.match(state, rows.resume if self.nearest_match else None)
         if self.substitution:
             pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits
+from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
-from aggdec.decoding.state import DecodeState
+from aggdec.decoding.state import NO_LIMIT, DecodeState
 from aggdec.model.cache import CrossKV
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
@@ -61,11 +62,14 @@ class DraftVerifyLoop:
     for their own slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder
     several times more per sentence than a full one (docs/design.md). Admission order is unchanged;
     0 or 1 encodes each refill alone.
+    `budget`: chooses each call's draft length from measured costs and acceptance (DraftBudget);
+    None verifies every drafted token.
     """
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,
                  *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
-                 projection: OutputProjection | None = None, encode_batch: int | None = None):
+                 projection: OutputProjection | None = None, encode_batch: int | None = None,
+                 budget: DraftBudget | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -79,6 +83,8 @@ class DraftVerifyLoop:
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()
         self.encode_batch = max_batch_size if encode_batch is None else encode_batch
+        self.budget = budget
+        self._length = NO_LIMIT if budget is None else budget.max_length  # draft length of the next call
         self._ahead: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
         self._ahead_rows: dict[int, int] = {}  # id(request) -> its row in _ahead
 
@@ -113,6 +119,7 @@ class DraftVerifyLoop:
             out_len=torch.ones(len(reqs), dtype=torch.long, device=self.device),
             max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
             cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
+            budget=torch.full((len(reqs),), self._length, dtype=torch.long, device=self.device),
         )
 
     def _fill(self, state: DecodeState, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
@@ -142,6 +149,7 @@ class DraftVerifyLoop:
         state.out[idx, 0] = cfg.eos
         state.out_len[idx] = 1
         state.max_len[idx] = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device)
+        state.budget[idx] = self._length
         for s, r in zip(slots, reqs):
             state.requests[s] = r
             state.stats[s] = RowStats()
@@ -170,7 +178,7 @@ class DraftVerifyLoop:
             # 1. Propose.
             draft = self.drafter.propose(state)
             room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
-            num_draft = torch.minimum(draft.num_draft, room)
+            num_draft = torch.minimum(torch.minimum(draft.num_draft, room), state.budget)
             # 2. Verify: [last ; draft] for every row in one call; project only real positions.
             block = torch.cat([state.last_tokens()[:, None], draft.tokens], dim=1)  # (B, K+1)
             k1 = block.shape[1]
@@ -198,11 +206,18 @@ class DraftVerifyLoop:
             state.out[rows, state.out_len[:, None] + offs] = new
             state.out_len = state.out_len + n_new
             state.cache.commit(accepted + 1)
+            if self.budget is not None:
+                self.budget.observe(num_draft, accepted)
+                self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
+                state.budget.fill_(self._length)
             # 5. Observe.
             n_fed = valid.sum(dim=1)
             self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
+            seconds = time.perf_counter() - t0
+            if self.budget is not None:
+                self.budget.record(state.batch_size, int(num_draft.sum()), seconds)
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
-            self._record(state, num_draft, torch.minimum(accepted, n_new), time.perf_counter() - t0)
+            self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
             self.counters.calls += 1
             self.counters.padded += block.numel()
             # 6. Retire finished rows, refill their slots.

@@ -17,13 +17,20 @@ from typing import Any
 from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import BeamOptions
 from aggdec.decoding.blockwise import BlockwiseHeads, BlockwiseOptions
+from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, GreedyOptions, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import IADOptions, InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.decoding.nat import GADOptions, GADPlusOptions, NATDrafter
-from aggdec.decoding.options import DecodeOptions, OptionError, coerce, option_fields, type_hints
+from aggdec.decoding.options import (
+    DecodeOptions,
+    OptionError,
+    coerce,
+    option_fields,
+    type_hints,
+)
 from aggdec.model.draft_head import DraftHead
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
@@ -67,9 +74,14 @@ class Method:
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
         if self.drafter is None:
             return opts.run(context.model, requests)
-        loop = DraftVerifyLoop(context.model, self.drafter(opts, context), opts.acceptance(),
-                               max_batch_size=opts.max_batch_size, max_tokens=opts.max_tokens,
-                               projection=context.projection)
+        drafter = self.drafter(opts, context)
+        budget = None
+        # measured lengths only where they cannot change the output: lossy methods draft their full length
+        if (getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
+                and self.lossless(opts)):
+            budget = DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+        loop = DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
+                               max_tokens=opts.max_tokens, projection=context.projection, budget=budget)
         return list(loop.run(requests))
 
 

@@ -25,7 +25,7 @@ import torch
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, DraftModel, option
+from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, DraftModel, Drafting, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.cache import DecoderCache
 from aggdec.model.projection import draft_argmax
@@ -33,7 +33,7 @@ from aggdec.model.transformer import Transformer
 
 
 @dataclass(frozen=True, kw_only=True)
-class GADOptions(DraftModel, AdaptiveDraft, DecodeOptions):
+class GADOptions(Drafting, DraftModel, AdaptiveDraft, DecodeOptions):
     """GAD (SpecDec): a NAR drafter proposes `block_size` tokens, exact top-1 verification (lossless
     unless min_block > 0). With adaptive_draft a row's block size moves between 2 and block_size."""
 
@@ -89,6 +89,7 @@ class NATDrafter:
         self.block_size = block_size
         self.adaptive = adaptive
         self.min_draft = min(min_draft, block_size)
+        self.max_draft = block_size
         self.cache: DecoderCache | None = None
         self.rows = RowState()  # k: (B,) per-row block size
 
@@ -114,7 +115,9 @@ class NATDrafter:
         cache = self.cache
         lengths = cache.lengths
         n_new = state.out_len - lengths  # tokens the drafter has not seen yet (>= 1)
-        k = self.rows.k
+        k = torch.minimum(self.rows.k, state.budget)
+        if not bool((k > 0).any()):  # the prefix is fed with the next drafting call
+            return DraftBatch.empty(state.batch_size, lengths.device, state.pad)
         is_prefix, is_mask, key_limit = block_layout(n_new, k, lengths)
         width = is_prefix.shape[1]
         src_idx = (lengths[:, None] + torch.arange(width, device=lengths.device)).clamp(max=state.out.shape[1] - 1)

@@ -92,6 +92,18 @@ class DecodeOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Drafting:
+    """Mixin: options of every draft -> verify method."""
+
+    draft_length: str = option("auto", "auto: each call drafts the length that maximizes measured output tokens per "
+                                       "second (aggdec.decoding.budget), down to plain greedy steps where drafting "
+                                       "does not pay; max: always the drafter's longest draft. Lossy acceptance "
+                                       "(gad++, top_k_accept, min_block) always drafts the longest, so that its "
+                                       "output does not depend on timing.",
+                               choices=("auto", "max"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class AdaptiveDraft:
     """Mixin: the adaptive per-row draft length (aggdec.decoding.drafters.adapt_length)."""
 

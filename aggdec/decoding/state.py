@@ -9,6 +9,8 @@ import torch
 from aggdec.decoding.metadata import Request, RowStats
 from aggdec.model.cache import DecoderCache
 
+NO_LIMIT = 1 << 30
+
 
 @dataclass
 class DecodeState:
@@ -23,6 +25,8 @@ class DecodeState:
              (every decoder input but the last has been fed).
     requests, stats: host-side, one per row, same order.
     pad, eos: the vocabulary's special ids.
+    budget:  (B,) int64, the most draft tokens each row's next call verifies (the loop's
+             DraftBudget; a large number when the loop has none). Drafters may skip work beyond it.
     """
 
     src: torch.Tensor
@@ -35,6 +39,11 @@ class DecodeState:
     stats: list[RowStats]
     pad: int
     eos: int
+    budget: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = torch.full_like(self.out_len, NO_LIMIT)
 
     @property
     def batch_size(self) -> int:
@@ -63,6 +72,7 @@ class DecodeState:
         self.out = self.out.index_select(0, rows)
         self.out_len = self.out_len.index_select(0, rows)
         self.max_len = self.max_len.index_select(0, rows)
+        self.budget = self.budget.index_select(0, rows)
         self.cache.select(rows)
         self.requests = [self.requests[i] for i in keep]
         self.stats = [self.stats[i] for i in keep]

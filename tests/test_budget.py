@@ -1,0 +1,47 @@
+"""DraftBudget picks the draft length that maximizes tokens per second under its fitted cost model."""
+
+import torch
+
+from aggdec.decoding.budget import DraftBudget
+
+
+def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> list[int]:
+    """Run `calls` simulated calls: accept(L) -> accepted per row, cost(rows, drafted) -> seconds."""
+    chosen = []
+    length = budget.next_length(rows, budget.max_length)
+    for _ in range(calls):
+        nd = torch.full((rows,), length)
+        budget.observe(nd, torch.minimum(nd, accept(length, rows)))
+        budget.record(rows, int(nd.sum()), cost(rows, int(nd.sum())))
+        length = budget.next_length(rows, budget.max_length)
+        chosen.append(budget.choice)
+    return chosen
+
+
+def test_cheap_drafts_are_drafted_in_full():
+    """Batch-1-like costs (a fixed cost per call dominates) and good drafts: the longest draft."""
+    budget = DraftBudget(6)
+    chosen = _drive(budget, 1, lambda length, rows: torch.full((rows,), length), lambda b, d: 1e-3 + 1e-5 * (b + d))
+    assert chosen[-50:] == [6] * 50
+
+
+def test_drafting_turns_itself_off_where_it_does_not_pay():
+    """Compute-bound costs (every token costs as much as the call) and poor drafts: greedy steps."""
+    budget = DraftBudget(4)
+    gen = torch.Generator().manual_seed(0)
+
+    def accept(length, rows):  # each position kept with probability 0.3, given the previous one was
+        return (torch.rand(rows, length, generator=gen) < 0.3).long().cumprod(1).sum(1) if length else torch.zeros(
+            rows, dtype=torch.long)
+
+    chosen = _drive(budget, 64, accept, lambda b, d: 1e-4 * (b + d))
+    assert chosen[-50:] == [0] * 50
+    assert 0.2 < budget.acceptance()[0] < 0.4
+
+
+def test_a_middle_length_when_later_positions_are_poor():
+    """Positions 1-2 nearly always kept, 3-6 never; a per-token cost: two tokens are worth it, more are not."""
+    budget = DraftBudget(6)
+    chosen = _drive(budget, 16, lambda length, rows: torch.full((rows,), min(length, 2)),
+                    lambda b, d: 2e-3 + 1e-4 * (b + d))
+    assert chosen[-50:] == [2] * 50
