@@ -325,17 +325,21 @@ def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, mode
     """Submit `aggdec run SPEC` to a running Ray cluster through the Ray Jobs API.
 
     The repository is uploaded as the job's working_dir, so SPEC and the paths in it are resolved
-    on the cluster relative to the repository root; the output directory must be storage the
-    cluster's head can write (a mounted volume). The spec's fields are checked here first.
+    on the cluster relative to the repository root. --output is required: a location every node can
+    write (s3://, gs://, ... or a shared mount); decode actors write their units there themselves.
+    The spec's fields are checked here first. Needs the `cluster` extra (ray[default]).
 
     \b
     Examples:
-      aggdec submit examples/correct.toml --address http://HEAD:8265
+      aggdec submit examples/correct.toml --address http://HEAD:8265 --output s3://bucket/out/job1
       aggdec submit job.toml --address http://HEAD:8265 --gpus-per-actor 1 --actors 0 --output /mnt/out/job1
       aggdec logs raysubmit_XXXX --address http://HEAD:8265 --follow
     """
     from cluster import jobs_api
 
+    if not output:
+        raise click.UsageError("--output is required: a location every node of the cluster can write, e.g. "
+                               "s3://bucket/prefix or a shared mount such as /mnt/shared/out")
     overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
                            actors=actors, gpus_per_actor=gpus_per_actor)
     _load_spec(spec, overrides, check_model=False)
@@ -347,6 +351,7 @@ def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, mode
     run_args = [a for o in overrides for a in ("--set", o)]
     job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
     click.echo(job_id)
+    click.echo(f"output: {output}", err=True)
     click.echo(f"follow with: aggdec logs {job_id} --address {address} --follow", err=True)
 
 

@@ -43,10 +43,10 @@ def disconnect(conn: Connection | None = None) -> None:
         ray.shutdown()
 
 
-def cluster_resources() -> dict[str, float]:
-    """ray.cluster_resources() of the connected cluster; raises if Ray is not initialized."""
+def alive_nodes() -> list[dict[str, float]]:
+    """The resources ({"CPU": n, "GPU": m, ...}) of every alive node of the connected cluster."""
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError("Ray is not initialized: call cluster.connection.connect() first")
-    return dict(ray.cluster_resources())
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]

@@ -1,3 +1,4 @@
-"""Corpus jobs: TOML job specs (spec), input checks (inputs), the Ray Data pipeline (pipeline),
-driver-side assembly and exactly-once commits (assemble, output, commit), the manifest, and
-`run.run_job`. Depends on cluster/ and aggdec/, never the other way round."""
+"""Corpus jobs: typed TOML specs (spec), storage on any file system (storage), input checks (inputs),
+commit units (units), the work of a decode actor on a unit (work, output), the exactly-once output
+protocol (commit), the manifest, and the Ray Data pipeline (pipeline, run). Depends on cluster/ and
+aggdec/ only."""

@@ -1,123 +1,99 @@
-"""The output directory and its exactly-once protocol.
+"""The output location and its exactly-once protocol, on any file system (jobs.storage).
 
-Layout of output.dir:
-    <stem>.parquet        one per input shard, written only by `commit`
-    <stem>.tsv            distill jobs: the shard's training pairs (aggdec.distill), written before the marker
-    _SUCCESS.<stem>       JSON marker, written after the shard file is durable (its presence = committed)
-    _manifest.json        job summary, rewritten after every commit
-    .<name>.tmp           in-flight writes; stale ones are deleted when a run starts
+Layout of output.dir, per commit unit (jobs.units: a whole input file, or a row range of one):
+    <unit>.parquet        the unit's output rows, written once by the decode worker
+    <unit>.tsv            distill jobs: the unit's training pairs (aggdec.distill), written before the marker
+    _SUCCESS.<unit>       JSON commit record, written after the unit's files: its presence = committed
+    _manifest.json        job summary, rewritten by the driver as units commit
+    .<name>.tmp           local file systems only: in-flight writes; stale ones are deleted when a run starts
 
-`commit` writes `.<stem>.parquet.tmp`, fsyncs it, os.replace()s it to `<stem>.parquet`, fsyncs the
-directory, then writes the marker the same way. A crash at any point leaves either no marker (the
-shard is redone: its partial output is deleted) or a complete shard plus marker (it is skipped).
-A marker records the job fingerprint (method signature, model sha, columns); rerunning into the
-same directory with a different fingerprint is refused rather than mixing outputs.
-One job at a time per output directory: a starting run deletes every stale `.*.tmp` there.
+Every file is written whole or not at all (a rename on local file systems, one PUT on object
+stores), and the record only after the output, so a crash at any point leaves either no record
+(the unit is redone and its output overwritten: names are deterministic) or a complete unit.
+A record carries the job fingerprint (every option that can change an output, the model, the
+columns) and the identity of the input slice (file size, footer hash, row range): a rerun reuses a
+unit only if both match. A different fingerprint is refused rather than mixed; a changed input
+file is recomputed. One job at a time per output location.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aggdec.schema import MANIFEST_NAME
 from jobs.spec import SpecError
+from jobs.storage import Location
 
 MARKER_PREFIX = "_SUCCESS."
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write via `.<name>.tmp` in the same directory, fsync, os.replace, fsync the directory."""
-    tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8")
-    atomic_write(path, lambda f: f.write(data))
-
-
 class OutputDir:
-    """Shard files and markers under one directory."""
+    """Unit files and commit records under one location."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def output_path(self, stem: str) -> Path:
-        return self.root / f"{stem}.parquet"
-
-    def marker_path(self, stem: str) -> Path:
-        return self.root / f"{MARKER_PREFIX}{stem}"
+    def __init__(self, location: Location | str):
+        self.loc = location if isinstance(location, Location) else Location(location)
 
     @property
-    def manifest_path(self) -> Path:
-        return self.root / MANIFEST_NAME
+    def uri(self) -> str:
+        return self.loc.uri
 
     def prepare(self) -> list[str]:
-        """Create the directory; delete stale `.*.tmp` files left by a killed run. -> deleted names."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        stale = sorted(p for p in self.root.glob(".*.tmp") if p.is_file())
-        for p in stale:
-            p.unlink()
-        return [p.name for p in stale]
+        """Create the location; delete stale `.*.tmp` files left by a killed run. -> deleted names."""
+        self.loc.makedirs()
+        stale = [n for n in self.loc.names() if n.startswith(".") and n.endswith(".tmp")]
+        for name in stale:
+            self.loc.delete(name)
+        return stale
 
-    def committed(self, stem: str, fingerprint: dict) -> dict | None:
-        """The marker record of a committed shard, or None (then any partial output is deleted).
+    def records(self) -> dict[str, dict | None]:
+        """{unit: its commit record, or None where the record is unreadable} for every record present."""
+        out = {}
+        for name in self.loc.names():
+            if name.startswith(MARKER_PREFIX):
+                try:
+                    out[name[len(MARKER_PREFIX):]] = json.loads(self.loc.read_bytes(name))
+                except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                    out[name[len(MARKER_PREFIX):]] = None
+        return out
 
-        A marker whose output file is missing or has another row count, or that names a TSV that
-        is missing, counts as not committed.
-        A marker from a job with another fingerprint raises SpecError.
-        """
-        marker, out = self.marker_path(stem), self.output_path(stem)
-        if marker.is_file():
-            try:
-                record = json.loads(marker.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                record = None
-            if record is not None and record.get("fingerprint") != fingerprint:
-                raise SpecError(f"output.dir: {marker} was written by a different job: "
-                                f"{_difference(record.get('fingerprint'), fingerprint)}. "
-                                "Use another output.dir or delete that one")
-            if (record is not None and out.is_file() and _num_rows(out) == record.get("rows")
-                    and (not record.get("tsv") or self.tsv_path(stem).is_file())):
-                return record
-        self.discard(stem)
-        return None
+    def committed(self, unit: str, record: dict | None, fingerprint: dict, identity: dict) -> bool:
+        """Whether `unit` (whose record, read by `records`, is `record`) is committed for this job and
+        this input slice. A record of a job with another fingerprint raises SpecError naming what
+        differs; a unit not committed (no record, an input that changed, a missing or short output)
+        has its files discarded."""
+        if record is not None and record.get("fingerprint") != fingerprint:
+            raise SpecError(f"output.dir: {self.loc.uri_of(MARKER_PREFIX + unit)} was written by a different job: "
+                            f"{_difference(record.get('fingerprint'), fingerprint)}. "
+                            "Use another output.dir or delete that one")
+        if (record is not None and record.get("input") == identity
+                and _num_rows(self.loc, f"{unit}.parquet") == record.get("rows")
+                and (not record.get("tsv") or self.loc.exists(f"{unit}.tsv"))):
+            return True
+        self.discard(unit)
+        return False
 
-    def tsv_path(self, stem: str) -> Path:
-        return self.root / f"{stem}.tsv"
+    def discard(self, unit: str) -> None:
+        """Remove a unit's record (first), output and TSV, if present."""
+        for name in (MARKER_PREFIX + unit, f"{unit}.parquet", f"{unit}.tsv"):
+            self.loc.delete(name)
 
-    def discard(self, stem: str) -> None:
-        """Remove a shard's marker (first), output and TSV, if present."""
-        for p in (self.marker_path(stem), self.output_path(stem), self.tsv_path(stem)):
-            if p.exists():
-                p.unlink()
-
-    def commit(self, stem: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
-        """Make `table` (and `tsv`, if given) the durable output of `stem`, then write its marker `record`."""
-        atomic_write(self.output_path(stem), lambda f: pq.write_table(table, f))
+    def commit(self, unit: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
+        """Make `table` (and `tsv`, if given) the durable output of `unit`, then write its record."""
+        self.loc.write(f"{unit}.parquet", lambda f: pq.write_table(table, f))
         if tsv is not None:
-            atomic_write(self.tsv_path(stem), lambda f: f.write(tsv))
-        write_json(self.marker_path(stem), record)
+            self.loc.write_bytes(f"{unit}.tsv", tsv)
+        write_json(self.loc, MARKER_PREFIX + unit, record)
+
+    def write_manifest(self, manifest: dict) -> None:
+        write_json(self.loc, MANIFEST_NAME, manifest)
+
+
+def write_json(loc: Location, name: str, obj: Any) -> None:
+    loc.write_bytes(name, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
 
 
 def _difference(old: Any, new: dict) -> str:
@@ -129,8 +105,9 @@ def _difference(old: Any, new: dict) -> str:
                      for k in keys if old.get(k, "<unset>") != new.get(k, "<unset>"))
 
 
-def _num_rows(path: Path) -> int | None:
+def _num_rows(loc: Location, name: str) -> int | None:
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        with loc.fs.open_input_file(loc.path(name)) as f:
+            return pq.ParquetFile(f).metadata.num_rows
     except (pa.ArrowException, OSError):
         return None

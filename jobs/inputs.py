@@ -1,65 +1,81 @@
-"""Input shards: list the Parquet files of a spec and check every schema before any Ray work starts.
+"""Input shards: list the Parquet files of a spec and check every footer before any Ray work starts.
 
-A shard is one input file. Its output is <output.dir>/<stem>.parquet, so stems must be unique.
-Checks (errors name the file and column): the path exists and matches files; each file opens as
-Parquet (a corrupt file names the file); the text column exists and is a string column; the id
-column (if any) exists and is string or integer; all files have the same columns; no input column
-clashes with an output column or with Ray Data's synthetic `path`/`row_hash` columns.
+A shard is one input file, local or on any pyarrow file system (jobs.storage). Its outputs are
+named after its stem, so stems must be unique. Checks (errors name the file and column): the path
+exists and matches files; each file opens as Parquet (a corrupt footer names the file); the text
+column exists and is a string column; the id column (if any) exists and is string or integer; all
+files have the same columns; no input column clashes with an output column. Each shard records its
+identity (size and a hash of its footer), so that a rerun notices a changed input.
 """
 
 from __future__ import annotations
 
-import glob
-import os
+import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aggdec.schema import RESULT_COLUMNS
 from jobs.spec import JobSpec, SpecError
-
-RAY_SYNTHETIC = ("path", "row_hash")
+from jobs.storage import list_files, resolve
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One input file. `path` is absolute; `rows` comes from the Parquet footer."""
+    """One input file. `path`: an absolute local path or a URI; `rows` and `row_groups` (rows per row
+    group) come from the Parquet footer; `identity`: {"size", "footer_sha"}."""
 
     path: str
     stem: str
     rows: int
     schema: pa.Schema
     passthrough: tuple[str, ...]  # input columns copied to the output unchanged
+    row_groups: tuple[int, ...] = ()
+    identity: tuple[tuple[str, object], ...] = ()
 
 
 def list_input_files(path: str) -> list[str]:
-    """A file, a directory (its *.parquet files, skipping names starting with '_' or '.'), or a glob."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise SpecError(f"input.path: no files match {path}")
-        return [os.path.abspath(p) for p in files]
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(str(f) for f in p.iterdir()
-                       if f.is_file() and f.suffix == ".parquet" and not f.name.startswith(("_", ".")))
-        if not files:
-            raise SpecError(f"input.path: directory {path} has no *.parquet files")
-        return files
-    if p.is_file():
-        return [str(p.resolve())]
-    raise SpecError(f"input.path: {path} does not exist")
-
-
-def read_schema(path: str) -> tuple[pa.Schema, int]:
-    """(Arrow schema, row count) from a Parquet footer; a file that is not valid Parquet names the file."""
+    """A file, a directory (its *.parquet files, skipping names starting with '_' or '.'), or a glob,
+    local or a URI."""
     try:
-        f = pq.ParquetFile(path)
-        return f.schema_arrow, f.metadata.num_rows
+        files = list_files(path)
+    except FileNotFoundError:
+        raise SpecError(f"input.path: {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise SpecError(f"input.path: {path}: {e}") from e
+    if not files and any(ch in path for ch in "*?["):
+        raise SpecError(f"input.path: no files match {path}")
+    if not files:
+        raise SpecError(f"input.path: directory {path} has no *.parquet files")
+    return files
+
+
+def read_footer(path: str) -> tuple[pa.Schema, int, tuple[int, ...], tuple[tuple[str, object], ...]]:
+    """(Arrow schema, rows, rows per row group, identity) from a Parquet footer; a file that is not
+    valid Parquet names the file."""
+    fs, inner = resolve(path)
+    try:
+        with fs.open_input_file(inner) as f:
+            size = f.size()
+            f.seek(max(0, size - 8))
+            tail = f.read(8)
+            length = int.from_bytes(tail[:4], "little") if len(tail) == 8 and tail[4:] == b"PAR1" else -1
+            if not 0 <= length <= size - 12:
+                raise pa.ArrowInvalid("no Parquet footer at the end of the file")
+            f.seek(size - 8 - length)
+            sha = hashlib.sha256(f.read(length)).hexdigest()[:16]
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+            groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+            return schema, meta.num_rows, groups, (("size", size), ("footer_sha", sha))
     except (pa.ArrowException, OSError) as e:
         raise SpecError(f"{path}: not a readable Parquet file ({e})") from e
+
+
+def stem_of(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return name[: -len(".parquet")] if name.endswith(".parquet") else name.rsplit(".", 1)[0] if "." in name else name
 
 
 def inspect_inputs(spec: JobSpec) -> list[Shard]:
@@ -70,17 +86,14 @@ def inspect_inputs(spec: JobSpec) -> list[Shard]:
     stems: dict[str, str] = {}
     first: tuple[str, pa.Schema] | None = None
     for path in list_input_files(spec.input.path):
-        stem = Path(path).stem
+        stem = stem_of(path)
         if stem in stems:
             raise SpecError(f"{path}: same output name {stem}.parquet as {stems[stem]}; rename one of them")
         stems[stem] = path
-        schema, rows = read_schema(path)
+        schema, rows, groups, identity = read_footer(path)
         _check_column(path, schema, text, "input.text_column", ("string",))
         if id_col is not None:
             _check_column(path, schema, id_col, "input.id_column", ("string", "integer"))
-        for name in schema.names:
-            if name in RAY_SYNTHETIC:
-                raise SpecError(f"{path}: column {name!r} clashes with Ray Data's synthetic {name!r} column; rename it")
         passthrough = tuple(n for n in schema.names if n not in (text, id_col))
         for name in passthrough:
             if name in reserved:
@@ -90,7 +103,8 @@ def inspect_inputs(spec: JobSpec) -> list[Shard]:
             first = (path, schema)
         elif not schema.equals(first[1]):
             raise SpecError(f"{path}: columns {_describe(schema)} differ from {first[0]}: {_describe(first[1])}")
-        shards.append(Shard(path=path, stem=stem, rows=rows, schema=schema, passthrough=passthrough))
+        shards.append(Shard(path=path, stem=stem, rows=rows, schema=schema, passthrough=passthrough,
+                            row_groups=groups, identity=identity))
     return shards
 
 

@@ -1,6 +1,6 @@
-"""The output table of a shard and its statistics.
+"""The output table of a commit unit and its statistics.
 
-Columns as aggdec.schema describes them; row i of the output is row i of the input file.
+Columns as aggdec.schema describes them; row i of a unit's output is row start + i of its input file.
 """
 
 from __future__ import annotations
@@ -8,32 +8,27 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from aggdec.schema import STATS_COLUMNS, count_status
 from aggdec.stats import SpeedupStats
-from jobs.inputs import Shard
 
 
-def build_output_table(shard: Shard, decoded: pa.Table, *, text_column: str, id_column: str | None,
-                       method: str) -> pa.Table:
-    """Join `decoded` (aggdec.schema decoded rows in input-row order, one per row) with the input file's columns."""
-    if decoded.num_rows != shard.rows:
-        raise RuntimeError(f"{shard.path}: {decoded.num_rows} decoded rows for {shard.rows} input rows")
-    columns = [text_column, *([id_column] if id_column else []), *shard.passthrough]
-    source = pq.read_table(shard.path, columns=columns)
-    if source.num_rows != shard.rows:
-        raise RuntimeError(f"{shard.path}: has {source.num_rows} rows now, {shard.rows} when the job started")
+def build_output_table(source: pa.Table, decoded: pa.Table, *, text_column: str, id_column: str | None,
+                       passthrough: tuple[str, ...], method: str, stem: str, start: int) -> pa.Table:
+    """Join `decoded` (aggdec.schema decoded rows, one per row of `source`, same order) with the input
+    rows `source` (rows start.. of input file `stem`). Without an id column, ids are "<stem>:<row>"."""
+    if decoded.num_rows != source.num_rows:
+        raise RuntimeError(f"{stem}: {decoded.num_rows} decoded rows for {source.num_rows} input rows")
     if id_column:
         ids = pc.cast(source.column(id_column), pa.string())
     else:
-        ids = pa.array([f"{shard.stem}:{i}" for i in range(shard.rows)], type=pa.string())
+        ids = pa.array([f"{stem}:{i}" for i in range(start, start + source.num_rows)], type=pa.string())
     out = {"id": ids, "src": source.column(text_column), "hyp": decoded.column("hyp")}
-    for name in shard.passthrough:
+    for name in passthrough:
         out[name] = source.column(name)
     out["status"] = decoded.column("status")
     out["error"] = decoded.column("error")
-    out["method"] = pa.array([method] * shard.rows, type=pa.string())
+    out["method"] = pa.array([method] * source.num_rows, type=pa.string())
     for name in STATS_COLUMNS:
         out[name] = decoded.column(name)
     for name in ("score", "nbest"):

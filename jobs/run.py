@@ -1,19 +1,22 @@
-"""Run a job on the connected Ray cluster: check inputs, skip committed shards, decode, commit.
+"""Run a job on the connected Ray cluster: check inputs, skip committed units, decode, record.
 
     conn = cluster.connection.connect()          # the caller (cli.py) owns ray.init
     result = jobs.run.run_job(load_spec("examples/correct.toml"))
     print(result.summary_line())
 
-Order of work: (1) check every input schema and the output directory, before any Ray work;
-(2) delete stale tmp files, keep committed shards, delete partial ones; (3) stream the remaining
-shards through Read -> Decode; the driver commits each shard as soon as all its rows arrived;
-(4) write the manifest (also after every commit, so a killed driver leaves an up-to-date one).
-Distill jobs also filter each shard's pairs and commit its training TSV (aggdec.distill).
+Order of work: (1) read every input footer and check the output location, before any Ray work;
+(2) plan the commit units (jobs.units), delete stale tmp files and the files of units that are not
+committed for this job and these inputs, keep committed units; (3) run the pending units on the
+decode actors, which write their outputs and commit records themselves (jobs.work); the driver
+only collects the records and rewrites the manifest as they arrive; (4) if actors or nodes are
+lost beyond Ray's own retries, re-plan the actors on the nodes left and run the units that did not
+commit, up to `resources.max_attempts` times.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,34 +25,35 @@ from pathlib import Path
 
 from aggdec.checkpoint import file_sha
 from aggdec.decoding.methods import output_options
-from aggdec.distill import distill_table
-from aggdec.schema import decoded_schema
-from cluster.connection import cluster_resources
+from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
-from jobs.assemble import ShardAssembler
-from jobs.commit import OutputDir, write_json
-from jobs.inputs import Shard, inspect_inputs
+from jobs.commit import OutputDir
+from jobs.inputs import inspect_inputs
 from jobs.manifest import build_manifest, totals
-from jobs.output import build_output_table, shard_stats
-from jobs.pipeline import build_pipeline, read_shards
+from jobs.pipeline import build_pipeline
 from jobs.spec import JobSpec, SpecError
+from jobs.units import Unit, plan_units
+from jobs.work import UnitTask
+
+MANIFEST_EVERY_S = 2.0
+"""The manifest is rewritten at most this often while units commit (and at the end)."""
 
 
 @dataclass
 class JobResult:
     output_dir: str
     manifest: str
-    rows: int  # rows of all shards, including those committed by earlier runs
-    status: dict[str, int]  # rows per status, all shards
+    rows: int  # rows of all units, including those committed by earlier runs
+    status: dict[str, int]  # rows per status, all units
     decoded_rows: int  # rows decoded by this run
-    committed: list[str] = field(default_factory=list)  # shards committed by this run
-    skipped: list[str] = field(default_factory=list)  # shards already committed, left alone
-    pipeline_seconds: float = 0.0  # Read -> Decode -> commit of this run
+    committed: list[str] = field(default_factory=list)  # units committed by this run
+    skipped: list[str] = field(default_factory=list)  # units already committed, left alone
+    pipeline_seconds: float = 0.0  # decoding and committing of this run
     wall_seconds: float = 0.0
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
-    duplicates_dropped: int = 0
-    distill: dict | None = None  # distill jobs: {"kept": n, "filtered": {reason: n}}, all shards
+    attempts: int = 0  # pipeline runs (more than 1 after lost actors or nodes)
+    distill: dict | None = None  # distill jobs: {"kept": n, "filtered": {reason: n}}, all units
 
     @property
     def ok(self) -> int:
@@ -68,7 +72,7 @@ class JobResult:
         return (f"{self.rows} rows ({self.ok} ok, {self.errors} error"
                 + "".join(f", {v} {k}" for k, v in sorted(other.items())) + ")"
                 + f"; decoded {self.decoded_rows} in {self.pipeline_seconds:.1f}s ({self.sentences_per_s:.1f} sentences/s)"
-                + (f", skipped {len(self.skipped)} committed shard(s)" if self.skipped else "")
+                + (f", skipped {len(self.skipped)} committed unit(s)" if self.skipped else "")
                 + (f"; kept {self.distill['kept']} pairs" + "".join(
                     f", {n} {r}" for r, n in self.distill["filtered"].items()) if self.distill else "")
                 + f"; mean accepted tokens/iter {self.mean_accepted_per_iter:.2f}"
@@ -76,10 +80,10 @@ class JobResult:
 
 
 def fingerprint(spec: JobSpec, model_sha: str) -> dict:
-    """What must match for a rerun to reuse committed shards, by dotted spec field: the kind, the
+    """What must match for a rerun to reuse committed units, by dotted spec field: the kind, the
     model's weights, every decoding option that can change an output (aggdec.decoding.methods.
     output_options, which includes the package version and the acceptance rule), the input columns
-    and (distill jobs) the [distill] options."""
+    and (distill jobs) the [distill] options. The input slice itself is checked separately."""
     fp = {"kind": spec.kind, "model.sha": model_sha,
           **{f"decode.{k}": v for k, v in output_options(spec.decode).items()},
           "input.text_column": spec.input.text_column, "input.id_column": spec.input.id_column}
@@ -102,90 +106,120 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     fp = fingerprint(spec, model_sha)
     out = OutputDir(spec.output.dir)
     stale = out.prepare()
+    units = plan_units(shards, spec.batching.rows_per_task)
+    found = out.records()
+    foreign = _discard_foreign(out, found, units, fp)
     records: dict[str, dict] = {}
-    todo: list[Shard] = []
-    for shard in shards:
-        rec = out.committed(shard.stem, fp)
-        if rec is None:
-            todo.append(shard)
+    todo: list[Unit] = []
+    for unit in units:
+        if out.committed(unit.name, found.get(unit.name), fp, unit.identity):
+            records[unit.name] = found[unit.name]
         else:
-            records[shard.stem] = rec
+            todo.append(unit)
     skipped = sorted(records)
     timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3))
-    run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale}
+    run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale,
+                "stale_units_deleted": foreign, "units": len(units)}
     if skipped:
-        log(f"skipping {len(skipped)} committed shard(s): {', '.join(skipped)}")
+        log(f"skipping {len(skipped)} committed unit(s)")
+    last_write = [0.0]
 
-    def commit(shard: Shard, decoded, t_start: float) -> None:
-        table = build_output_table(shard, decoded, text_column=spec.input.text_column,
-                                   id_column=spec.input.id_column, method=spec.method)
-        status, stats = shard_stats(decoded)
-        record = {
-            "input": shard.path, "output": str(out.output_path(shard.stem)), "rows": shard.rows,
-            "status": status, "speedup": stats.to_dict(), "fingerprint": fp,
-        }
-        tsv = None
-        if spec.kind == "distill":
-            table, tsv, record["distill"] = distill_table(table, spec.distill, tsv=spec.distill.tsv)
-            record["tsv"] = str(out.tsv_path(shard.stem)) if tsv is not None else None
-        record["seconds_since_start"] = round(time.perf_counter() - t_start, 3)
-        record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        records[shard.stem] = record
-        out.commit(shard.stem, table, record, tsv)
-        run_info["committed"].append(shard.stem)
-        write_manifest(complete=False)
-        log(f"committed {shard.stem} ({shard.rows} rows)")
-
-    def write_manifest(complete: bool) -> None:
-        timing["wall_s"] = round(time.perf_counter() - t0, 3)
-        write_json(out.manifest_path, build_manifest(
+    def write_manifest(complete: bool, force: bool = True) -> None:
+        now = time.perf_counter()
+        if not force and now - last_write[0] < MANIFEST_EVERY_S:
+            return
+        last_write[0] = now
+        timing["wall_s"] = round(now - t0, 3)
+        out.write_manifest(build_manifest(
             spec=spec.to_dict(), model_path=spec.model, model_sha=model_sha, signature=signature, records=records,
             complete=complete, timings=timing, run=run_info))
 
-    work = [s for s in todo if s.rows > 0]
-    plan = _plan(spec) if work else None
+    task = UnitTask(output=out.uri, text_column=spec.input.text_column, id_column=spec.input.id_column,
+                    passthrough=shards[0].passthrough if shards else (), method=spec.method, fingerprint=fp,
+                    score=spec.keep_scores, nbest=spec.nbest, distill=spec.distill if spec.kind == "distill" else None,
+                    tsv=spec.kind == "distill" and spec.distill.tsv)
     t_pipe = time.perf_counter()
-    decoded_rows, duplicates = 0, 0
-    complete = False
+    decoded_rows, attempts, complete = 0, 0, False
+    failed: dict[str, str] = {}
     try:
-        for shard in [s for s in todo if s.rows == 0]:
-            commit(shard, decoded_schema(score=spec.keep_scores, nbest=spec.nbest).empty_table(), t_pipe)
-        if plan is not None:
+        pending = todo
+        while pending:
+            attempts += 1
+            plan = _plan(spec)
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}
-            log(f"decoding {sum(s.rows for s in work)} rows in {len(work)} shard(s) with {plan.actors} actor(s) "
-                f"on {plan.device} ({spec.method})")
-            assembler = ShardAssembler(work)
-            ds = build_pipeline(spec, plan)(read_shards([s.path for s in work], spec.input.text_column,
-                                                                spec.batching.rows_per_task))
-            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-                for shard, decoded in assembler.add(batch):
-                    commit(shard, decoded, t_pipe)
-                    decoded_rows += shard.rows
-            duplicates = assembler.duplicates
-            missing = assembler.missing()
-            if missing:
-                raise RuntimeError(f"pipeline ended with rows missing: {missing}")
-        complete = True
+            log(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} unit(s) with {plan.actors} "
+                f"actor(s) on {plan.device} ({spec.method})")
+            try:
+                for row in build_pipeline(spec, plan, task, pending).iter_rows():
+                    record = json.loads(row["record"])
+                    if "failed" in record:
+                        failed[record["unit"]] = record["failed"]
+                        log(f"could not decode {record['unit']}: {record['failed']}")
+                        continue
+                    records[record["unit"]] = record
+                    run_info["committed"].append(record["unit"])
+                    decoded_rows += record["rows"]
+                    write_manifest(complete=False, force=False)
+                    log(f"committed {record['unit']} ({record['rows']} rows)")
+            except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
+                if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
+                    raise
+                log(f"pipeline failed ({type(e).__name__}); re-planning on the nodes left")
+            found = out.records()
+            pending = []
+            for unit in todo:
+                if unit.name in records or unit.name in failed:
+                    continue
+                if out.committed(unit.name, found.get(unit.name), fp, unit.identity):  # committed, record lost
+                    records[unit.name] = found[unit.name]
+                    run_info["committed"].append(unit.name)
+                    decoded_rows += unit.rows
+                else:
+                    pending.append(unit)
+        complete = not failed
     finally:
         timing["pipeline_s"] = round(time.perf_counter() - t_pipe, 3)
-        run_info["duplicates_dropped"] = duplicates
+        run_info["attempts"] = attempts
+        run_info["failed"] = failed
         write_manifest(complete=complete)
+    if failed:
+        first = next(iter(failed.values()))
+        raise SpecError(f"{first}" + (f" (and {len(failed) - 1} more unit(s))" if len(failed) > 1 else "")
+                        + f"; the other {len(records)} unit(s) committed, a rerun retries the failed ones")
     tot = totals(records)
     speed = tot["speedup"]
-    return JobResult(output_dir=str(out.root), manifest=str(out.manifest_path), rows=tot["rows"], status=tot["status"],
-                     decoded_rows=decoded_rows, committed=list(run_info["committed"]), skipped=skipped,
-                     pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
+    return JobResult(output_dir=out.uri, manifest=out.loc.uri_of("_manifest.json"), rows=tot["rows"],
+                     status=tot["status"], decoded_rows=decoded_rows, committed=list(run_info["committed"]),
+                     skipped=skipped, pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
-                     duplicates_dropped=duplicates, distill=tot.get("distill"))
+                     attempts=attempts, distill=tot.get("distill"))
+
+
+def _discard_foreign(out: OutputDir, found: dict[str, dict | None], units: list[Unit], fp: dict) -> list[str]:
+    """Discard committed units of this job that are not units of this run (inputs removed or cut
+    differently since), so that the output never holds rows that no input row maps to. Records of
+    another job raise SpecError (via OutputDir.committed)."""
+    names = {u.name for u in units}
+    stale = []
+    for name, record in sorted(found.items()):
+        if name not in names:
+            out.committed(name, record, fp, {})  # raises for another job's record; discards ours
+            stale.append(name)
+    return stale
+
+
+def _is_ray_failure(e: Exception) -> bool:
+    import ray.exceptions
+
+    return isinstance(e, (ray.exceptions.RayError, ray.exceptions.RayTaskError)) or "Actor" in type(e).__name__
 
 
 def _plan(spec: JobSpec) -> ActorPlan:
     r = spec.resources
     try:
-        return plan_actors(cluster_resources(), actors=r.actors, gpus_per_actor=r.gpus_per_actor,
+        return plan_actors(alive_nodes(), actors=r.actors, gpus_per_actor=r.gpus_per_actor,
                            cpus_per_actor=r.cpus_per_actor, torch_threads=r.torch_threads,
                            max_restarts=r.max_restarts, max_task_retries=r.max_task_retries)
     except ValueError as e:
         raise SpecError(str(e)) from e
-

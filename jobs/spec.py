@@ -50,7 +50,8 @@ class SpecError(ValueError):
 @dataclass
 class InputSpec:
     path: str = ""
-    """A Parquet file, a directory (its *.parquet files, not those starting with '_' or '.'), or a glob."""
+    """A Parquet file, a directory (its *.parquet files, not those starting with '_' or '.'), or a glob;
+    a local or mounted path, or a URI of any pyarrow file system (s3://, gs://, abfs://, hdfs://)."""
     text_column: str = "src"
     """The column to decode; must be a string column in every input file."""
     id_column: str | None = None
@@ -60,32 +61,35 @@ class InputSpec:
 @dataclass
 class OutputSpec:
     dir: str = ""
-    """Output directory: one <input stem>.parquet per input file, _SUCCESS.<stem> markers, _manifest.json."""
+    """Output location (a path every node can write, or a URI as input.path): one <unit>.parquet per
+    commit unit (jobs.units), _SUCCESS.<unit> records, _manifest.json."""
 
 
 @dataclass
 class BatchingSpec:
-    rows_per_task: int = 512
-    """Rows handed to one actor call (Ray Data batch_size); the engine batches continuously inside it
-    (decode.max_batch_size, decode.max_tokens), so keep it several times decode.max_batch_size;
-    smaller values only buy more parallelism across actors."""
+    rows_per_task: int = 4096
+    """Rows per commit unit: a file with more rows is cut into units of this many rows, each one task
+    of an actor, committed on its own (jobs.units). Keep it several times decode.max_batch_size."""
 
 
 @dataclass
 class ResourcesSpec:
     actors: int = 0
-    """Decode actors. 0: one per GPU when gpus_per_actor > 0, else one single-threaded actor per
-    CPU core (at most 8)."""
+    """Decode actors. 0: as many as the nodes hold (one per GPU when gpus_per_actor > 0, else one per
+    cpus_per_actor CPUs)."""
     gpus_per_actor: float = 0.0
     """GPUs per actor (1 for one actor per GPU; the model then runs on cuda). 0: CPU decoding."""
     cpus_per_actor: float | None = None
-    """CPU reservation per actor. None: 1 with GPUs; on CPU a share that leaves >= 1 CPU for reads."""
+    """CPUs each actor reserves on its node. None: 1 with GPUs, torch_threads on CPU."""
     torch_threads: int | None = None
-    """torch.set_num_threads in each actor. None: cluster CPUs / actors (CPU), at least 1."""
+    """torch.set_num_threads in each actor. None: 1."""
     max_restarts: int = 3
     """Times a dead actor is restarted (Ray actor max_restarts)."""
     max_task_retries: int = 3
-    """Times a batch whose actor died is retried (Ray max_task_retries)."""
+    """Times a unit whose actor died is retried (Ray max_task_retries)."""
+    max_attempts: int = 3
+    """Pipeline runs: after lost actors or nodes exhaust Ray's retries, the units that did not commit
+    run again on the nodes left, up to this many runs in all."""
 
 
 @dataclass
@@ -279,6 +283,7 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
     _at_least("resources.torch_threads", r.torch_threads, 1)
     _at_least("resources.max_restarts", r.max_restarts, -1)
     _at_least("resources.max_task_retries", r.max_task_retries, -1)
+    _at_least("resources.max_attempts", r.max_attempts, 1)
     if r.cpus_per_actor is not None and r.cpus_per_actor <= 0:
         raise SpecError(f"resources.cpus_per_actor: must be > 0, got {r.cpus_per_actor}")
     if not spec.input.text_column:
@@ -289,8 +294,6 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
         raise SpecError("input.path: required (a Parquet file, directory or glob)")
     if not spec.output.dir:
         raise SpecError("output.dir: required")
-    if "://" in spec.output.dir:
-        raise SpecError(f"output.dir: must be a local or mounted path (the driver commits files), got {spec.output.dir!r}")
     if not spec.model:
         raise SpecError("model: required (a model directory)")
     if check_model and not (Path(spec.model) / "config.json").is_file():

@@ -17,7 +17,6 @@ import ray  # noqa: E402
 
 from aggdec.api import Translator  # noqa: E402
 from cluster.resources import plan_actors  # noqa: E402
-from jobs.assemble import ShardAssembler, row_hashes  # noqa: E402
 from jobs.inputs import inspect_inputs  # noqa: E402
 from jobs.run import run_job  # noqa: E402
 from jobs.spec import SpecError, load_spec  # noqa: E402
@@ -51,7 +50,6 @@ def write_corpus(root: Path, shards: int = SHARDS, rows: int = ROWS, seed: int =
 def write_spec(path: Path, model: Path, inp: Path, out: Path, **sections) -> Path:
     """A spec file; `sections` maps section name -> {key: TOML literal}."""
     lines = ['kind = "correct"', f'model = "{model}"', "[input]", f'path = "{inp}"', "[output]", f'dir = "{out}"']
-    sections.setdefault("batching", {}).setdefault("rows_per_task", "8")
     for name, fields in sections.items():
         lines.append(f"[{name}]")
         lines += [f"{k} = {v}" for k, v in fields.items()]
@@ -71,7 +69,7 @@ def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, t
     inp = write_corpus(tmp_path / "in")
     out = tmp_path / "out"
     spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out,
-                                resources={"actors": "2"}, decode={"method": '"iad"'}))
+                                resources={"actors": "2"}, decode={"method": '"iad"', "draft_length": '"max"'}))  # per-row stats: deterministic lengths
     result = run_job(spec)
 
     # rows in == rows out, ids unique, one file + marker per shard, row order = input order
@@ -191,11 +189,19 @@ def test_surrogates_cannot_be_stored_but_the_engine_handles_them(tiny_model_dir)
     assert res.status == "ok" and "\ud800" not in res.source and res.source.startswith("the cat ")
 
 
-def test_decode_worker_turns_a_failing_row_into_an_error_row(tiny_model_dir):
+def test_decode_worker_turns_a_failing_row_into_an_error_row(tiny_model_dir, tmp_path):
     from aggdec.api import decode_options
     from cluster.actors import DecodeWorker
+    from jobs.units import plan_units
+    from jobs.work import UnitTask
 
-    worker = DecodeWorker(str(tiny_model_dir), decode_options("greedy"), "src")
+    inp = write_corpus(tmp_path / "in", shards=1, rows=3)
+    [shard] = inspect_inputs(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path}"]))
+    [unit] = plan_units([shard], 4096)
+    task = UnitTask(output=str(tmp_path / "out"), text_column="src", id_column=None, passthrough=shard.passthrough,
+                    method="greedy", fingerprint={"job": 1})
+    (tmp_path / "out").mkdir()
+    worker = DecodeWorker(str(tiny_model_dir), decode_options("greedy"), task)
     run = worker.translator._run
 
     def flaky(reqs, opts):
@@ -204,12 +210,13 @@ def test_decode_worker_turns_a_failing_row_into_an_error_row(tiny_model_dir):
         return run(reqs, opts)
 
     worker.translator._run = flaky
-    batch = {"src": np.array(["the cat .", "the dog .", "we go ."], dtype=object),
-             "path": np.array(["/x.parquet"] * 3, dtype=object), "row_hash": np.array([7, 8, 9], dtype=np.uint64)}
-    out = worker(batch)
+    [record] = [json.loads(r) for r in worker({"unit": np.array([unit.to_json()], dtype=object)}).column("record").to_pylist()]
+    assert record["status"] == {"ok": 2, "error": 1} and record["rows"] == 3
+    out = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert out.column("status").to_pylist() == ["ok", "error", "ok"]
     assert "boom on row 1" in out.column("error")[1].as_py()
-    assert out.column("row_hash").to_pylist() == [7, 8, 9]
+    assert out.column("n").to_pylist() == [0, 1, 2]  # passthrough columns come from the input file
+    assert json.loads((tmp_path / "out" / "_SUCCESS.part-00000").read_text()) == record
 
 
 def test_bad_inputs_are_named_before_any_ray_work(tiny_model_dir, tmp_path):
@@ -280,45 +287,40 @@ def test_decode_table_is_the_method_options(tiny_model_dir, tmp_path):
     assert from_dict(spec.to_dict()).decode == spec.decode  # the manifest's spec reads back
 
 
-def test_actor_plans_leave_a_cpu_for_reads():
-    one = plan_actors({"CPU": 2.0}, actors=1)
-    two = plan_actors({"CPU": 2.0}, actors=2)
-    assert one.device == "cpu" and one.num_cpus <= 0.5 and one.torch_threads == 2 and one.num_gpus == 0
-    assert two.actors == 2 and 2 * two.num_cpus <= 1.0 and two.torch_threads == 1
-    with pytest.raises(ValueError, match="resources.cpus_per_actor: .*deadlock"):
-        plan_actors({"CPU": 2.0}, actors=2, cpus_per_actor=1.0)
-    auto = plan_actors({"CPU": 2.0}, actors=0)  # the default: one single-threaded actor per core
-    assert (auto.actors, auto.torch_threads) == (2, 1) and 2 * auto.num_cpus <= 1.0
-    big = plan_actors({"CPU": 64.0}, actors=0)
-    assert (big.actors, big.torch_threads, big.num_cpus) == (8, 8, 1.0)
-    gpu = plan_actors({"CPU": 32.0, "GPU": 4.0}, actors=0, gpus_per_actor=1)
+def test_actor_plans_fit_every_actor_on_one_node():
+    one_node = plan_actors([{"CPU": 2.0}])
+    assert (one_node.actors, one_node.num_cpus, one_node.torch_threads, one_node.device) == (2, 1.0, 1, "cpu")
+    three = plan_actors([{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])  # never a reservation split across nodes
+    assert (three.actors, three.num_cpus) == (3, 1.0)
+    mixed = plan_actors([{"CPU": 4.0}, {"CPU": 3.0}, {"CPU": 1.0}], torch_threads=2)
+    assert (mixed.actors, mixed.num_cpus, mixed.torch_threads) == (3, 2.0, 2)  # 2 + 1 + 0 actors
+    with pytest.raises(ValueError, match="resources.actors: 4 actors do not fit"):
+        plan_actors([{"CPU": 1.0}] * 3, actors=4)
+    with pytest.raises(ValueError, match="resources.cpus_per_actor: an actor needs 4 CPUs on one node"):
+        plan_actors([{"CPU": 2.0}, {"CPU": 2.0}], cpus_per_actor=4)
+    gpu = plan_actors([{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}], gpus_per_actor=1)
     assert (gpu.actors, gpu.num_gpus, gpu.device, gpu.num_cpus) == (4, 1, "cuda", 1.0)
     with pytest.raises(ValueError, match="resources.gpus_per_actor: .*0 GPUs"):
-        plan_actors({"CPU": 8.0}, gpus_per_actor=1)
-    kwargs = one.map_batches_kwargs()
-    assert kwargs["compute"].min_size == kwargs["compute"].max_size == 1
+        plan_actors([{"CPU": 8.0}], gpus_per_actor=1)
+    kwargs = one_node.map_batches_kwargs()
+    assert kwargs["compute"].min_size == kwargs["compute"].max_size == 2
     assert kwargs["max_restarts"] == 3 and kwargs["max_task_retries"] == 3
 
 
-def test_assembler_drops_duplicates_and_restores_row_order(tmp_path):
-    path = str(write_corpus(tmp_path / "in", shards=1, rows=6) / "part-00000.parquet")
-    [shard] = inspect_inputs(load_spec(None, ["model=x", f"input.path={path}", f"output.dir={tmp_path}"],
-                                       check_model=False))
-    hashes = row_hashes(path, 6)
+def test_units_cut_large_files_at_fixed_rows(tmp_path):
+    from jobs.units import plan_units
 
-    def batch(rows):
-        return pa.table({"path": [path] * len(rows), "row_hash": pa.array(hashes[rows], pa.uint64()),
-                         "hyp": [f"h{r}" for r in rows]})
-
-    asm = ShardAssembler([shard])
-    assert asm.add(batch([4, 1, 3])) == []
-    assert asm.add(batch([3, 1])) == []  # a retried task delivering rows again
-    [(done, table)] = asm.add(batch([5, 0, 2, 0]))
-    assert done == shard and table.column("hyp").to_pylist() == [f"h{r}" for r in range(6)]
-    assert asm.duplicates == 3 and asm.missing() == {}
-    assert asm.add(batch([2])) == [] and asm.duplicates == 4  # late duplicate of a committed shard
-    with pytest.raises(RuntimeError, match="row_hash"):
-        ShardAssembler([shard]).add(pa.table({"path": [path], "row_hash": pa.array([123], pa.uint64())}))
+    inp = write_corpus(tmp_path / "in", shards=2, rows=10)
+    shards = inspect_inputs(load_spec(None, ["model=x", f"input.path={inp}", f"output.dir={tmp_path}"],
+                                      check_model=False))
+    units = plan_units(shards, 4)
+    assert [u.name for u in units[:3]] == ["part-00000.rows-0000000000-0000000004",
+                                           "part-00000.rows-0000000004-0000000008",
+                                           "part-00000.rows-0000000008-0000000010"]
+    assert [(u.start, u.stop) for u in units] == [(0, 4), (4, 8), (8, 10)] * 2
+    assert [u.name for u in plan_units(shards, 10)] == ["part-00000", "part-00001"]
+    assert units[0].identity["footer_sha"] == dict(shards[0].identity)["footer_sha"]
+    assert sorted(u.name for u in units) == [u.name for u in units]  # names sort in input order
 
 
 def test_cli_run(ray_local, tiny_model_dir, tmp_path):
@@ -358,7 +360,7 @@ def test_submit_entrypoint_and_runtime_env(tmp_path):
     env = jobs_api.runtime_env(["torch>=2.2"])
     assert env["working_dir"] == str(REPO) and ".git" in env["excludes"] and env["pip"] == ["torch>=2.2"]
     res = CliRunner().invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", "http://127.0.0.1:1",
-                                    "--set", "decode.method=nope"])
+                                    "--output", "s3://bucket/out", "--set", "decode.method=nope"])
     assert res.exit_code != 0 and "decode.method: must be one of" in res.output
 
 
@@ -399,3 +401,44 @@ def test_a_resumed_job_refuses_a_changed_output_option(ray_local, tiny_model_dir
     # batching cannot change an output: the committed shards are reused
     again = run_job(load_spec(None, [*base, "decode.max_batch_size=2"]))
     assert again.decoded_rows == 0 and len(again.skipped) == 2
+
+
+def test_damaged_data_fails_one_unit_and_the_others_commit(ray_local, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in", shards=2, rows=20, seed=13)
+    bad = inp / "part-00001.parquet"
+    pq.write_table(pa.table({"src": synthetic_sentences(40, seed=14), "ref": ["r"] * 40, "n": list(range(40))}), bad,
+                   row_group_size=20, compression="snappy")
+    chunk = pq.ParquetFile(bad).metadata.row_group(1).column(0)
+    data = bytearray(bad.read_bytes())
+    for i in range(chunk.data_page_offset, chunk.data_page_offset + 16):  # a page header, not the footer
+        data[i] ^= 0x5A
+    bad.write_bytes(data)
+    weird = tmp_path / "in" / "part-00002.parquet"  # invalid UTF-8 in the text column
+    raw = pa.array([b"the cat runs .", b"bad \xff\xfe bytes ."], pa.binary())
+    pq.write_table(pa.table({"src": pa.Array.from_buffers(pa.string(), 2, raw.buffers()), "ref": ["a", "b"],
+                             "n": [100, 101]}), weird)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "decode.method=greedy", "batching.rows_per_task=20"])
+    with pytest.raises(SpecError, match=r"part-00001\.parquet: row group 1 \(rows 20-40\): cannot be read"):
+        run_job(spec)
+    names = sorted(p.name for p in out.glob("*.parquet"))
+    assert names == ["part-00000.parquet", "part-00001.rows-0000000000-0000000020.parquet", "part-00002.parquet"]
+    table = pq.read_table(out / "part-00002.parquet")
+    assert table.column("status").to_pylist() == ["ok", "invalid_utf8"]
+    assert not json.loads((out / "_manifest.json").read_text())["complete"]
+
+
+def test_a_large_file_commits_and_resumes_unit_by_unit(ray_local, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in", shards=1, rows=12, seed=15)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "decode.method=greedy", "batching.rows_per_task=4"])
+    first = run_job(spec)
+    assert len(first.committed) == 3 and first.decoded_rows == 12
+    (out / "_SUCCESS.part-00000.rows-0000000004-0000000008").unlink()  # as if killed before this commit
+    again = run_job(spec)
+    assert again.committed == ["part-00000.rows-0000000004-0000000008"] and again.decoded_rows == 4
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("*.parquet")))
+    assert table.column("n").to_pylist() == list(range(12))
+    assert table.column("id").to_pylist() == [f"part-00000:{i}" for i in range(12)]

@@ -1,7 +1,8 @@
 """GAD with a draft head (aggdec.model.draft_head): the next draft comes out of the current call.
 
 After each verifier call the head reads, per row, the verifier's final state behind the bonus
-token, the bonus token and the verifier's last-layer cross-attention keys/values, and proposes the
+token, the bonus token and the verifier's last-layer self- and cross-attention keys/values (its
+cache), and proposes the
 next `block_size` tokens in one non-autoregressive pass. A row's first call drafts nothing (there
 is no verifier state yet); afterwards every call verifies the head's block. An iteration is one
 verifier call plus the head on k + 1 positions per row: no second encoder, no second decoder.
@@ -41,7 +42,7 @@ class DraftHeadDrafter:
         self.packed = prepack(self.weight)
         dec = verifier.decoder
         self.embed = (dec.embed_scale * dec.embed_tokens.weight).detach().to(dtype)
-        self.cross_layer = len(dec.layers) - 1
+        self.last_layer = len(dec.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
         self.max_draft = self.k
         self.rows = RowState()  # pending (B, k): the next draft; ready (B,): the row has one
@@ -73,10 +74,13 @@ class DraftHeadDrafter:
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return
         dtype = self.weight.dtype
-        cross = state.cache.cross
-        ck, cv = cross.k[self.cross_layer].to(dtype), cross.v[self.cross_layer].to(dtype)
+        cache, layer = state.cache, self.last_layer
+        span = int(cache.lengths.max())
+        pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
+        keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
+        ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
         bonus = state.last_tokens()
-        states = self.head.states(hidden.to(dtype), self.embed[bonus], ck, cv, cross.src_pad, k)
+        states = self.head.states(hidden.to(dtype), self.embed[bonus], pk, pv, keep, ck, cv, cache.cross.src_pad, k)
         logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")

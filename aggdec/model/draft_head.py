@@ -1,14 +1,16 @@
 """GAD's draft head: a small non-autoregressive block drafter that reads the verifier.
 
-It has no encoder and no embeddings of its own. After a verifier call, row b's verifier state h
-(the final decoder state that produced the row's bonus token t) and t itself are fused into one
-context vector; `block_size` learned mask queries attend to it and to each other (no causal mask)
-and cross-attend to the verifier's own cross-attention keys/values of its last decoder layer; the
-verifier's output projection (frozen, optionally restricted to a draft vocabulary of frequent
-tokens) turns mask i into the draft of the i-th token after t:
+It has no encoder, no embeddings and no cache of its own. After a verifier call, row b's verifier
+state h (the final decoder state that produced the row's bonus token t) and t itself are fused
+into one context vector; `block_size` learned mask queries attend to it, to each other (no causal
+mask) and to the verifier's own last-layer self-attention keys/values of the prefix (its cache),
+and cross-attend to the verifier's last-layer cross-attention keys/values; the verifier's output
+projection (frozen, optionally restricted to a draft vocabulary of frequent tokens) turns mask i
+into the draft of the i-th token after t:
 
     x_0 = W [h ; e(t)],  x_i = m_i  (i = 1..k)
-    x = Layer_L( ... Layer_1(x) ),  Layer = pre-norm self-attention, cross-attention, FFN
+    x = Layer_L( ... Layer_1(x) ),  Layer = pre-norm self-attention (over the verifier's prefix
+        keys/values and the block), cross-attention, FFN
     draft_i = argmax  W_out[vocab] . LN(x_i)
 
 So a GAD iteration is one verifier call plus this head on k + 1 positions per row, and drafts for
@@ -71,12 +73,15 @@ class _Layer(nn.Module):
         self.fc1 = Linear(d, cfg.ffn)
         self.fc2 = Linear(cfg.ffn, d)
 
-    def forward(self, x: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-                cross_keep: torch.Tensor) -> torch.Tensor:
-        """x (N,K1,D): one block of K1 = k + 1 positions per row; self-attention within the block,
-        cross-attention to the row's source (cross_k/v (N,S,D), keep (N,1,1,S))."""
+    def forward(self, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, self_keep: torch.Tensor,
+                cross_k: torch.Tensor, cross_v: torch.Tensor, cross_keep: torch.Tensor) -> torch.Tensor:
+        """x (N,K1,D): one block of K1 = k + 1 positions per row; self-attention over the row's prefix
+        keys/values (prefix_k/v (N,L,D)) and the block, keep (N,1,1,L+K1); cross-attention to the
+        row's source (cross_k/v (N,S,D), keep (N,1,1,S))."""
         h = self.norm1(x)
-        x = x + self.self_attn(h, self.self_attn.k_proj(h), self.self_attn.v_proj(h), None)
+        k = torch.cat([prefix_k, self.self_attn.k_proj(h)], dim=1)
+        v = torch.cat([prefix_v, self.self_attn.v_proj(h)], dim=1)
+        x = x + self.self_attn(h, k, v, self_keep)
         x = x + self.cross_attn(self.norm2(x), cross_k, cross_v, cross_keep)
         return x + self.fc2(self.fc1.relu(self.norm3(x)))
 
@@ -95,19 +100,22 @@ class DraftHead(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.register_buffer("vocab", torch.arange(cfg.draft_vocab, dtype=torch.long))
 
-    def states(self, h: torch.Tensor, token_emb: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-               src_pad: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    def states(self, h: torch.Tensor, token_emb: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+               prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, src_pad: torch.Tensor,
+               k: int | None = None) -> torch.Tensor:
         """Final states of the first `k` masks (default all).
 
         h, token_emb: (N,D) verifier states and the embeddings of the tokens they produced;
-        cross_k/v (N,S,D): the verifier's last-layer cross-attention keys/values of each row's
-        source; src_pad (N,S) bool. -> (N,k,D).
+        prefix_k/v (N,L,D): the verifier's last-layer self-attention keys/values of each row's prefix
+        (up to and including h's position), prefix_keep (N,L) bool; cross_k/v (N,S,D): its last-layer
+        cross-attention keys/values of each row's source, src_pad (N,S) bool. -> (N,k,D).
         """
         k = self.cfg.block_size if k is None else k
         n, d = h.shape
         ctx = self.fuse(torch.cat([h, token_emb], dim=-1))[:, None]  # (N,1,D)
         x = torch.cat([ctx, self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
-        keep = (~src_pad)[:, None, None, :]
+        self_keep = torch.cat([prefix_keep, prefix_keep.new_ones(n, k + 1)], dim=1)[:, None, None, :]
+        cross_keep = (~src_pad)[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, cross_k, cross_v, keep)
+            x = layer(x, prefix_k, prefix_v, self_keep, cross_k, cross_v, cross_keep)
         return self.norm(x[:, 1:])

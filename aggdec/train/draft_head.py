@@ -39,7 +39,8 @@ from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.transformer import Transformer
 from aggdec.train.ar import log, read_tsv, training_autocast
 
-ARRAYS = ("src_tok", "src_off", "tgt_tok", "tgt_off", "memory", "hidden")
+ARRAYS = ("src_tok", "src_off", "tgt_tok", "tgt_off", "memory", "hidden", "self_k", "self_v")
+STATES = ("memory", "hidden", "self_k", "self_v")
 
 
 # -- features -------------------------------------------------------------------------------------
@@ -47,64 +48,71 @@ ARRAYS = ("src_tok", "src_off", "tgt_tok", "tgt_off", "memory", "hidden")
 @torch.no_grad()
 def extract_features(verifier: str | Path, sources: list[str], out: str | Path, *, batch_size: int = 64,
                      chunk: int = 4096) -> dict:
-    """Greedy-decode `sources` with the verifier and store the head's inputs under `out` (see module
-    docstring): src_tok/src_off (source ids incl. eos, offsets), tgt_tok/tgt_off (greedy output
-    incl. eos), memory (sum S, D) float16, hidden (sum T, D) float16. -> summary."""
+    """Greedy-decode `sources` with the verifier and store the head's inputs under `out`: the token
+    ids (src_tok/src_off: sources incl. eos; tgt_tok/tgt_off: greedy outputs incl. eos), then the
+    verifier's states on them (`store_states`). -> summary."""
     tr = Translator.load(verifier)
     model, cfg = tr.model, tr.cfg
     opts = DecodeOptions()
-    src_ids = []
-    for s in sources:
-        ids, _, _ = tr.prepare(s)
-        if ids is not None:
-            src_ids.append(ids)
+    src_ids = [ids for ids, _, _ in map(tr.prepare, sources) if ids is not None]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("src_tok", "tgt_tok", "memory", "hidden")}
-    src_len, tgt_len, agree, total = [], [], 0, 0
+    tgt_ids: list[list[int]] = []
     t0 = time.time()
     for start in range(0, len(src_ids), chunk):
         reqs = [Request(index=i, src=s, max_len=max(1, max_len_for(len(s), opts.max_len_a, opts.max_len_b,
                                                                    cfg.max_target_positions)))
                 for i, s in enumerate(src_ids[start: start + chunk])]
         hyps = sorted(DraftVerifyLoop(model, max_batch_size=batch_size).run(reqs), key=lambda h: h.index)
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].src))
-        for b in range(0, len(order), batch_size):
-            idx = order[b: b + batch_size]
-            src = pad_batch([reqs[i].src for i in idx], cfg.pad)
-            tgt = [hyps[i].tokens + [cfg.eos] for i in idx]
-            prev = pad_batch([[cfg.eos] + t[:-1] for t in tgt], cfg.pad)
-            memory, src_pad = model.encode(src)
-            hidden = _decoder_states(model, memory, src_pad, prev)
-            pred = model.output_logits(hidden).argmax(-1)
-            for r, i in enumerate(idx):
-                s, t = len(reqs[i].src), len(tgt[r])
-                parts["src_tok"].append(np.asarray(reqs[i].src, dtype=np.int32))
-                parts["tgt_tok"].append(np.asarray(tgt[r], dtype=np.int32))
-                parts["memory"].append(memory[r, :s].half().numpy())
-                parts["hidden"].append(hidden[r, :t].half().numpy())
-                agree += int((pred[r, :t] == torch.tensor(tgt[r])).sum())
-                total += t
-                src_len.append(s)
-                tgt_len.append(t)
-        log(f"features {start + len(reqs)}/{len(src_ids)} ({(start + len(reqs)) / (time.time() - t0):.1f} sent/s); "
-            f"teacher-forced argmax = greedy at {agree / max(total, 1):.4%} of positions")
-    arrays = {k: np.concatenate(v) for k, v in parts.items()}
-    arrays["src_off"] = np.concatenate([[0], np.cumsum(src_len)]).astype(np.int64)
-    arrays["tgt_off"] = np.concatenate([[0], np.cumsum(tgt_len)]).astype(np.int64)
-    for k, v in arrays.items():
-        np.save(out / f"{k}.npy", v)
-    summary = {"pairs": len(src_len), "target_tokens": int(sum(tgt_len)), "source_tokens": int(sum(src_len)),
-               "verifier_sha": tr.bundle.sha, "argmax_agreement": agree / max(total, 1),
-               "minutes": (time.time() - t0) / 60}
+        tgt_ids += [h.tokens + [cfg.eos] for h in hyps]
+        log(f"decoded {len(tgt_ids)}/{len(src_ids)} ({len(tgt_ids) / (time.time() - t0):.1f} sent/s)")
+    for name, seqs in (("src", src_ids), ("tgt", tgt_ids)):
+        np.save(out / f"{name}_tok.npy", np.concatenate([np.asarray(x, dtype=np.int32) for x in seqs]))
+        np.save(out / f"{name}_off.npy", np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
+    decode_minutes = (time.time() - t0) / 60
+    summary = store_states(tr, out, batch_size=batch_size)
+    summary["decode_minutes"] = round(decode_minutes, 2)
     (out / "features.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _decoder_states(model: Transformer, memory: torch.Tensor, src_pad: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced final decoder states (B,T,D) on a given encoder output."""
-    cache = model.start_from(memory, src_pad, capacity=prev.shape[1])
-    return model.decode_hidden(prev, cache)
+@torch.no_grad()
+def store_states(tr: Translator, out: Path, *, batch_size: int = 64) -> dict:
+    """The verifier's states on the stored token ids, teacher-forced, as float16 arrays: memory
+    (encoder output, sum S x D), hidden (final decoder state at every target position, sum T x D),
+    self_k / self_v (the last decoder layer's self-attention keys/values there, sum T x D)."""
+    model, cfg = tr.model, tr.cfg
+    src_tok, src_off = np.load(out / "src_tok.npy"), np.load(out / "src_off.npy")
+    tgt_tok, tgt_off = np.load(out / "tgt_tok.npy"), np.load(out / "tgt_off.npy")
+    n, d = len(src_off) - 1, cfg.d_model
+    arrays = {k: np.lib.format.open_memmap(out / f"{k}.npy", mode="w+", dtype=np.float16,
+                                           shape=(int((src_off if k == "memory" else tgt_off)[-1]), d))
+              for k in STATES}
+    order = sorted(range(n), key=lambda i: int(src_off[i + 1] - src_off[i]))
+    agree, t0 = 0, time.time()
+    for b in range(0, n, batch_size):
+        idx = order[b: b + batch_size]
+        srcs = [src_tok[src_off[i]: src_off[i + 1]].tolist() for i in idx]
+        tgts = [tgt_tok[tgt_off[i]: tgt_off[i + 1]].tolist() for i in idx]
+        memory, src_pad = model.encode(pad_batch(srcs, cfg.pad))
+        prev = pad_batch([[cfg.eos] + t[:-1] for t in tgts], cfg.pad)
+        cache = model.start_from(memory, src_pad, capacity=prev.shape[1])
+        hidden = model.decode_hidden(prev, cache)
+        pred = model.output_logits(hidden).argmax(-1)
+        for r, i in enumerate(idx):
+            s, t = len(srcs[r]), len(tgts[r])
+            arrays["memory"][src_off[i]: src_off[i + 1]] = memory[r, :s].half().numpy()
+            arrays["hidden"][tgt_off[i]: tgt_off[i + 1]] = hidden[r, :t].half().numpy()
+            arrays["self_k"][tgt_off[i]: tgt_off[i + 1]] = cache.k[-1][r, :t].half().numpy()
+            arrays["self_v"][tgt_off[i]: tgt_off[i + 1]] = cache.v[-1][r, :t].half().numpy()
+            agree += int((pred[r, :t] == torch.tensor(tgts[r])).sum())
+        if (b // batch_size) % 200 == 0:
+            log(f"states {b + len(idx)}/{n}")
+    for a in arrays.values():
+        a.flush()
+    return {"pairs": n, "target_tokens": int(tgt_off[-1]), "source_tokens": int(src_off[-1]),
+            "verifier_sha": tr.bundle.sha, "argmax_agreement": agree / max(int(tgt_off[-1]), 1),
+            "state_minutes": round((time.time() - t0) / 60, 2)}
 
 
 class Features:
@@ -122,21 +130,23 @@ class Features:
     def target(self, i: int) -> np.ndarray:
         return self.tgt_tok[self.tgt_off[i]: self.tgt_off[i + 1]]
 
-    def batch(self, idx: list[int], pad: int) -> tuple[torch.Tensor, ...]:
-        """-> memory (B,S,D) float32, src_pad (B,S), hidden (B,T,D) float32, tokens (B,T) (pad-filled)."""
+    def batch(self, idx: list[int], pad: int) -> dict[str, torch.Tensor]:
+        """-> memory (B,S,D) float32, src_pad (B,S), hidden, self_k, self_v (B,T,D) float32, tokens (B,T)
+        (pad-filled)."""
         s_len = [int(self.src_off[i + 1] - self.src_off[i]) for i in idx]
         t_len = [int(self.tgt_off[i + 1] - self.tgt_off[i]) for i in idx]
-        d = self.memory.shape[1]
-        mem = np.zeros((len(idx), max(s_len), d), dtype=np.float32)
-        hid = np.zeros((len(idx), max(t_len), d), dtype=np.float32)
-        tok = np.full((len(idx), max(t_len)), pad, dtype=np.int64)
-        src_pad = np.ones((len(idx), max(s_len)), dtype=bool)
+        b, d = len(idx), self.memory.shape[1]
+        out = {"memory": np.zeros((b, max(s_len), d), dtype=np.float32),
+               **{k: np.zeros((b, max(t_len), d), dtype=np.float32) for k in ("hidden", "self_k", "self_v")},
+               "tokens": np.full((b, max(t_len)), pad, dtype=np.int64), "src_pad": np.ones((b, max(s_len)), dtype=bool)}
         for r, i in enumerate(idx):
-            mem[r, : s_len[r]] = self.memory[self.src_off[i]: self.src_off[i + 1]]
-            hid[r, : t_len[r]] = self.hidden[self.tgt_off[i]: self.tgt_off[i + 1]]
-            tok[r, : t_len[r]] = self.tgt_tok[self.tgt_off[i]: self.tgt_off[i + 1]]
-            src_pad[r, : s_len[r]] = False
-        return torch.from_numpy(mem), torch.from_numpy(src_pad), torch.from_numpy(hid), torch.from_numpy(tok)
+            src, tgt = slice(self.src_off[i], self.src_off[i + 1]), slice(self.tgt_off[i], self.tgt_off[i + 1])
+            out["memory"][r, : s_len[r]] = self.memory[src]
+            for k in ("hidden", "self_k", "self_v"):
+                out[k][r, : t_len[r]] = getattr(self, k)[tgt]
+            out["tokens"][r, : t_len[r]] = self.tgt_tok[tgt]
+            out["src_pad"][r, : s_len[r]] = False
+        return {k: torch.from_numpy(v) for k, v in out.items()}
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -162,15 +172,21 @@ def draft_vocabulary(feats: Features, size: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(order)).long()
 
 
-def head_logits(head: DraftHead, verifier: Transformer, memory, src_pad, hidden, tokens, valid, k: int,
+def head_logits(head: DraftHead, verifier: Transformer, batch: dict, valid: torch.Tensor, k: int,
                 out_weight: torch.Tensor) -> torch.Tensor:
-    """(N,k,V_draft) draft logits at the `valid` (B,T) positions (row-major), for training and evaluation."""
+    """(N,k,V_draft) draft logits at the `valid` (B,T) positions (row-major) of a `Features.batch`, for
+    training and evaluation. The example at position t sees the verifier's prefix keys/values 0..t."""
     last = verifier.decoder.layers[-1].encoder_attn
-    rows = torch.arange(valid.shape[0])[:, None].expand_as(valid)[valid]
+    b, t = valid.shape
+    rows = torch.arange(b)[:, None].expand_as(valid)[valid]
+    pos = torch.arange(t)[None].expand_as(valid)[valid]
     with torch.no_grad():
+        memory = batch["memory"]
         cross_k, cross_v = last.k_proj(memory)[rows], last.v_proj(memory)[rows]
-        emb = verifier.decoder.embed_scale * verifier.decoder.embed_tokens(tokens[valid])
-    states = head.states(hidden[valid], emb, cross_k, cross_v, src_pad[rows], k)
+        emb = verifier.decoder.embed_scale * verifier.decoder.embed_tokens(batch["tokens"][valid])
+    keep = torch.arange(t)[None] <= pos[:, None]
+    states = head.states(batch["hidden"][valid], emb, batch["self_k"][rows], batch["self_v"][rows], keep,
+                         cross_k, cross_v, batch["src_pad"][rows], k)
     return states @ out_weight.T
 
 
@@ -188,9 +204,9 @@ def evaluate(head, verifier, feats: Features, idx: list[int], out_weight, vocab_
     head.eval()
     with torch.no_grad():
         for s in range(0, len(idx), batch):
-            mem, src_pad, hid, tok = feats.batch(idx[s: s + batch], pad)
-            targets, valid = block_targets(tok, k, pad, eos)
-            logits = head_logits(head, verifier, mem, src_pad, hid, tok, valid, k, out_weight)
+            data = feats.batch(idx[s: s + batch], pad)
+            targets, valid = block_targets(data["tokens"], k, pad, eos)
+            logits = head_logits(head, verifier, data, valid, k, out_weight)
             p = head.vocab[logits.argmax(-1)] if vocab_map is not None else logits.argmax(-1)
             t = targets[valid]
             drafted = t != pad
@@ -239,8 +255,8 @@ def train(a: argparse.Namespace) -> Path:
         f"{len(train_idx)} training pairs, {a.valid} held out")
     while time.time() < deadline and (not a.max_updates or step < a.max_updates):
         idx = _length_batch(rng, train_idx, lengths, a.positions)
-        mem, src_pad, hid, tok = feats.batch(idx, cfg.pad)
-        targets, valid = block_targets(tok, k, cfg.pad, cfg.eos)
+        data = feats.batch(idx, cfg.pad)
+        targets, valid = block_targets(data["tokens"], k, cfg.pad, cfg.eos)
         if vocab_map is not None:
             targets = torch.where(targets == cfg.pad, -100, vocab_map[targets])
         else:
@@ -249,7 +265,7 @@ def train(a: argparse.Namespace) -> Path:
         for g in opt.param_groups:
             g["lr"] = lr
         with amp:
-            logits = head_logits(head, verifier, mem, src_pad, hid, tok, valid, k, out_weight)
+            logits = head_logits(head, verifier, data, valid, k, out_weight)
         logits, tgt = logits.float(), targets[valid]  # (N,k,V), (N,k)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100,
                               reduction="none", label_smoothing=a.label_smoothing).view(tgt.shape)
@@ -261,7 +277,7 @@ def train(a: argparse.Namespace) -> Path:
         opt.step()
         step += 1
         seen_pos += int(valid.sum())
-        loss_win.append(float(loss))
+        loss_win.append(loss.item())
         if step % a.log_interval == 0:
             log(f"update {step} loss {np.mean(loss_win):.3f} lr {lr:.2e} "
                 f"{seen_pos / (time.time() - t0):.0f} positions/s ({(time.time() - t0) / 60:.1f} min)")
@@ -313,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", required=True)
     f.add_argument("--limit", type=int, default=0)
     f.add_argument("--threads", type=int, default=2)
+    st = sub.add_parser("states", help="recompute the verifier's states of a features directory's token ids")
+    st.add_argument("--verifier", required=True)
+    st.add_argument("--features", required=True)
+    st.add_argument("--threads", type=int, default=2)
     t = sub.add_parser("train", help="train a draft head on stored features")
     t.add_argument("--verifier", required=True)
     t.add_argument("--features", required=True)
@@ -340,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.limit:
             src = src[: a.limit]
         log(f"wrote {json.dumps(extract_features(a.verifier, src, a.out))}")
+    elif a.command == "states":
+        torch.set_num_threads(a.threads)
+        out = Path(a.features)
+        summary = {**json.loads((out / "features.json").read_text()), **store_states(Translator.load(a.verifier), out)}
+        (out / "features.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(f"wrote {json.dumps(summary)}")
     else:
         log(f"saved draft head to {train(a)}")
     return 0

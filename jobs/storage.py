@@ -1,0 +1,141 @@
+"""Where job inputs and outputs live: local or mounted paths and any pyarrow file system URI.
+
+`Location("s3://bucket/out")`, `Location("/mnt/shared/out")`, `Location("gs://...")`: pyarrow.fs
+resolves the scheme (s3, gs, abfs, hdfs; other fsspec schemes through fsspec when installed) and
+reads credentials the way those libraries do (environment, config files, instance metadata; for
+s3 also AWS_ENDPOINT_URL). A Location pickles as its URI, so Ray workers resolve it themselves.
+
+Writes are write-once: on a local file system through a `.<name>.tmp` file in the same directory
+renamed into place, on object stores (no rename there) by one PUT, which makes an object appear
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import pyarrow.fs as pafs
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def resolve(path: str) -> tuple[pafs.FileSystem, str]:
+    """(file system, path within it) of a local path or URI."""
+    if not is_uri(path):
+        return pafs.LocalFileSystem(), str(Path(path).expanduser().absolute())
+    try:
+        return pafs.FileSystem.from_uri(path)
+    except ValueError as e:  # pyarrow does not know the scheme
+        try:
+            import fsspec
+        except ImportError:
+            raise ValueError(f"{path}: unsupported file system scheme ({e}); installing fsspec may add it") from e
+        fs, inner = fsspec.core.url_to_fs(path)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), inner
+
+
+class Location:
+    """A directory (or object prefix) and the files under it, by name."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/") if is_uri(uri) else str(Path(uri).expanduser().absolute())
+        self.fs, self.root = resolve(self.uri)
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def __reduce__(self):
+        return (Location, (self.uri,))
+
+    def __repr__(self) -> str:
+        return f"Location({self.uri!r})"
+
+    def path(self, name: str) -> str:
+        """The path of `name` within the file system."""
+        return f"{self.root}/{name}"
+
+    def uri_of(self, name: str) -> str:
+        return f"{self.uri}/{name}"
+
+    def makedirs(self) -> None:
+        self.fs.create_dir(self.root, recursive=True)
+
+    def names(self) -> list[str]:
+        """Names of the files directly under this location (none if it does not exist)."""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+    def exists(self, name: str) -> bool:
+        return self.fs.get_file_info(self.path(name)).type == pafs.FileType.File
+
+    def size(self, name: str) -> int | None:
+        info = self.fs.get_file_info(self.path(name))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.fs.open_input_stream(self.path(name)) as f:
+            return f.read()
+
+    def write(self, name: str, write: Callable[[IO[bytes]], None]) -> None:
+        """Write `name` once, whole (see module docstring)."""
+        if not self.local:
+            with self.fs.open_output_stream(self.path(name)) as f:
+                write(f)
+            return
+        tmp = self.path(f".{name}.tmp")
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(name))
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.write(name, lambda f: f.write(data))
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.delete_file(self.path(name))
+        except FileNotFoundError:
+            pass
+
+
+def list_files(pattern: str) -> list[str]:
+    """A file, a directory or prefix (its *.parquet files, not those starting with '_' or '.'), or a
+    glob (`*`, `?`, `[`), local or URI -> sorted paths or URIs as given. [] when nothing matches;
+    FileNotFoundError when a file or directory does not exist."""
+    glob = any(ch in pattern for ch in "*?[")
+    base = pattern
+    if glob:
+        cut = min(pattern.find(ch) for ch in "*?[" if ch in pattern)
+        base = pattern[: pattern.rfind("/", 0, cut)] if "/" in pattern[:cut] else "."
+    fs, path = resolve(base)
+    info = fs.get_file_info(path)
+    if not glob and info.type == pafs.FileType.File:
+        return [pattern if is_uri(pattern) else path]
+    if info.type != pafs.FileType.Directory:
+        if glob:
+            return []
+        raise FileNotFoundError(pattern)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive="**" in pattern))
+    prefix = base.rstrip("/") if is_uri(base) else None
+
+    def named(p: str) -> str:
+        return f"{prefix}{p[len(path):]}" if prefix else p
+
+    if glob:
+        full = pattern if is_uri(pattern) else str(Path(pattern).expanduser().absolute())
+        return sorted(named(i.path) for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(named(i.path), full))
+    return sorted(named(i.path) for i in infos if i.type == pafs.FileType.File and i.extension == "parquet"
+                  and not i.base_name.startswith(("_", ".")))

@@ -1,0 +1,206 @@
+"""Corpus jobs beyond one machine: a real multi-node Ray cluster (ray.cluster_utils), a node lost
+mid-job, input and output on a real S3 API server on 127.0.0.1 (moto), reruns after an input
+changed, and the Jobs API against a Ray head started here."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from jobs.run import run_job  # noqa: E402
+from jobs.spec import load_spec  # noqa: E402
+from test_jobs import read_outputs, write_corpus  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def three_nodes():
+    """A head and two workers of one CPU each, as separate Ray nodes."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, workers
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _spec(model, inp, out, *extra):
+    return load_spec(None, [f"model={model}", f"input.path={inp}", f"output.dir={out}", "decode.method=greedy", *extra])
+
+
+def _exactly_once(out: Path, rows: int) -> pa.Table:
+    table = read_outputs(out) if not list(out.glob("*.rows-*.parquet")) else pa.concat_tables(
+        pq.read_table(p) for p in sorted(out.glob("*.parquet")))
+    assert table.num_rows == rows
+    assert sorted(table.column("n").to_pylist()) == list(range(rows))
+    assert len(set(table.column("id").to_pylist())) == rows
+    return table
+
+
+def test_three_one_cpu_nodes_with_the_default_plan(three_nodes, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in", shards=3, rows=12, seed=7)
+    result = run_job(_spec(tiny_model_dir, inp, tmp_path / "out", "batching.rows_per_task=4"))
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["timings"]["actors"]["actors"] == 3 and manifest["complete"]
+    assert result.decoded_rows == 36 and len(result.committed) == 9
+    _exactly_once(tmp_path / "out", 36)
+
+
+def test_losing_a_node_mid_job_keeps_every_row_exactly_once(three_nodes, tiny_model_dir, tmp_path):
+    cluster, workers = three_nodes
+    inp = write_corpus(tmp_path / "in", shards=4, rows=30, seed=8)
+    out = tmp_path / "out"
+    spec = _spec(tiny_model_dir, inp, out, "batching.rows_per_task=3", "resources.max_task_retries=1",
+                 "resources.max_restarts=1")
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(r=run_job(spec)))
+    job.start()
+    deadline = time.time() + 120
+    while len(list(out.glob("_SUCCESS.*"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    cluster.remove_node(workers[0])  # mid-job: 3 of 40 units committed
+    job.join(timeout=300)
+    assert not job.is_alive() and "r" in result
+    assert result["r"].rows == 120 and len(list(out.glob("_SUCCESS.*"))) == 40
+    _exactly_once(out, 120)
+
+
+@pytest.fixture
+def s3():
+    """A local S3 API server (moto) on 127.0.0.1 with a bucket; AWS_* variables point at it."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="corpus")
+    try:
+        yield env
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_input_and_output_in_object_storage(s3, tiny_model_dir, tmp_path):
+    import pyarrow.fs as pafs
+
+    local = write_corpus(tmp_path / "in", shards=2, rows=10, seed=9)
+    fs, _ = pafs.FileSystem.from_uri("s3://corpus/in")
+    for p in sorted(local.glob("*.parquet")):
+        with fs.open_output_stream(f"corpus/in/{p.name}") as f:
+            f.write(p.read_bytes())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # after the AWS_* variables are set
+    try:
+        spec = _spec(tiny_model_dir, "s3://corpus/in", "s3://corpus/out", "batching.rows_per_task=4")
+        first = run_job(spec)
+        again = run_job(spec)
+    finally:
+        ray.shutdown()
+    assert first.decoded_rows == 20 and again.decoded_rows == 0 and len(again.skipped) == 6
+    names = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("corpus/out")))
+    assert "_manifest.json" in names and sum(n.startswith("_SUCCESS.") for n in names) == 6
+    assert not any(n.endswith(".tmp") for n in names)
+    table = pa.concat_tables(pq.read_table(f"corpus/out/{n}", filesystem=fs) for n in names if n.endswith(".parquet"))
+    assert sorted(table.column("n").to_pylist()) == list(range(20))
+    manifest = json.loads(fs.open_input_stream("corpus/out/_manifest.json").read())
+    assert manifest["complete"] and manifest["totals"]["rows"] == 20
+
+
+def test_a_rerun_after_an_input_changed_recomputes_that_file(ray_local, tiny_model_dir, tmp_path):
+    inp = write_corpus(tmp_path / "in", shards=2, rows=6, seed=10)
+    out = tmp_path / "out"
+    run_job(_spec(tiny_model_dir, inp, out))
+    pq.write_table(pa.table({"src": ["the dog runs ."] * 6, "ref": ["x"] * 6, "n": list(range(6, 12))}),
+                   inp / "part-00001.parquet")  # same stem and row count, other rows
+    rerun = run_job(_spec(tiny_model_dir, inp, out))
+    assert rerun.skipped == ["part-00000"] and rerun.committed == ["part-00001"]
+    assert pq.read_table(out / "part-00001.parquet").column("src").to_pylist() == ["the dog runs ."] * 6
+    other = tmp_path / "other"  # another input directory whose files share stems
+    write_corpus(other, shards=1, rows=6, seed=11)
+    moved = run_job(_spec(tiny_model_dir, other, out))
+    assert moved.committed == ["part-00000"] and moved.rows == 6  # part-00001 of the old input is gone
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["part-00000.parquet"]
+
+
+@pytest.fixture
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_jobs_api_submit_status_logs_stop(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    port, dash = _free_port(), _free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        inp = write_corpus(tmp_path / "in", shards=2, rows=5, seed=12)
+        out = tmp_path / "out"
+        runner = CliRunner()
+        res = runner.invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", address,
+                                   "--output", str(out), "--input", str(inp), "--model", str(tiny_model_dir),
+                                   "--method", "greedy", "--set", "input.id_column=none"])
+        assert res.exit_code == 0, res.output
+        job_id = res.stdout.strip().splitlines()[0]
+        assert f"output: {out}" in res.stderr
+        deadline = time.time() + 240
+        status = ""
+        while time.time() < deadline:
+            status = json.loads(runner.invoke(main, ["status", job_id, "--address", address]).stdout)["status"]
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(1)
+        logs = runner.invoke(main, ["logs", job_id, "--address", address]).stdout
+        assert status == "SUCCEEDED", logs
+        assert "10 rows (10 ok" in logs
+        assert read_outputs(out).num_rows == 10
+        stopped = runner.invoke(main, ["stop", job_id, "--address", address])
+        assert stopped.exit_code == 0 and "not running" in stopped.stdout
+        missing = runner.invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", address])
+        assert missing.exit_code == 2 and "--output" in missing.output
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True)
