@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="iad")
     ap.add_argument("--limit", type=int, default=0, help="Use only the first N rows of each shard (0: all).")
     ap.add_argument("--actors", default="1,2,0", help="Actor counts to run, comma-separated (0: the default layout).")
-    ap.add_argument("--rows-per-task", type=int, default=512)
+    ap.add_argument("--rows-per-task", type=int, default=4096)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="Interleaved repetitions; medians are reported.")
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray (default: all).")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from aggdec.api import Translator, summarize
     from aggdec.checkpoint import file_sha
-    from cluster.connection import connect, disconnect
+    from cluster.connection import alive_nodes, connect, disconnect
     from cluster.resources import plan_actors
     from jobs.run import run_job
     from jobs.spec import load_spec
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "torch": torch.__version__},
                         "ray_init_s": round(conn.seconds, 3), "cluster": conn.resources}
         try:
-            plans = {n: plan_actors(conn.resources, actors=n) for n in actor_counts}
+            plans = {n: plan_actors(alive_nodes(), actors=n) for n in actor_counts}
             threads = plans[1].torch_threads if 1 in plans else plans[actor_counts[0]].torch_threads
 
             # in-process, same threads as one actor
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             tr = Translator.load(args.model)
             load_s = time.perf_counter() - t0
-            opts = spec_for(str(work / "x"), 1).decode_options()
+            opts = spec_for(str(work / "x"), 1).decode
             tr.translate_batch(texts[:32], opts)  # warm-up
 
             def in_process() -> tuple[float, list]:
@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
             t0 = time.perf_counter()
             probe = ray.remote(DecodeWorker).options(num_cpus=plans[actor_counts[0]].num_cpus).remote(
-                args.model, opts, "src", torch_threads=threads)
-            ray.get(probe.__call__.remote({"src": np.array(["Hello ."], dtype=object),
-                                           "path": np.array(["x"], dtype=object),
-                                           "row_hash": np.array([0], dtype=np.uint64)}))
+                args.model, opts, _one_row, torch_threads=threads)
+            ray.get(probe.__call__.remote({"src": np.array(["Hello ."], dtype=object)}))
             actor_ready_s = time.perf_counter() - t0
             ray.kill(probe)
             result["actor_ready_s"] = round(actor_ready_s, 3)
@@ -198,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _one_row(translator, options, batch):
+    """A decode actor task for the start-up probe: decode the batch's `src` rows."""
+    import pyarrow as pa
+
+    return pa.table({"hyp": [r.text for r in translator.translate_batch(list(batch["src"]), options)]})
 
 
 def _same(out: Path, reference) -> float:
