@@ -12,10 +12,40 @@ import click
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "models" / "gec-base")
 
 
+class Failure(click.ClickException):
+    """A failure the user can act on: printed as one line, `aggdec: error: ...`, exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"aggdec: error: {self.format_message()}", err=True)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="aggdec")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors (default: one line).")
+def main(debug: bool) -> None:
     """aggdec: lossless aggressive decoding for seq2seq models, in-process or as Ray corpus jobs."""
+
+
+def run() -> None:
+    """The `aggdec` entry point: `main`, with any unexpected error as one line unless --debug."""
+    try:
+        main(standalone_mode=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("aggdec: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 - the last line of defence of a command line tool
+        if "--debug" in sys.argv[1:]:
+            raise
+        click.echo(f"aggdec: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                   "(rerun with --debug for the traceback)", err=True)
+        sys.exit(1)
 
 
 def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, bpe: str | None, bpe_model: str | None,
@@ -39,7 +69,7 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
             return translator
         return Translator.load(path, device=device)
     except (FileNotFoundError, ValueError, PermissionError) as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
 
 
 def _method_names() -> list[str]:
@@ -127,7 +157,7 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
     try:
         results = translator.translate_batch(lines, opts)
     except (FileNotFoundError, ValueError) as e:  # a drafter that does not load or fit the model
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
     seconds = time.perf_counter() - t0
     for r in results:
         click.echo(r.text)
@@ -172,7 +202,7 @@ def convert(checkpoint, out_dir, target, data_dir, bpe, bpe_model, trust_checkpo
             out = fairseq_io.convert_fairseq(Path(checkpoint), Path(data_dir), Path(out_dir), trust=trust_checkpoint,
                                              bpe=bpe, bpe_model=Path(bpe_model) if bpe_model else None)
     except (FileNotFoundError, ValueError, PermissionError) as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
     click.echo(f"wrote {out}")
 
 
@@ -244,7 +274,7 @@ def _load_spec(spec_path: str | None, overrides: list[str], check_model: bool = 
     try:
         return load_spec(spec_path, overrides, check_model=check_model)
     except SpecError as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
 
 
 _spec_overrides = [
@@ -273,8 +303,10 @@ def _with_spec_overrides(fn):
 @click.option("--address", default=None,
               help="Ray cluster to join (HOST:6379 or 'auto'); default: an embedded local Ray, or RAY_ADDRESS if set.")
 @click.option("--num-cpus", type=click.IntRange(min=1), default=None, help="CPUs of the embedded local Ray (default: all).")
+@click.option("--verbose", "-v", is_flag=True, help="Also show what the job does unit by unit, and Ray's own messages.")
 @_with_spec_overrides
-def run_cmd(spec, address, num_cpus, sets, input_path, output, model, method, drafter, actors, gpus_per_actor) -> None:
+def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, method, drafter, actors,
+            gpus_per_actor) -> None:
     """Run a corpus job (a TOML spec) on Ray: Parquet in, one Parquet file per input file out.
 
     Without SPEC, runs the embedded default examples/correct.toml (IAD correction of the sample
@@ -289,28 +321,69 @@ def run_cmd(spec, address, num_cpus, sets, input_path, output, model, method, dr
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
       aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
     """
+    import signal
+
     from cluster.connection import connect, disconnect
-    from jobs.inputs import inspect_inputs
+    from jobs.preflight import check_job
     from jobs.run import run_job
     from jobs.spec import SpecError
 
     job = _load_spec(spec or DEFAULT_SPEC, _overrides(sets, input_path=input_path, output=output, model=model,
                                                       method=method, drafter=drafter, actors=actors,
                                                       gpus_per_actor=gpus_per_actor))
+    say = _echo_err
     try:
-        shards = inspect_inputs(job)  # fail on bad inputs before starting Ray
+        shards = check_job(job, warn=say)  # inputs, output, model: before Ray starts
     except SpecError as e:
-        raise click.ClickException(str(e)) from e
-    click.echo(f"{len(shards)} input shard(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
-               f"output {job.output.dir}", err=True)
-    conn = connect(address, num_cpus=num_cpus)
+        raise Failure(str(e)) from e
+    say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
+        f"output {job.output.dir}")
+    if job.unused_options:
+        say(f"note: not options of method {job.method}, ignored: {', '.join(job.unused_options)}")
+    progress = _ProgressLine()
+    conn = connect(address, num_cpus=num_cpus, quiet=not verbose)
+    stop = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs its own handler
     try:
-        result = run_job(job, log=lambda msg: click.echo(msg, err=True), timings={"ray_init_s": round(conn.seconds, 3)})
+        result = run_job(job, log=say if verbose else lambda msg: None, progress=progress,
+                         timings={"ray_init_s": round(conn.seconds, 3)})
     except SpecError as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
+    except KeyboardInterrupt:
+        raise Failure(f"stopped; committed units are kept in {job.output.dir}, rerun to resume") from None
     finally:
+        progress.end()
         disconnect(conn)
+        signal.signal(signal.SIGTERM, stop)
     click.echo(result.summary_line())
+
+
+def _echo_err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C: Ray is shut down, the message is one line
+
+
+class _ProgressLine:
+    """One progress line on stderr: rewritten in place on a terminal, every 10 s otherwise."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.tty = sys.stderr.isatty()
+        self.every_s, self.last, self.shown = every_s, 0.0, False
+
+    def __call__(self, p) -> None:
+        now = time.monotonic()
+        if self.tty:
+            click.echo("\r" + p.line().ljust(100), nl=False, err=True)
+            self.shown = True
+        elif now - self.last >= self.every_s:
+            click.echo(p.line(), err=True)
+            self.last = now
+
+    def end(self) -> None:
+        if self.shown:
+            click.echo(err=True)
 
 
 @main.command("submit")
@@ -349,10 +422,24 @@ def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, mode
     except ValueError:
         spec_arg = spec
     run_args = [a for o in overrides for a in ("--set", o)]
-    job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
+    try:
+        job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
+    except Exception as e:  # noqa: BLE001 - as _jobs_call
+        raise Failure(f"{address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     click.echo(job_id)
     click.echo(f"output: {output}", err=True)
     click.echo(f"follow with: aggdec logs {job_id} --address {address} --follow", err=True)
+
+
+def _jobs_call(fn, address: str, job_id: str):
+    """A Jobs API call whose failures (unknown job, unreachable address) become one-line errors."""
+    try:
+        return fn(address, job_id)
+    except Exception as e:  # noqa: BLE001 - the Jobs SDK raises RuntimeError, ConnectionError, ValueError, ...
+        text = str(e)
+        if "does not exist" in text or "404" in text:
+            raise Failure(f"{job_id}: no such job at {address}") from e
+        raise Failure(f"{address}: {text.splitlines()[0] if text else type(e).__name__}") from e
 
 
 _address_option = click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS",
@@ -371,7 +458,7 @@ def status_cmd(job_id, address) -> None:
     """
     from cluster import jobs_api
 
-    click.echo(json.dumps(jobs_api.info(address, job_id), indent=2, default=str))
+    click.echo(json.dumps(_jobs_call(jobs_api.info, address, job_id), indent=2, default=str))
 
 
 @main.command("logs")
@@ -388,7 +475,7 @@ def logs_cmd(job_id, address, follow) -> None:
     from cluster import jobs_api
 
     if not follow:
-        click.echo(jobs_api.logs(address, job_id), nl=False)
+        click.echo(_jobs_call(jobs_api.logs, address, job_id), nl=False)
         return
     import asyncio
 
@@ -411,7 +498,7 @@ def stop_cmd(job_id, address) -> None:
     """
     from cluster import jobs_api
 
-    stopped = jobs_api.stop(address, job_id)
+    stopped = _jobs_call(jobs_api.stop, address, job_id)
     click.echo(f"{job_id}: {'stop requested' if stopped else 'not running'}")
 
 
@@ -495,7 +582,7 @@ def eval_cmd(out_dir, task, ref_column, hyp_file, ref_file, src_file, tokenise, 
                       else gec_scores(data["src"], data["hyp"], data["ref"], tokenise=tokenise))
             result = {"task": task, **data["input"], "scores": scores}
     except (FileNotFoundError, ValueError, ImportError) as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if compare_dir:
@@ -547,7 +634,7 @@ def report_cmd(out_dir, bench, out_path) -> None:
     try:
         page = build_report(out_dir, list(bench))
     except (FileNotFoundError, ValueError, ImportError) as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
     Path(out_path).write_text(page, encoding="utf-8")
     click.echo(f"wrote {out_path}")
 
@@ -573,8 +660,8 @@ def export_cmd(out_dir, fmt, out_file, ref_column) -> None:
         for line in fairseq_lines(out_dir, ref_column=ref_column):
             out_file.write(line + "\n")
     except (FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+        raise Failure(str(e)) from e
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -5,9 +5,11 @@
     results = tr.translate_batch(["She go to school ."], method="iad", max_batch_size=64)
     results[0].text, results[0].status, results[0].stats.iterations
 
-Every input yields exactly one `TranslationResult`. Statuses: "ok"; "empty" (nothing to decode
-after cleaning: the output is ""); "truncated" (longer than the model's source positions, decoded
-from the first tokens that fit); "error" (decoding this row raised; `error` says why).
+Every input yields exactly one `TranslationResult`. Statuses (aggdec.schema.STATUSES): "ok";
+"empty" (nothing to decode after cleaning: the output is ""); "truncated" (longer than the model's
+source positions, decoded from the first tokens that fit); "truncated_output" (the output reached
+the length limit and was cut there); "unknown_tokens" (most of the source is text the vocabulary
+lacks; decoded anyway); "error" (decoding this row raised; `error` says why).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.model.projection import OutputProjection, native_bf16
-from aggdec.schema import count_status
+from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
 
@@ -114,6 +116,10 @@ class Translator:
             ids, status = ids[:limit], "truncated"
         return ids + [self.cfg.eos], status, text
 
+    def _unrepresented(self, ids: list[int]) -> float:
+        unrepresented = getattr(self.bundle.src_tok, "unrepresented", None)
+        return unrepresented(ids[:-1]) if unrepresented else 0.0
+
     def _run(self, reqs: list[Request], opts: DecodeOptions) -> list[Hypothesis]:
         return get_method(opts.method).decode(opts, reqs, self._context(opts))
 
@@ -136,12 +142,19 @@ class Translator:
             ids, status, text = self.prepare(s)
             results.append(TranslationResult(source=text, text="", tokens=[], status=status,
                                              src_len=len(ids) if ids else 0))
+            if ids is not None and status == "ok" and self._unrepresented(ids) > opts.max_unknown_share:
+                results[-1].status = "unknown_tokens"
+                results[-1].error = "most of the source is text the model's vocabulary lacks (unknown or byte tokens)"
             if ids is not None:
                 max_len = max_len_for(len(ids), opts.max_len_a, opts.max_len_b, self.cfg.max_target_positions)
                 reqs.append(Request(index=i, src=ids, max_len=max(1, max_len)))
+        limits = {r.index: r.max_len for r in reqs}
         for hyp in self._decode_isolating(reqs, opts, results):
             r = results[hyp.index]
             r.tokens, r.stats = hyp.tokens, hyp.stats
+            if r.status == "ok" and len(hyp.tokens) >= limits[hyp.index]:
+                r.status = "truncated_output"
+                r.error = f"the output reached the length limit ({limits[hyp.index]} tokens) and was cut there"
             r.text = self.bundle.tgt_tok.decode(hyp.tokens)
             r.score = getattr(hyp, "score", None)  # beam.BeamHypothesis carries score and nbest
             if getattr(opts, "nbest", 1) > 1:
@@ -156,7 +169,7 @@ class Translator:
         One teacher-forced pass per batch of `max_batch_size` rows, sorted by length; the log-probs
         are unconstrained (as beam's, an eos forced at max_len scores its own probability).
         """
-        todo = [r for r in results if r.score is None and r.status in ("ok", "truncated")]
+        todo = [r for r in results if r.score is None and r.status in DECODED_STATUSES]
         todo.sort(key=lambda r: len(r.tokens))
         cfg = self.cfg
         device = next(self.model.parameters()).device
@@ -203,7 +216,7 @@ def summarize(results: list[TranslationResult], seconds: float | None = None) ->
     """Corpus totals for a list of results: counts by status and merged SpeedupStats."""
     total = SpeedupStats()
     for r in results:
-        if r.status in ("ok", "truncated"):
+        if r.status in DECODED_STATUSES:
             total.add(r.stats, len(r.tokens) + 1)
     out = {"rows": len(results), "status": count_status(r.status for r in results), **total.to_dict()}
     if seconds is not None:

@@ -103,10 +103,20 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{cfg_path}: format is {config.get('format')!r}, expected {FORMAT!r}")
-    cfg = ModelConfig.from_dict(config["model"])
-    src_tok, tgt_tok = _tokenizers(d, config["tokenizer"])
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        got = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"{cfg_path}: format is {got!r}, expected {FORMAT!r}")
+    for key, kind in (("model", dict), ("tokenizer", dict)):
+        if not isinstance(config.get(key), kind):
+            raise ValueError(f"{cfg_path}: {key}: missing or not an object")
+    try:
+        cfg = ModelConfig.from_dict(config["model"])
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: model.{e}") from e
+    try:
+        src_tok, tgt_tok = _tokenizers(d, config["tokenizer"])
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: tokenizer.{e.args[0]}: missing") from e
     meta = config.get("meta", {})
     check_vocab(cfg, src_tok, tgt_tok, str(d), extra_target=1 if meta.get("role") == "nar-drafter" else 0)
     weights = d / "model.safetensors"

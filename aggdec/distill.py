@@ -6,6 +6,9 @@ filter that applies is the reason:
 
   error           status "error" (always)
   truncated       status "truncated": the output covers only the source's first tokens (always)
+  truncated_output, unknown_tokens, invalid_utf8
+                  the row statuses of the same names (always: a cut output, a source the model
+                  cannot represent, input bytes that were not text)
   empty           status "empty", or an output that is empty or only whitespace (drop_empty)
   control_chars   the output holds a control character (tab, CR, LF, ...; always, see the TSV below)
   len_ratio_low   hyp_len / (src_len - 1) < min_len_ratio
@@ -31,7 +34,8 @@ import pyarrow.compute as pc
 
 from aggdec.text import clean_text
 
-REASONS = ("error", "truncated", "empty", "control_chars", "len_ratio_low", "len_ratio_high")
+REASONS = ("error", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "empty", "control_chars",
+           "len_ratio_low", "len_ratio_high")
 TSV_HEADER = "src\tkd\n"
 _CONTROL = r"[\x00-\x1f\x7f-\x{9f}]"  # Unicode category Cc, what clean_text replaces
 
@@ -62,7 +66,8 @@ def filter_reasons(table: pa.Table, opts: PairFilter) -> np.ndarray:
     low = has_ratio & (ratio < opts.min_len_ratio) if opts.min_len_ratio is not None else np.zeros(len(status), bool)
     high = has_ratio & (ratio > opts.max_len_ratio) if opts.max_len_ratio is not None else np.zeros(len(status), bool)
     empty = ((status == "empty") | blank) if opts.drop_empty else np.zeros(len(status), bool)
-    conditions = [status == "error", status == "truncated", empty, control, low, high]
+    conditions = [status == "error", status == "truncated", status == "truncated_output", status == "unknown_tokens",
+                  status == "invalid_utf8", empty, control, low, high]
     return np.select(conditions, list(REASONS), default="").astype(object)
 
 

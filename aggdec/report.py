@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from aggdec.schema import STATS_COLUMNS, count_status, read_manifest, read_outputs
+from aggdec.schema import DECODED_STATUSES, STATS_COLUMNS, count_status, read_manifest, read_outputs
 
 REPORT_COLUMNS = ("src", "hyp", "status", "method", *STATS_COLUMNS)
 BENCH_KEYS = ("method", "batch_size", "sentences_per_s")
@@ -308,7 +308,7 @@ def _load_rows(out_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, in
     table = read_outputs(out_dir, REPORT_COLUMNS)
     status = table.column("status").to_pylist()
     status_counts = count_status(str(s) for s in status)
-    keep = np.isin(np.asarray(status, dtype=object), ["ok", "truncated"])
+    keep = np.isin(np.asarray(status, dtype=object), list(DECODED_STATUSES))
     if not keep.any():
         raise ValueError(f"{out_dir}: no rows with status ok/truncated to report on (status counts: {status_counts})")
     rows: dict[str, np.ndarray] = {}

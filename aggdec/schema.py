@@ -28,9 +28,13 @@ import pyarrow.parquet as pq
 
 MANIFEST_NAME = "_manifest.json"
 
-STATUSES = ("ok", "empty", "truncated", "error")
-"""Row statuses (aggdec.api): ok; empty (nothing to decode); truncated (source cut to the model's
-positions); error (decoding the row raised; `error` says why)."""
+STATUSES = ("ok", "empty", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "error")
+"""Row statuses: ok; empty (nothing to decode); truncated (the source was cut to the model's
+positions); truncated_output (the output was cut at the length limit); unknown_tokens (most of the
+source is text the vocabulary lacks); invalid_utf8 (the input bytes were not UTF-8; invalid bytes
+read as U+FFFD); error (decoding the row raised). `error` says why for all but ok and empty."""
+DECODED_STATUSES = ("ok", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8")
+"""Statuses of rows that were decoded (their statistics count)."""
 
 DECODED = pa.schema([
     ("hyp", pa.string()),

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             bleu = bleu_metric.corpus_score(hyps, [ref])
             chrf = chrf_metric.corpus_score(hyps, [ref])
             signature = {"bleu": str(bleu_metric.get_signature()), "chrf": str(chrf_metric.get_signature())}
-            ok = [r for r in out if r.status in ("ok", "truncated")]
+            ok = [r for r in out if r.status not in ("empty", "error")]
             calls = sum(r.stats.iterations for r in ok)
             run = {"method": name, "batch_size": bs, "sentences": len(src), "seconds": secs, "seconds_all": times[name],
                    "sentences_per_s": len(src) / secs, "bleu": bleu.score, "chrf": chrf.score,

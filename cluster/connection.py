@@ -7,9 +7,19 @@ or `connect("auto")` joins a running cluster.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
+
+
+def quiet_ray() -> None:
+    """Keep Ray's and Ray Data's informational output off the terminal (it stays in Ray's logs)."""
+    for name in ("ray", "ray.data", "ray.data._internal"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from ray.data import DataContext
+
+    DataContext.get_current().print_on_execution_start = False
 
 
 @dataclass(frozen=True)
@@ -20,17 +30,23 @@ class Connection:
     started: bool  # this call started Ray (so disconnect() should stop it)
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> Connection:
-    """Initialize Ray once. `num_cpus` only applies to an embedded local Ray."""
+def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True,
+            quiet: bool = False) -> Connection:
+    """Initialize Ray once. `num_cpus` only applies to an embedded local Ray. `quiet`: Ray's and Ray
+    Data's own messages below warnings, its progress bars and its workers' output stay in Ray's log
+    directory instead of the terminal."""
     import ray
 
+    if quiet:
+        quiet_ray()
     if ray.is_initialized():
         return Connection(address=address, resources=ray.cluster_resources(), seconds=0.0, started=False)
     t0 = time.perf_counter()
+    kwargs = {"log_to_driver": log_to_driver and not quiet, "logging_level": logging.WARNING if quiet else logging.INFO}
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=log_to_driver)
+        ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
     return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
                       started=True)
 

@@ -36,7 +36,7 @@ class ActorPlan:
         One task in flight per actor: with two, the first actor to start queued a second unit and, on
         small inputs, took every unit while the other actors idled. max_restarts / max_task_retries
         go to the actor options (Ray Data's own default is unbounded, which loops forever on a row
-        that kills the process every time).
+        that kills the process every time; the job's default is 0, and the driver reruns lost units).
         """
         from ray.data import ActorPoolStrategy
 
@@ -47,7 +47,7 @@ class ActorPlan:
 
 def plan_actors(nodes: list[dict[str, float]], *, actors: int = 0, gpus_per_actor: float = 0.0,
                 cpus_per_actor: float | None = None, torch_threads: int | None = None,
-                max_restarts: int = 3, max_task_retries: int = 3) -> ActorPlan:
+                max_restarts: int = 0, max_task_retries: int = 0) -> ActorPlan:
     """Resolve the spec's [resources] against the alive nodes' resources ({"CPU": n, "GPU": m} each).
 
     Raises ValueError naming the `resources.*` field when the nodes cannot hold the pool (Ray

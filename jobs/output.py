@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from aggdec.schema import STATS_COLUMNS, count_status
+from aggdec.schema import DECODED_STATUSES, STATS_COLUMNS, count_status
 from aggdec.stats import SpeedupStats
 
 
@@ -41,7 +41,7 @@ def shard_stats(decoded: pa.Table) -> tuple[dict[str, int], SpeedupStats]:
     """(rows per status, SpeedupStats over the ok/truncated rows) -- as aggdec.api.summarize."""
     status = decoded.column("status").to_pylist()
     counts = count_status(status)
-    mask = np.isin(np.asarray(status, dtype=object), ["ok", "truncated"])
+    mask = np.isin(np.asarray(status, dtype=object), list(DECODED_STATUSES))
 
     def total(name: str) -> np.ndarray:
         return decoded.column(name).to_numpy(zero_copy_only=False)[mask]

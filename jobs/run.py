@@ -39,6 +39,34 @@ MANIFEST_EVERY_S = 2.0
 """The manifest is rewritten at most this often while units commit (and at the end)."""
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a running job stands: rows and units of this run done / to do, failed units, rows with
+    status error so far, seconds since decoding started."""
+
+    rows: int
+    rows_total: int
+    units: int
+    units_total: int
+    failed: int
+    errors: int
+    seconds: float
+
+    def line(self) -> str:
+        rate = self.rows / self.seconds if self.seconds > 0 else 0.0
+        eta = (self.rows_total - self.rows) / rate if rate > 0 else float("nan")
+        return (f"{self.rows}/{self.rows_total} rows, {rate:.1f} rows/s, ETA {_clock(eta)}, "
+                f"{self.units}/{self.units_total} units committed, {self.errors} error rows"
+                + (f", {self.failed} units failed" if self.failed else ""))
+
+
+def _clock(seconds: float) -> str:
+    if seconds != seconds:  # nan
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 @dataclass
 class JobResult:
     output_dir: str
@@ -93,10 +121,11 @@ def fingerprint(spec: JobSpec, model_sha: str) -> dict:
 
 
 def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
-            timings: dict | None = None) -> JobResult:
+            progress: Callable[[Progress], None] = lambda p: None, timings: dict | None = None) -> JobResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError (bad input) before any Ray work.
 
-    `timings` (e.g. {"ray_init_s": ...}) is recorded in the manifest.
+    `log` gets what the job does (one line each), `progress` a Progress after every committed or
+    failed unit; `timings` (e.g. {"ray_init_s": ...}) is recorded in the manifest.
     """
     t0 = time.perf_counter()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -139,7 +168,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                     score=spec.keep_scores, nbest=spec.nbest, distill=spec.distill if spec.kind == "distill" else None,
                     tsv=spec.kind == "distill" and spec.distill.tsv)
     t_pipe = time.perf_counter()
-    decoded_rows, attempts, complete = 0, 0, False
+    decoded_rows, attempts, complete, errors = 0, 0, False, 0
     failed: dict[str, str] = {}
     try:
         pending = todo
@@ -156,12 +185,17 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                     if "failed" in record:
                         failed[record["unit"]] = record["failed"]
                         log(f"could not decode {record['unit']}: {record['failed']}")
-                        continue
-                    records[record["unit"]] = record
-                    run_info["committed"].append(record["unit"])
-                    decoded_rows += record["rows"]
-                    write_manifest(complete=False, force=False)
-                    log(f"committed {record['unit']} ({record['rows']} rows)")
+                    else:
+                        records[record["unit"]] = record
+                        run_info["committed"].append(record["unit"])
+                        decoded_rows += record["rows"]
+                        write_manifest(complete=False, force=False)
+                        log(f"committed {record['unit']} ({record['rows']} rows)")
+                    progress(Progress(rows=decoded_rows, rows_total=sum(u.rows for u in todo),
+                                      units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
+                                      errors=errors + record.get("status", {}).get("error", 0),
+                                      seconds=time.perf_counter() - t_pipe))
+                    errors += record.get("status", {}).get("error", 0)
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise

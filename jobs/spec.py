@@ -56,6 +56,9 @@ class InputSpec:
     """The column to decode; must be a string column in every input file."""
     id_column: str | None = None
     """Column holding row ids (string or integer; written as string). None: ids are "<file stem>:<row>"."""
+    duplicate_ids: str = "warn"
+    """Ids that occur more than once across the inputs: "warn" (before the job starts), "error" (refuse
+    the job) or "ignore" (do not read the ids to look)."""
 
 
 @dataclass
@@ -83,13 +86,14 @@ class ResourcesSpec:
     """CPUs each actor reserves on its node. None: 1 with GPUs, torch_threads on CPU."""
     torch_threads: int | None = None
     """torch.set_num_threads in each actor. None: 1."""
-    max_restarts: int = 3
-    """Times a dead actor is restarted (Ray actor max_restarts)."""
-    max_task_retries: int = 3
-    """Times a unit whose actor died is retried (Ray max_task_retries)."""
+    max_restarts: int = 0
+    """Times Ray restarts a dead actor in place (Ray actor max_restarts). 0: a lost actor ends the
+    pipeline run and the driver runs the units that did not commit again (max_attempts)."""
+    max_task_retries: int = 0
+    """Times a unit whose actor died is retried on the restarted actor (Ray max_task_retries)."""
     max_attempts: int = 3
-    """Pipeline runs: after lost actors or nodes exhaust Ray's retries, the units that did not commit
-    run again on the nodes left, up to this many runs in all."""
+    """Pipeline runs: after lost actors or nodes, the units that did not commit run again on a fresh
+    actor pool on the nodes left, up to this many runs in all."""
 
 
 @dataclass
@@ -286,6 +290,8 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
     _at_least("resources.max_attempts", r.max_attempts, 1)
     if r.cpus_per_actor is not None and r.cpus_per_actor <= 0:
         raise SpecError(f"resources.cpus_per_actor: must be > 0, got {r.cpus_per_actor}")
+    if spec.input.duplicate_ids not in ("warn", "error", "ignore"):
+        raise SpecError(f"input.duplicate_ids: must be one of warn, error, ignore; got {spec.input.duplicate_ids!r}")
     if not spec.input.text_column:
         raise SpecError("input.text_column: must not be empty")
     if spec.input.id_column == spec.input.text_column:

@@ -20,11 +20,17 @@ def test_bad_rows_get_statuses(tiny_model_dir):
     src = ["", "   ", "She go to school .", long, "bad\x00ctrl\x1bchars", "lone \ud800 surrogate", "日本語 ☃ ünïcödé"]
     res = tr.translate_batch(src, method="iad", max_batch_size=3)
     assert len(res) == len(src)
-    assert [r.status for r in res] == ["empty", "empty", "ok", "truncated", "ok", "ok", "ok"]
+    assert [r.status for r in res] == ["empty", "empty", "ok", "truncated", "ok", "truncated_output", "unknown_tokens"]
+    assert res[5].error.startswith("the output reached the length limit") and len(res[5].tokens) == 31
     assert res[0].text == "" and res[3].src_len == tr.cfg.max_source_positions
     assert tr.cfg.unk in tr.bundle.src_tok.encode("☃")  # characters outside the vocabulary -> unknown token
     summary = summarize(res)
-    assert summary["rows"] == 7 and summary["status"] == {"empty": 2, "ok": 4, "truncated": 1}
+    assert summary["rows"] == 7 and summary["status"] == {"empty": 2, "ok": 2, "truncated": 1, "truncated_output": 1,
+                                                          "unknown_tokens": 1}
+    [cjk] = tr.translate_batch(["日本語の文 ☃☃ 中文"], method="greedy")
+    assert cjk.status == "unknown_tokens" and cjk.text  # flagged, still decoded
+    [lenient] = tr.translate_batch(["日本語の文 ☃☃ 中文"], method="greedy", max_unknown_share=1.0)
+    assert lenient.status == "ok"
 
 
 def test_lossless_methods_agree_and_options_validate(tiny_model_dir):

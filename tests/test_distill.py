@@ -135,7 +135,8 @@ def test_distill_job_filters_writes_tsv_and_trains_a_drafter(tiny_model_dir, tmp
     scores = table.column("score").to_pylist()
     assert [s is None for s in scores] == [r.score is None for r in ref] == [r.status == "empty" for r in ref]
     assert [s for s in scores if s is not None] == pytest.approx([r.score for r in ref if r.score is not None], abs=1e-4)
-    expected = ["empty" if r.status == "empty" else "len_ratio_low" if x < cut else "" for r, x in zip(ref, ratios)]
+    expected = [r.status if r.status in ("empty", "truncated_output") else "len_ratio_low" if x < cut else ""
+                for r, x in zip(ref, ratios)]
     assert table.column("filter_reason").to_pylist() == expected
     assert table.column("kept").to_pylist() == [e == "" for e in expected]
     assert expected[ROWS + 1: ROWS + 3] == ["empty", "empty"] and 0 < expected.count("len_ratio_low") < 2 * ROWS
@@ -150,7 +151,8 @@ def test_distill_job_filters_writes_tsv_and_trains_a_drafter(tiny_model_dir, tmp
     assert kd_src == [clean_text(src[i]) for i in kept] and kd_tgt == [ref[i].text for i in kept]
 
     manifest = json.loads((out / "_manifest.json").read_text())
-    counts = {"kept": len(kept), "filtered": {r: expected.count(r) for r in ("empty", "len_ratio_low")}}
+    counts = {"kept": len(kept), "filtered": {r: expected.count(r) for r in ("truncated_output", "empty", "len_ratio_low")
+                                              if expected.count(r)}}
     assert manifest["totals"]["distill"] == result.distill == counts
     assert manifest["shards"]["part-00001"]["tsv"] == str(tsv[1]) and manifest["spec"]["kind"] == "distill"
     assert f"kept {len(kept)} pairs" in result.summary_line()

@@ -201,7 +201,7 @@ def test_cli_eval_translation_and_compare(tmp_path: Path):
     res = CliRunner().invoke(main, ["eval", str(tmp_path / "a")])  # the task follows the job's kind
     assert res.exit_code == 0 and "BLEU   43.14" in res.output
     res = CliRunner().invoke(main, ["eval", str(tmp_path / "a"), "--task", "translation", "--ref-column", "gold"])
-    assert res.exit_code == 1 and "no column 'gold'" in res.output
+    assert res.exit_code == 2 and "no column 'gold'" in res.output
 
 
 def test_cli_eval_text_files(tmp_path: Path):

@@ -304,7 +304,7 @@ def test_actor_plans_fit_every_actor_on_one_node():
         plan_actors([{"CPU": 8.0}], gpus_per_actor=1)
     kwargs = one_node.map_batches_kwargs()
     assert kwargs["compute"].min_size == kwargs["compute"].max_size == 2
-    assert kwargs["max_restarts"] == 3 and kwargs["max_task_retries"] == 3
+    assert kwargs["max_restarts"] == 0 and kwargs["max_task_retries"] == 0
 
 
 def test_units_cut_large_files_at_fixed_rows(tmp_path):

@@ -193,4 +193,4 @@ def test_cli_report(tmp_path: Path):
     assert res.exit_code == 0, res.output
     assert page.read_text(encoding="utf-8").count("data:image/png;base64,") == 5
     res = CliRunner().invoke(main, ["report", str(out_dir), "--bench", str(out_dir / "_manifest.json")])
-    assert res.exit_code == 1 and "no 'runs' list" in res.output
+    assert res.exit_code == 2 and "no 'runs' list" in res.output

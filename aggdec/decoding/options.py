@@ -54,6 +54,9 @@ class DecodeOptions:
     max_len_a: float = option(1.5, "Output length limit a * src_len + b (src_len counts the eos), as "
                                    "fairseq-generate.", low=0)
     max_len_b: int = option(10, "Output length limit a * src_len + b.", low=0)
+    max_unknown_share: float = option(0.5, "Rows whose source tokens are more than this share unknown or byte-fallback "
+                                           "tokens (a script the vocabulary lacks) get status unknown_tokens; they are "
+                                           "still decoded.", low=0)
     verify_precision: str = option(
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "

@@ -58,8 +58,24 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
+        """Validated: raises ValueError naming the field for an unknown or missing field or a value of
+        the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"must be an object of model fields, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
             raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        types = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for name, f in fields.items():
+            if name not in d:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"{name}: missing")
+                continue
+            want = types[f.type]
+            value = d[name]
+            if not isinstance(value, want) or (f.type != "bool" and isinstance(value, bool)):
+                raise ValueError(f"{name}: must be {f.type}, got {value!r}")
+            if f.type == "int" and value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
         return cls(**d)

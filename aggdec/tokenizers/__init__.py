@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from aggdec.tokenizers.dictionary import Dictionary
+from aggdec.tokenizers.dictionary import UNK, Dictionary
 
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def unrepresented(self, ids: list[int]) -> float: ...
 
 
 class SentencePieceTokenizer:
@@ -29,7 +31,10 @@ class SentencePieceTokenizer:
         path = Path(model_file)
         if not path.is_file():
             raise FileNotFoundError(f"sentencepiece model not found: {path}")
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{path}: not a readable sentencepiece model ({str(e).splitlines()[0][:120]})") from e
         self.path = path
         want = {"bos": 0, "pad": 1, "eos": 2, "unk": 3}
         got = {"bos": self.sp.bos_id(), "pad": self.sp.pad_id(), "eos": self.sp.eos_id(), "unk": self.sp.unk_id()}
@@ -45,6 +50,12 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
+
+    def unrepresented(self, ids: list[int]) -> float:
+        """The share of `ids` (bare word-boundary pieces aside) that stand for text the vocabulary
+        lacks: unknown tokens and byte fallbacks."""
+        words = [i for i in ids if self.sp.id_to_piece(i) != "\u2581"]
+        return sum(1 for i in words if self.sp.is_unknown(i) or self.sp.is_byte(i)) / max(1, len(words))
 
 
 class DictionaryTokenizer:
@@ -77,6 +88,10 @@ class DictionaryTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.dict.index(p) for p in self._split(text)]
+
+    def unrepresented(self, ids: list[int]) -> float:
+        """The share of `ids` that are the dictionary's unknown symbol."""
+        return sum(1 for i in ids if i == UNK) / max(1, len(ids))
 
     def decode(self, ids: list[int]) -> str:
         return self._join(self.dict.symbols_of(ids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+UNK = 3
 
 
 class Dictionary:
@@ -44,7 +45,7 @@ class Dictionary:
         return len(self.symbols)
 
     def index(self, symbol: str) -> int:
-        return self._index.get(symbol, 3)
+        return self._index.get(symbol, UNK)
 
     def symbols_of(self, ids: list[int]) -> list[str]:
         return [self.symbols[i] for i in ids if i not in (0, 1, 2)]

@@ -1,0 +1,101 @@
+"""Checks a job must pass before Ray starts, each failing with one line that names the culprit.
+
+`check_job` reads every input footer (jobs.inputs), makes sure the output location can be written
+and has room, loads the model and the drafter the way the decode actors will, and looks at the ids:
+duplicates are reported (or refused with input.duplicate_ids = "error"), as are files in an input
+directory that are not Parquet.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from aggdec import checkpoint
+from jobs.inputs import Shard, inspect_inputs
+from jobs.spec import JobSpec, SpecError
+from jobs.storage import Location, is_uri, resolve
+
+OUTPUT_BYTES_PER_INPUT_BYTE = 3.0
+"""Free space asked for on a local output file system: this many times the inputs' size (outputs
+hold the source, the hypothesis and per-row statistics)."""
+
+
+def check_job(spec: JobSpec, *, warn: Callable[[str], None] = lambda msg: None) -> list[Shard]:
+    """The job's shards, after every check; raises SpecError naming the file, column or field."""
+    shards = inspect_inputs(spec)
+    _check_output(spec, shards)
+    _check_models(spec)
+    _check_ids(spec, shards, warn)
+    _check_strays(spec, warn)
+    return shards
+
+
+def _check_output(spec: JobSpec, shards: list[Shard]) -> None:
+    loc_uri = spec.output.dir
+    try:
+        loc = Location(loc_uri)
+        loc.makedirs()
+        loc.write_bytes(".aggdec-write-check", b"")
+        loc.delete(".aggdec-write-check")
+    except (OSError, ValueError) as e:
+        raise SpecError(f"output.dir: {loc_uri}: cannot be written ({_first_line(e)})") from e
+    if loc.local:
+        need = OUTPUT_BYTES_PER_INPUT_BYTE * sum(dict(s.identity).get("size", 0) for s in shards)
+        free = shutil.disk_usage(loc.root).free
+        if free < need:
+            raise SpecError(f"output.dir: {loc_uri}: {free / 1e6:.1f} MB free, the output needs about "
+                            f"{need / 1e6:.1f} MB")
+
+
+def _check_models(spec: JobSpec) -> None:
+    try:
+        bundle = checkpoint.load(spec.model)
+    except (OSError, ValueError) as e:
+        raise SpecError(f"model: {_first_line(e)}") from e
+    drafter = getattr(spec.decode, "drafter", None)
+    if drafter:
+        try:
+            checkpoint.load_drafter(drafter, bundle)
+        except (OSError, ValueError) as e:
+            raise SpecError(f"decode.drafter: {_first_line(e)}") from e
+
+
+def _check_ids(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None]) -> None:
+    col, mode = spec.input.id_column, spec.input.duplicate_ids
+    if not col or mode == "ignore" or not shards:
+        return
+    ids = []
+    for s in shards:
+        fs, path = resolve(s.path)
+        with fs.open_input_file(path) as f:
+            ids.append(pc.cast(pq.read_table(f, columns=[col]).column(col), pa.string()).combine_chunks())
+    counts = pc.value_counts(pa.chunked_array(ids).combine_chunks())
+    dup = counts.filter(pc.greater(counts.field("counts"), 1))
+    if len(dup):
+        examples = ", ".join(repr(v) for v in dup.field("values")[:3].to_pylist())
+        msg = (f"input.id_column: {len(dup)} id(s) occur more than once across the input files (e.g. {examples}); "
+               "the output keeps every row")
+        if mode == "error":
+            raise SpecError(msg + '; set input.duplicate_ids = "warn" to go on')
+        warn("warning: " + msg)
+
+
+def _check_strays(spec: JobSpec, warn: Callable[[str], None]) -> None:
+    path = spec.input.path
+    if is_uri(path) or not Path(path).is_dir():
+        return
+    strays = sorted(p.name for p in Path(path).iterdir()
+                    if p.is_file() and p.suffix != ".parquet" and not p.name.startswith(("_", ".")))
+    if strays:
+        warn(f"warning: input.path: ignoring {len(strays)} file(s) that are not *.parquet: {', '.join(strays[:5])}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

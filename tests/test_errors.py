@@ -1,0 +1,145 @@
+"""Bad input is refused early with one line naming the culprit; a job's terminal output is short;
+signals stop a job cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from conftest import synthetic_sentences
+from jobs.preflight import check_job
+from jobs.spec import SpecError, load_spec
+from test_jobs import write_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+AGGDEC = [sys.executable, "-c", "import sys; sys.argv[0] = 'aggdec'; from cli import run; run()"]
+
+
+def _run(args: list[str]):
+    res = CliRunner().invoke(main, args)
+    return res.exit_code, res.output
+
+
+def _spec(model, inp, out, *extra):
+    return load_spec(None, [f"model={model}", f"input.path={inp}", f"output.dir={out}", *extra])
+
+
+def test_output_locations_that_cannot_be_written(tiny_model_dir, tmp_path, monkeypatch):
+    inp = write_corpus(tmp_path / "in", shards=1, rows=3)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SpecError, match=r"^output\.dir: .*/file/out: cannot be written \("):
+        check_job(_spec(tiny_model_dir, inp, tmp_path / "file" / "out"))
+    with pytest.raises(SpecError, match=r"^output\.dir: /proc/aggdec-out: cannot be written"):
+        check_job(_spec(tiny_model_dir, inp, "/proc/aggdec-out"))
+    monkeypatch.setattr("jobs.preflight.OUTPUT_BYTES_PER_INPUT_BYTE", 1e15)  # a disk far too small
+    with pytest.raises(SpecError, match=r"^output\.dir: .*: [\d.]+ MB free, the output needs about [\d.]+ MB$"):
+        check_job(_spec(tiny_model_dir, inp, tmp_path / "out"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: c.update(model=[1, 2]), r"config\.json: model: missing or not an object"),
+    (lambda c: c["model"].pop("src_vocab"), r"config\.json: model\.src_vocab: missing"),
+    (lambda c: c["model"].update(d_model="256"), r"config\.json: model\.d_model: must be int, got '256'"),
+    (lambda c: c["tokenizer"].pop("src"), r"config\.json: tokenizer\.src: missing"),
+    (lambda c: c.update(format="v0"), r"config\.json: format is 'v0'"),
+])
+def test_malformed_model_configs_are_named(tiny_model_dir, tmp_path, damage, message):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    damage(config)
+    (model / "config.json").write_text(json.dumps(config))
+    code, out = _run(["decode", "-m", str(model)])
+    assert code == 2 and out.count("\n") == 1 and out.startswith("aggdec: error: ")
+    assert __import__("re").search(message, out), out
+    with pytest.raises(SpecError, match=f"^model: .*{message}"):
+        check_job(_spec(model, write_corpus(tmp_path / "in", shards=1, rows=2), tmp_path / "out"))
+
+
+def test_a_corrupt_tokenizer_is_named(tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "spm.model").write_bytes(b"not a sentencepiece model")
+    code, out = _run(["decode", "-m", str(model)])
+    assert code == 2 and out.count("\n") == 1
+    assert f"aggdec: error: {model / 'spm.model'}: not a readable sentencepiece model" in out
+
+
+def test_options_out_of_range_are_refused_before_anything_runs(tiny_model_dir, tmp_path):
+    code, out = _run(["run", "--set", "decode.max_len_a=-1", "--output", str(tmp_path / "o")])
+    assert code == 2 and "decode.max_len_a: must be >= 0, got -1.0" in out and out.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+    code, out = _run(["decode", "--max-len-b", "-3"])
+    assert code == 2 and "-3 is not in the range x>=0" in out
+
+
+def test_duplicate_ids_warn_or_refuse_and_stray_files_warn(tiny_model_dir, tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for k in range(2):
+        pq.write_table(pa.table({"src": synthetic_sentences(3, seed=k), "id": ["a", f"b{k}", "c"]}),
+                       inp / f"part-{k}.parquet")
+    (inp / "README.txt").write_text("notes")
+    warnings: list[str] = []
+    shards = check_job(_spec(tiny_model_dir, inp, tmp_path / "out", "input.id_column=id"), warn=warnings.append)
+    assert len(shards) == 2
+    assert any("input.id_column: 2 id(s) occur more than once" in w and "'a'" in w for w in warnings)
+    assert any("ignoring 1 file(s) that are not *.parquet: README.txt" in w for w in warnings)
+    with pytest.raises(SpecError, match=r'input\.id_column: 2 id\(s\) occur more than once .*input\.duplicate_ids'):
+        check_job(_spec(tiny_model_dir, inp, tmp_path / "out", "input.id_column=id", "input.duplicate_ids=error"))
+
+
+def test_jobs_commands_give_one_line_errors():
+    code, out = _run(["status", "raysubmit_nope", "--address", "http://127.0.0.1:1"])
+    assert code == 2 and out.count("\n") == 1 and out.startswith("aggdec: error: http://127.0.0.1:1: ")
+    code, out = _run(["logs", "raysubmit_nope", "--address", "http://127.0.0.1:1"])
+    assert code == 2 and out.count("\n") == 1
+
+
+def test_the_default_job_prints_a_handful_of_lines(tiny_model_dir, tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.run([*AGGDEC, "run", "--output", str(tmp_path / "out"), "--model", str(tiny_model_dir)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) <= 4, lines
+    assert proc.stderr.startswith("3 input file(s), 300 rows; method iad") and "300 rows (" in proc.stdout
+    assert not any("INFO" in line or "core_worker" in line or "Dataset" in line for line in lines), lines
+
+
+def test_sigterm_stops_a_job_cleanly(tiny_model_dir, tmp_path):
+    psutil = pytest.importorskip("psutil")
+    inp = write_corpus(tmp_path / "in", shards=1, rows=400, seed=3)
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
+                             "--set", "batching.rows_per_task=10", "--set", "input.id_column=none",
+                             "--method", "greedy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO)
+    deadline = time.time() + 120
+    while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("aggdec: error: stopped; committed units are kept in") and "Traceback" not in stderr
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline()[:3] for p in alive]
+    assert 1 <= len(list(out.glob("_SUCCESS.*"))) < 40
