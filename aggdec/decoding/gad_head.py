@@ -41,7 +41,8 @@ class DraftHeadDrafter:
         self.weight = weight.detach().to(dtype).contiguous()
         self.packed = prepack(self.weight)
         dec = verifier.decoder
-        self.embed = (dec.embed_scale * dec.embed_tokens.weight).detach().to(dtype)
+        with torch.no_grad():
+            self.token_table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
         self.last_layer = len(dec.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
         self.max_draft = self.k
@@ -74,13 +75,16 @@ class DraftHeadDrafter:
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return
         dtype = self.weight.dtype
-        cache, layer = state.cache, self.last_layer
-        span = int(cache.lengths.max())
-        pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
-        keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
-        ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
-        bonus = state.last_tokens()
-        states = self.head.states(hidden.to(dtype), self.embed[bonus], pk, pv, keep, ck, cv, cache.cross.src_pad, k)
+        ctx = self.head.context(hidden.to(dtype), self.token_table, state.last_tokens())
+        if self.head.layers:
+            cache, layer = state.cache, self.last_layer
+            span = int(cache.lengths.max())
+            pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
+            keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
+            ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
+            states = self.head.from_context(ctx, pk, pv, keep, ck, cv, cache.cross.src_pad, k)
+        else:
+            states = self.head.from_context(ctx, None, None, None, None, None, None, k)
         logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")

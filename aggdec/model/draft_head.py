@@ -34,7 +34,8 @@ class DraftHeadConfig:
     d_model: int
     heads: int  # the verifier's decoder heads (cross-attention reads its keys/values)
     ffn: int = 1024
-    layers: int = 1
+    layers: int = 1  # attention layers (0: none)
+    mlp_blocks: int = 0  # residual FFN blocks after them, shared by the k positions
     block_size: int = 4  # mask queries: most tokens drafted per call
     draft_vocab: int = 0  # rows of the draft vocabulary (0: the verifier's whole vocabulary)
 
@@ -86,9 +87,23 @@ class _Layer(nn.Module):
         return x + self.fc2(self.fc1.relu(self.norm3(x)))
 
 
+class _Block(nn.Module):
+    """A pre-norm residual FFN block."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.fc1 = Linear(cfg.d_model, cfg.ffn)
+        self.fc2 = Linear(cfg.ffn, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.fc1.relu(self.norm(x)))
+
+
 class DraftHead(nn.Module):
     """See the module docstring. `vocab` (draft_vocab,) int64 buffer: the token ids the head can draft
-    (all of the verifier's when draft_vocab is 0)."""
+    (all of the verifier's when draft_vocab is 0). With `layers` = 0 the masks do not attend at all:
+    each is the fused context plus its own learned vector, refined by `mlp_blocks` FFN blocks."""
 
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
@@ -97,8 +112,19 @@ class DraftHead(nn.Module):
         self.fuse = Linear(2 * d, d)
         self.masks = nn.Parameter(torch.randn(cfg.block_size, d) * d**-0.5)
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.mlp_blocks))
         self.norm = nn.LayerNorm(d)
         self.register_buffer("vocab", torch.arange(cfg.draft_vocab, dtype=torch.long))
+
+    def token_context(self, embed: torch.Tensor) -> torch.Tensor:
+        """(V,D): the token half of `fuse` for every token of `embed` (V,D), bias included, so that
+        the context of (h, t) is h @ W_h.T + table[t] (one product and a gather)."""
+        d = self.cfg.d_model
+        return embed @ self.fuse.weight[:, d:].T + self.fuse.bias
+
+    def context(self, h: torch.Tensor, token_table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The fused context (N,D) of states h (N,D) and tokens (N,) through `token_context`'s table."""
+        return F.linear(h, self.fuse.weight[:, : self.cfg.d_model]) + token_table[tokens]
 
     def states(self, h: torch.Tensor, token_emb: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
                prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, src_pad: torch.Tensor,
@@ -110,12 +136,25 @@ class DraftHead(nn.Module):
         (up to and including h's position), prefix_keep (N,L) bool; cross_k/v (N,S,D): its last-layer
         cross-attention keys/values of each row's source, src_pad (N,S) bool. -> (N,k,D).
         """
+        return self.from_context(self.fuse(torch.cat([h, token_emb], dim=-1)), prefix_k, prefix_v, prefix_keep,
+                                 cross_k, cross_v, src_pad, k)
+
+    def from_context(self, ctx: torch.Tensor, prefix_k: torch.Tensor | None, prefix_v: torch.Tensor | None,
+                     prefix_keep: torch.Tensor | None, cross_k: torch.Tensor | None, cross_v: torch.Tensor | None,
+                     src_pad: torch.Tensor | None, k: int | None = None) -> torch.Tensor:
+        """As `states`, from the fused context (N,D); the verifier's keys/values are only read by the
+        attention layers (None without any)."""
         k = self.cfg.block_size if k is None else k
-        n, d = h.shape
-        ctx = self.fuse(torch.cat([h, token_emb], dim=-1))[:, None]  # (N,1,D)
-        x = torch.cat([ctx, self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
-        self_keep = torch.cat([prefix_keep, prefix_keep.new_ones(n, k + 1)], dim=1)[:, None, None, :]
-        cross_keep = (~src_pad)[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, prefix_k, prefix_v, self_keep, cross_k, cross_v, cross_keep)
-        return self.norm(x[:, 1:])
+        n, d = ctx.shape
+        if not self.layers:
+            x = ctx[:, None] + self.masks[:k].to(ctx.dtype)  # (N,k,D)
+        else:
+            x = torch.cat([ctx[:, None], self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
+            self_keep = torch.cat([prefix_keep, prefix_keep.new_ones(n, k + 1)], dim=1)[:, None, None, :]
+            cross_keep = (~src_pad)[:, None, None, :]
+            for layer in self.layers:
+                x = layer(x, prefix_k, prefix_v, self_keep, cross_k, cross_v, cross_keep)
+            x = x[:, 1:]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)

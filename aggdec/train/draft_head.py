@@ -180,6 +180,11 @@ def head_logits(head: DraftHead, verifier: Transformer, batch: dict, valid: torc
     b, t = valid.shape
     rows = torch.arange(b)[:, None].expand_as(valid)[valid]
     pos = torch.arange(t)[None].expand_as(valid)[valid]
+    if not head.layers:  # nothing attends: the context alone
+        with torch.no_grad():
+            emb = verifier.decoder.embed_scale * verifier.decoder.embed_tokens(batch["tokens"][valid])
+        ctx = head.fuse(torch.cat([batch["hidden"][valid], emb], dim=-1))
+        return head.from_context(ctx, None, None, None, None, None, None, k) @ out_weight.T
     with torch.no_grad():
         memory = batch["memory"]
         cross_k, cross_v = last.k_proj(memory)[rows], last.v_proj(memory)[rows]
@@ -235,8 +240,8 @@ def train(a: argparse.Namespace) -> Path:
     held = list(range(n - a.valid, n))
     train_idx = list(range(n - a.valid))
     k = a.block_size
-    hcfg = DraftHeadConfig(d_model=cfg.d_model, heads=cfg.dec_heads, ffn=a.ffn, layers=a.layers, block_size=k,
-                           draft_vocab=a.draft_vocab)
+    hcfg = DraftHeadConfig(d_model=cfg.d_model, heads=cfg.dec_heads, ffn=a.ffn, layers=a.layers,
+                           mlp_blocks=a.mlp_blocks, block_size=k, draft_vocab=a.draft_vocab)
     head = DraftHead(hcfg)
     _init_from_verifier(head, verifier)
     vocab_map = None
@@ -315,6 +320,11 @@ def _init_from_verifier(head: DraftHead, verifier: Transformer) -> None:
             layer.norm1.load_state_dict(last.self_attn_layer_norm.state_dict())
             layer.norm2.load_state_dict(last.encoder_attn_layer_norm.state_dict())
             layer.norm3.load_state_dict(last.final_layer_norm.state_dict())
+        for block in head.blocks:
+            if block.fc1.weight.shape == last.fc1.weight.shape:
+                block.fc1.load_state_dict(last.fc1.state_dict())
+                block.fc2.load_state_dict(last.fc2.state_dict())
+            block.norm.load_state_dict(last.final_layer_norm.state_dict())
         if verifier.decoder.layer_norm is not None:
             head.norm.load_state_dict(verifier.decoder.layer_norm.state_dict())
 
@@ -339,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", required=True)
     t.add_argument("--block-size", type=int, default=4)
     t.add_argument("--layers", type=int, default=1)
+    t.add_argument("--mlp-blocks", type=int, default=0, help="residual FFN blocks after the attention layers")
     t.add_argument("--ffn", type=int, default=1024)
     t.add_argument("--draft-vocab", type=int, default=0, help="draft only the N most frequent target tokens")
     t.add_argument("--positions", type=int, default=2048, help="target positions per update")
