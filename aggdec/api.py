@@ -68,6 +68,7 @@ class Translator:
         self.cfg = bundle.model.cfg
         self._drafters: dict[tuple[str, torch.dtype], object] = {}
         self._projections: dict[bool, OutputProjection] = {}
+        self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by options, kept across calls
 
     def projection(self, verify_precision: str = "auto") -> OutputProjection:
         """The verifier's output projection for `verify_precision` (see DecodeOptions), built once."""
@@ -94,7 +95,8 @@ class Translator:
 
     def _context(self, opts: DecodeOptions) -> DraftContext:
         projection = self.projection(opts.verify_precision)
-        return DraftContext(self.model, projection, drafts_in_bf16(opts, projection), self._drafter_model)
+        return DraftContext(self.model, projection, drafts_in_bf16(opts, projection), self._drafter_model,
+                            self._budgets)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":

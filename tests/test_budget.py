@@ -1,4 +1,4 @@
-"""DraftBudget picks the draft length that maximizes tokens per second under its fitted cost model."""
+"""DraftBudget settles on the draft length with the most output tokens per measured second."""
 
 import torch
 
@@ -11,8 +11,9 @@ def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> li
     length = budget.next_length(rows, budget.max_length)
     for _ in range(calls):
         nd = torch.full((rows,), length)
-        budget.observe(nd, torch.minimum(nd, accept(length, rows)))
-        budget.record(rows, int(nd.sum()), cost(rows, int(nd.sum())))
+        acc = torch.minimum(nd, accept(length, rows))
+        budget.observe(nd, acc)
+        budget.record(length, int((acc + 1).sum()), cost(rows, int(nd.sum())))
         length = budget.next_length(rows, budget.max_length)
         chosen.append(budget.choice)
     return chosen
@@ -43,5 +44,5 @@ def test_a_middle_length_when_later_positions_are_poor():
     """Positions 1-2 nearly always kept, 3-6 never; a per-token cost: two tokens are worth it, more are not."""
     budget = DraftBudget(6)
     chosen = _drive(budget, 16, lambda length, rows: torch.full((rows,), min(length, 2)),
-                    lambda b, d: 2e-3 + 1e-4 * (b + d))
+                    lambda b, d: 2e-3 + 1e-4 * (b + d), calls=1500)
     assert chosen[-50:] == [2] * 50

@@ -84,7 +84,8 @@ class DraftVerifyLoop:
         self.counters = LoopCounters()
         self.encode_batch = max_batch_size if encode_batch is None else encode_batch
         self.budget = budget
-        self._length = NO_LIMIT if budget is None else budget.max_length  # draft length of the next call
+        # draft length of the next call
+        self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._ahead: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
         self._ahead_rows: dict[int, int] = {}  # id(request) -> its row in _ahead
 
@@ -170,11 +171,15 @@ class DraftVerifyLoop:
             self._check(r)
         self._ahead, self._ahead_rows = None, {}
         state: DecodeState | None = None
+        last = None  # (draft length, tokens committed, start) of the previous call
         while queue or state is not None:
             if state is None:
                 state = self._new_state(self._take(queue, self.max_batch_size, 0))
                 self.drafter.admit(state, torch.arange(state.batch_size, device=self.device))
             t0 = time.perf_counter()
+            if self.budget is not None and last is not None:  # the previous call, all in: its
+                length, tokens, start = last  # drafting, bookkeeping and refills included
+                self.budget.record(length, tokens, t0 - start)
             # 1. Propose.
             draft = self.drafter.propose(state)
             room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
@@ -206,6 +211,7 @@ class DraftVerifyLoop:
             state.out[rows, state.out_len[:, None] + offs] = new
             state.out_len = state.out_len + n_new
             state.cache.commit(accepted + 1)
+            length = self._length  # this call's draft length
             if self.budget is not None:
                 self.budget.observe(num_draft, accepted)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
@@ -214,8 +220,7 @@ class DraftVerifyLoop:
             n_fed = valid.sum(dim=1)
             self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
             seconds = time.perf_counter() - t0
-            if self.budget is not None:
-                self.budget.record(state.batch_size, int(num_draft.sum()), seconds)
+            last = (length, int(n_new.sum()), t0)
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
             self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
             self.counters.calls += 1

@@ -47,6 +47,7 @@ class DraftContext:
     projection: OutputProjection
     bf16: bool
     load: Callable[[str, bool], Any]
+    budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
 
     def drafter_model(self, path: str) -> Any:
         return self.load(path, self.bf16)
@@ -79,7 +80,7 @@ class Method:
         # measured lengths only where they cannot change the output: lossy methods draft their full length
         if (getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
                 and self.lossless(opts)):
-            budget = DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+            budget = context.budgets.setdefault(opts, DraftBudget(drafter.max_draft or DraftBudget.LONGEST))
         loop = DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
                                max_tokens=opts.max_tokens, projection=context.projection, budget=budget)
         return list(loop.run(requests))
