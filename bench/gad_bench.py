@@ -31,15 +31,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from baseline_bench import export_ct2, machine  # noqa: E402
+from baseline_bench import export_ct2, machine
 
-from aggdec.api import Translator, decode_options  # noqa: E402
-from aggdec.decoding.budget import DraftBudget  # noqa: E402
-from aggdec.decoding.limits import max_len_for  # noqa: E402
-from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
-from aggdec.decoding.methods import get_method  # noqa: E402
-from aggdec.fairseq_io import save_fairseq  # noqa: E402
-from aggdec.train.ar import read_tsv  # noqa: E402
+from aggdec.api import Translator, decode_options
+from aggdec.decoding.limits import max_len_for
+from aggdec.decoding.metadata import Request
+from aggdec.decoding.methods import get_method
+from aggdec.fairseq_io import save_fairseq
+from aggdec.train.ar import read_tsv
+
+BLEU, CHRF = sacrebleu.BLEU(), sacrebleu.CHRF()
 
 CT2_CHILD = r"""
 import json, sys, time, ctranslate2
@@ -94,19 +95,13 @@ def decode(tr: Translator, opts, sources: list[str]) -> tuple[list, dict]:
         return out, {"seconds": time.perf_counter() - t0}
     ctx = tr._context(opts)
     drafter = Timed(method.drafter(opts, ctx))
-    budget = None
-    if opts.draft_length == "auto" and drafter.max_draft and method.lossless(opts):
-        budget = DraftBudget(drafter.max_draft)
-    from aggdec.decoding.metadata import Request
-
     reqs, cfg = [], tr.cfg
     for i, s in enumerate(sources):
         ids, _, _ = tr.prepare(s)
         if ids is not None:
             reqs.append(Request(i, ids, max(1, max_len_for(len(ids), opts.max_len_a, opts.max_len_b,
                                                            cfg.max_target_positions))))
-    loop = DraftVerifyLoop(tr.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
-                           projection=ctx.projection, budget=budget)
+    loop = method.loop(opts, ctx, drafter)  # its draft budget is kept across repeats, as in the API
     t0 = time.perf_counter()
     hyps = {h.index: h for h in loop.run(reqs)}
     seconds = time.perf_counter() - t0
@@ -174,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             hyps = [h.text for h in out] if m == "beam5" else [text_of(tr, h) for h in out]
             secs = statistics.median(times[m])
             run = {"method": m, "batch_size": bs, "sentences": n, "seconds": secs, "seconds_all": times[m],
-                   "sentences_per_s": n / secs, "bleu": sacrebleu.corpus_bleu(hyps, [ref]).score,
-                   "chrf": sacrebleu.corpus_chrf(hyps, [ref]).score}
+                   "sentences_per_s": n / secs, "bleu": BLEU.corpus_score(hyps, [ref]).score,
+                   "chrf": CHRF.corpus_score(hyps, [ref]).score}
             if m != "beam5":
                 toks = sum(len(h.tokens) + 1 for h in out if h is not None)
                 run["tokens_per_call"] = toks / info["calls"]
@@ -202,12 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                 secs = statistics.median(res["times"])
                 run = {"method": f"ctranslate2-{ctype}", "batch_size": bs, "sentences": n, "seconds": secs,
                        "seconds_all": res["times"], "sentences_per_s": n / secs,
-                       "bleu": sacrebleu.corpus_bleu(hyps, [ref]).score, "chrf": sacrebleu.corpus_chrf(hyps, [ref]).score,
+                       "bleu": BLEU.corpus_score(hyps, [ref]).score, "chrf": CHRF.corpus_score(hyps, [ref]).score,
                        "identical_to_greedy": statistics.mean(a == b for a, b in zip(ids, greedy_tok))}
                 results["runs"].append(run)
                 print(json.dumps({k_: round(v, 4) if isinstance(v, float) else v for k_, v in run.items()
                                   if k_ != "seconds_all"}), flush=True)
-    results["sacrebleu"] = {"bleu": str(sacrebleu.BLEU().get_signature()), "chrf": str(sacrebleu.CHRF().get_signature())}
+    results["sacrebleu"] = {"bleu": str(BLEU.get_signature()), "chrf": str(CHRF.get_signature())}
     by = {(r["method"], r["batch_size"]): r for r in results["runs"]}
     for r in results["runs"]:
         g = by.get(("greedy", r["batch_size"]))

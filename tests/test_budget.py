@@ -12,7 +12,6 @@ def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> li
     for _ in range(calls):
         nd = torch.full((rows,), length)
         acc = torch.minimum(nd, accept(length, rows))
-        budget.observe(nd, acc)
         budget.record(length, int((acc + 1).sum()), cost(rows, int(nd.sum())))
         length = budget.next_length(rows, budget.max_length)
         chosen.append(budget.choice)
@@ -37,7 +36,7 @@ def test_drafting_turns_itself_off_where_it_does_not_pay():
 
     chosen = _drive(budget, 64, accept, lambda b, d: 1e-4 * (b + d))
     assert chosen[-50:] == [0] * 50
-    assert 0.2 < budget.acceptance()[0] < 0.4
+    assert budget.score[1] < 0  # the challenger left, one token, keeps losing
 
 
 def test_a_middle_length_when_later_positions_are_poor():

@@ -91,7 +91,7 @@ def test_draft_head_equals_greedy(seed, bs, k, vocab, layers, budget):
                                      draft_vocab=vocab)).double().eval()
     if vocab:
         head.vocab.copy_(torch.tensor([2, 4, 5, 6]))
-    budgets = {None: None, "random": RandomBudget(seed, k), "measured": DraftBudget(k, block=2, explore_every=3)}
+    budgets = {None: None, "random": RandomBudget(seed, k), "measured": DraftBudget(k, block=2)}
     loop = DraftVerifyLoop(verifier, DraftHeadDrafter(verifier, head), max_batch_size=bs, budget=budgets[budget])
     assert _tokens(loop, reqs) == greedy
 

@@ -91,8 +91,7 @@ def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, 
     fallbacks = dict(substitution=substitution, nearest_match=nearest_match)
     drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
                else InputCopy(max_draft=cap, **fallbacks))
-    budgets = {None: None, "random": RandomBudget(seed, cap or 6), "measured": DraftBudget(cap or 6, block=2,
-                                                                                             explore_every=3)}
+    budgets = {None: None, "random": RandomBudget(seed, cap or 6), "measured": DraftBudget(cap or 6, block=2)}
     iad = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill, max_tokens=max_tokens,
                   encode_batch=encode_batch, budget=budgets[budget])
     assert {i: h.tokens for i, h in iad.items()} == {i: h.tokens for i, h in greedy.items()}

@@ -213,7 +213,6 @@ class DraftVerifyLoop:
             state.cache.commit(accepted + 1)
             length = self._length  # this call's draft length
             if self.budget is not None:
-                self.budget.observe(num_draft, accepted)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
                 state.budget.fill_(self._length)
             # 5. Observe.

@@ -72,18 +72,20 @@ class Method:
         """Greedy's output token for token: a draft -> verify method with exact top-1 acceptance."""
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
-    def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
-        if self.drafter is None:
-            return opts.run(context.model, requests)
-        drafter = self.drafter(opts, context)
+    def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter) -> DraftVerifyLoop:
+        """The draft -> verify loop of `opts` around `drafter` (a draft budget where it cannot change
+        the output: lossy methods draft their full length)."""
         budget = None
-        # measured lengths only where they cannot change the output: lossy methods draft their full length
         if (getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
                 and self.lossless(opts)):
             budget = context.budgets.setdefault(opts, DraftBudget(drafter.max_draft or DraftBudget.LONGEST))
-        loop = DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
+        return DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
                                max_tokens=opts.max_tokens, projection=context.projection, budget=budget)
-        return list(loop.run(requests))
+
+    def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
+        if self.drafter is None:
+            return opts.run(context.model, requests)
+        return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
 
 
 METHODS: dict[str, Method] = {}
