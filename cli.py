@@ -135,8 +135,8 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
     Examples:
       aggdec decode --method iad < noisy.txt > corrected.txt
       aggdec decode -m models/ende-base --method beam --beam 5 < en.txt > de.txt
-      aggdec decode -m models/ende-base --method gad --drafter models/ende-base-drafter --block-size 4 < en.txt
-      aggdec decode -m models/ende-base --method gad++ --drafter models/ende-base-drafter --top-beta 3 --tau 1
+      aggdec decode -m models/ende-base --method gad --drafter models/ende-base-draft-head --block-size 4 < en.txt
+      aggdec decode -m models/ende-base --method gad++ --drafter models/ende-base-draft-head --top-beta 3 --tau 1
       aggdec decode -m ckpt/checkpoint_best.pt --data-dir data-bin --trust-checkpoint --method greedy < in.txt
     """
     from aggdec.api import summarize

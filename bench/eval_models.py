@@ -31,7 +31,7 @@ from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
 from aggdec.train.ar import read_tsv  # noqa: E402
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TASKS = {"gec": ("gec", "noisy", "clean"), "ende": ("ende", "en", "de")}
 MAX_LEN = 200
 

@@ -1,6 +1,6 @@
 """Pipeline overhead benchmark: in-process decoding vs the Ray corpus job (1 and 2 actors).
 
-    python bench/pipeline_bench.py                      # models/gec-base on /work/shared/data/gec/test-parquet
+    python bench/pipeline_bench.py                      # models/gec-base on ../shared/data/gec/test-parquet
     python bench/pipeline_bench.py --model DIR --input PARQUET_DIR --limit 500 --out /tmp/pipeline.json
 
 Measures, on the same sentences and DecodeOptions:
@@ -35,10 +35,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def shown(path: str) -> str:
+    """`path` as the JSON records it: relative to the repository or its parent, else its name."""
+    p = Path(path).resolve()
+    for base, prefix in ((REPO, ""), (REPO.parent, "../")):
+        if p.is_relative_to(base):
+            return prefix + str(p.relative_to(base))
+    return p.name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "models" / "gec-base"))
-    ap.add_argument("--input", default="/work/shared/data/gec/test-parquet")
+    ap.add_argument("--input", default=str(REPO.parent / "shared" / "data" / "gec" / "test-parquet"))
     ap.add_argument("--text-column", default="src")
     ap.add_argument("--id-column", default="id", help="Row id column ('' for generated ids).")
     ap.add_argument("--method", default="iad")
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         actor_counts = [int(a) for a in args.actors.split(",")]
         conn = connect(None, num_cpus=args.num_cpus, log_to_driver=False)
         sha = file_sha(Path(args.model) / "model.safetensors")
-        result: dict = {"model": args.model, "model_sha": sha, "input": args.input, "rows": len(texts),
+        result: dict = {"model": shown(args.model), "model_sha": sha, "input": shown(args.input), "rows": len(texts),
                         "method": args.method,
                         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                  "torch": torch.__version__},

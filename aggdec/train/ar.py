@@ -33,7 +33,7 @@ from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import SentencePieceTokenizer
 from aggdec.train.spm import train_sentencepiece
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 TASKS = {  # name -> (directory, source column, target column)
     "gec": ("gec", "noisy", "clean"),
     "ende": ("ende", "en", "de"),
@@ -381,7 +381,7 @@ def train_ar(cfg: TrainConfig) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aggdec.train.ar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=sorted(TASKS), help="preset data paths/columns under /work/shared/data")
+    p.add_argument("--task", choices=sorted(TASKS), help="preset data paths/columns under ../shared/data")
     p.add_argument("--data-dir", default=str(DATA))
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for name, f in fields.items():
