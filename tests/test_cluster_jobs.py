@@ -170,10 +170,10 @@ def test_jobs_api_submit_status_logs_stop(tiny_model_dir, tmp_path):
 
     from cli import main
 
-    ray_bin = str(Path(sys.executable).with_name("ray"))
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` command of this interpreter
     port, dash = _free_port(), _free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
+    subprocess.run([*ray_cli, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True)
     address = f"http://127.0.0.1:{dash}"
@@ -203,4 +203,4 @@ def test_jobs_api_submit_status_logs_stop(tiny_model_dir, tmp_path):
         missing = runner.invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", address])
         assert missing.exit_code == 2 and "--output" in missing.output
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True)
+        subprocess.run([*ray_cli, "stop", "--force"], env=env, capture_output=True)
