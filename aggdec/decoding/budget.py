@@ -1,27 +1,38 @@
 """How many draft tokens a call should verify: drafting that turns itself off where it does not pay.
 
 A draft token costs verifier and drafter work whether or not it is accepted, and what a call costs
-depends on the machine, the batch, the drafter and how often its drafts are right. So
-`DraftBudget` measures the quantity it optimizes, output tokens per second of whole loop iterations
-(proposing, verifying, accepting, drafting, bookkeeping, refills), and picks the draft length with
-the most. L = 0 is plain greedy decoding, chosen whenever drafting does not pay; the drafters then
-skip their own work.
+depends on the machine, the batch, the drafter and how often its drafts are right. So `DraftBudget`
+measures the quantity it optimizes, output tokens per second of loop iterations (proposing,
+verifying, accepting, drafting, bookkeeping; not the encoding of refills, which costs the same per
+sentence whatever the draft length), and picks the draft length with the most. L = 0 is plain greedy
+decoding, chosen whenever drafting does not pay; the drafters then skip their own work.
 
-Lengths are measured in blocks of `block` consecutive calls. Most blocks run the best length found so
-far; now and then a block tries a challenger (none, a quarter less or a quarter more, at least one
-token), and its rate is compared with the mean rate of the best-length blocks just before and just
-after it. The paired comparison cancels what drifts during a run (sentence lengths, batch fill, the
-machine's load). A challenger whose running log-ratio is ahead takes over. The gap between
-challenger blocks starts at one block and doubles (up to `max_gap` blocks) each time a challenger
-loses by more than 5%, so a run where drafting clearly does not pay spends little on finding that
-out again; the first `WARM` blocks are a quarter as long, so that a cold start is short. A budget
-can be kept across runs of the same options (`aggdec.api` does), so that later runs start from
-what earlier ones measured. Per-row acceptance statistics are the loop's (`RowStats`).
+Lengths are measured in blocks of `block` consecutive calls. Most blocks run the best length found
+so far; now and then a block tries a challenger (none, a quarter less or a quarter more, at least
+one token), and its rate is compared with the mean rate of the best-length blocks just before and
+just after it. The paired comparison cancels what drifts during a run (sentence lengths, the
+machine's load); a comparison across a change of batch size is dropped, and no challenger is tried
+while a batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over.
+The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
+`max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
+not pay spends little on finding that out again. Challenger blocks are half as long as the others,
+and the first `WARM` blocks a quarter, so that a cold start is short. A budget can be kept across
+runs of the same options (`aggdec.api` does), so that later runs start from what earlier ones
+measured. Per-row acceptance statistics are the loop's (`RowStats`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
+
+class Block(NamedTuple):
+    """A measured block of calls: output tokens per second, and the fewest and most rows of its calls."""
+
+    rate: float
+    fewest: int
+    most: int
 
 
 class DraftBudget:
@@ -44,8 +55,10 @@ class DraftBudget:
         self._current = max_length  # the length of the block being measured
         self._tokens = self._seconds = 0.0
         self._count = self._blocks = 0
-        self._before: float | None = None  # rate of the last best-length block
-        self._pending: tuple[int, float, float] | None = None  # (challenger, its rate, best rate before)
+        self._rows = (0, 0)  # fewest and most rows of the block's calls
+        self._widest = 0  # the most rows of any call so far
+        self._before: Block | None = None  # the last best-length block
+        self._pending: tuple[int, Block, Block | None] | None = None  # (challenger, its block, the one before)
 
     def next_length(self, rows: int, limit: int) -> int:
         """The draft length for the next call (at most `limit`, the drafter's)."""
@@ -53,34 +66,46 @@ class DraftBudget:
             return 0
         return min(self._current, limit, self.max_length)
 
-    def record(self, length: int, tokens: int, seconds: float) -> None:
-        """A call at draft length `length` committed `tokens` output tokens in `seconds`, all in.
-        Calls made before the current block began (the loop decides one call ahead) are not counted."""
+    def record(self, length: int, tokens: int, seconds: float, rows: int = 1) -> None:
+        """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
+        `seconds`. Calls made before the current block began (the loop decides one call
+        ahead) are not counted."""
         self.calls += 1
         if min(length, self.max_length) != self._current:
             return
         self._tokens += tokens
         self._seconds += seconds
+        self._rows = (min(self._rows[0], rows) if self._count else rows, max(self._rows[1], rows))
+        self._widest = max(self._widest, rows)
         self._count += 1
-        if self._count >= (self.block if self._blocks >= self.WARM else max(1, self.block // 4)):
+        if self._count >= self._block_length():
             self._blocks += 1
-            rate = self._tokens / max(self._seconds, 1e-9)
+            block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows)
             self._tokens = self._seconds = 0.0
             self._count = 0
-            self._current = self._close(self._current, rate)
+            self._current = self._close(self._current, block)
 
-    def _close(self, length: int, rate: float) -> int:
-        """A block at `length` measured `rate`: update the comparison, return the next block's length."""
+    def _block_length(self) -> int:
+        """Calls per block: a quarter while warming up, a half for challengers (most lose), else `block`."""
+        if self._blocks < self.WARM:
+            return max(1, self.block // 4)
+        return self.block if self._current == self.choice else max(1, self.block // 2)
+
+    def _close(self, length: int, block: Block) -> int:
+        """A block at `length` was measured: update the comparison, return the next block's length."""
         if length != self.choice:  # a challenger block: judged after the next best-length block
-            self._pending = (length, rate, self._before if self._before is not None else rate)
+            self._pending = (length, block, self._before)
             return self.choice
         if self._pending is not None:  # the block after a challenger
-            challenger, r, before = self._pending
+            challenger, c, before = self._pending
             self._pending = None
-            if self._judge(challenger, math.log(r / ((before + rate) / 2))):
-                return self.choice
-        self._before = rate
-        if self._since >= self._gap:
+            pair = [block] if before is None else [before, block]
+            # compared only where the batch kept its size: a draining batch changes the rate by itself
+            if max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
+                if self._judge(challenger, math.log(c.rate / (sum(b.rate for b in pair) / len(pair)))):
+                    return self.choice
+        self._before = block
+        if self._since >= self._gap and 1.25 * block.fewest >= self._widest:  # not while a batch drains
             challengers = self._challengers()
             if challengers:
                 self._since = 0
@@ -98,7 +123,10 @@ class DraftBudget:
             self.choice, self._gap, self._since, self._before = challenger, 1, 1, None
             return True
         self.score[challenger] = s
-        self._gap = min(2 * self._gap, self.max_gap) if s < math.log(0.95) else 1
+        if s < math.log(0.95):  # lost: try it again later, much later if it lost by far
+            self._gap = min((4 if s < math.log(0.8) else 2) * self._gap, self.max_gap)
+        else:
+            self._gap = 1
         return False
 
     def _challengers(self) -> list[int]:

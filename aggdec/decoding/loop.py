@@ -171,15 +171,11 @@ class DraftVerifyLoop:
             self._check(r)
         self._ahead, self._ahead_rows = None, {}
         state: DecodeState | None = None
-        last = None  # (draft length, tokens committed, start) of the previous call
         while queue or state is not None:
             if state is None:
                 state = self._new_state(self._take(queue, self.max_batch_size, 0))
                 self.drafter.admit(state, torch.arange(state.batch_size, device=self.device))
             t0 = time.perf_counter()
-            if self.budget is not None and last is not None:  # the previous call, all in: its
-                length, tokens, start = last  # drafting, bookkeeping and refills included
-                self.budget.record(length, tokens, t0 - start)
             # 1. Propose.
             draft = self.drafter.propose(state)
             room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
@@ -219,7 +215,9 @@ class DraftVerifyLoop:
             n_fed = valid.sum(dim=1)
             self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
             seconds = time.perf_counter() - t0
-            last = (length, int(n_new.sum()), t0)
+            if self.budget is not None:  # drafting and bookkeeping included; encoding refills (the
+                # same per sentence whatever the draft length) left out
+                self.budget.record(length, int(n_new.sum()), seconds, state.batch_size)
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
             self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
             self.counters.calls += 1
