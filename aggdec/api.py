@@ -118,10 +118,6 @@ class Translator:
             ids, status = ids[:limit], "truncated"
         return ids + [self.cfg.eos], status, text
 
-    def _unrepresented(self, ids: list[int]) -> float:
-        unrepresented = getattr(self.bundle.src_tok, "unrepresented", None)
-        return unrepresented(ids[:-1]) if unrepresented else 0.0
-
     def _run(self, reqs: list[Request], opts: DecodeOptions) -> list[Hypothesis]:
         return get_method(opts.method).decode(opts, reqs, self._context(opts))
 
@@ -144,7 +140,7 @@ class Translator:
             ids, status, text = self.prepare(s)
             results.append(TranslationResult(source=text, text="", tokens=[], status=status,
                                              src_len=len(ids) if ids else 0))
-            if ids is not None and status == "ok" and self._unrepresented(ids) > opts.max_unknown_share:
+            if ids is not None and status == "ok" and self.bundle.src_tok.unrepresented(ids[:-1]) > opts.max_unknown_share:
                 results[-1].status = "unknown_tokens"
                 results[-1].error = "most of the source is text the model's vocabulary lacks (unknown or byte tokens)"
             if ids is not None:

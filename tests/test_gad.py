@@ -79,7 +79,7 @@ def test_gad_equals_greedy(seed, bs, k, adaptive):
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 6), vocab=st.sampled_from([0, 4]),
-       layers=st.integers(0, 2), budget=st.sampled_from([None, "random", "measured"]))
+       layers=st.integers(1, 2), budget=st.sampled_from([None, "random", "measured"]))
 def test_draft_head_equals_greedy(seed, bs, k, vocab, layers, budget):
     """The draft head's drafts, at any draft lengths the budget picks (0 included), leave greedy's output."""
     verifier = tiny_model("shallow-decoder-tied-output", vocab=9)
@@ -87,7 +87,7 @@ def test_draft_head_equals_greedy(seed, bs, k, vocab, layers, budget):
     reqs = _requests(rng, rng.randint(1, 8), 9, verifier.cfg.eos)
     greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=4), reqs)
     torch.manual_seed(seed)
-    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=layers, mlp_blocks=1 - min(layers, 1), block_size=k,
+    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=layers, block_size=k,
                                      draft_vocab=vocab)).double().eval()
     if vocab:
         head.vocab.copy_(torch.tensor([2, 4, 5, 6]))

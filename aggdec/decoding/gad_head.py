@@ -2,13 +2,14 @@
 
 After each verifier call the head reads, per row, the verifier's final state behind the bonus
 token, the bonus token and the verifier's last-layer self- and cross-attention keys/values (its
-cache), and proposes the
-next `block_size` tokens in one non-autoregressive pass. A row's first call drafts nothing (there
+cache), and proposes the next `block_size` tokens in one non-autoregressive pass. A row's first call drafts nothing (there
 is no verifier state yet); afterwards every call verifies the head's block. An iteration is one
 verifier call plus the head on k + 1 positions per row: no second encoder, no second decoder.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -19,6 +20,29 @@ from aggdec.model.draft_head import DraftHead
 from aggdec.model.linear import linear, prepack
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
+
+
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""head -> {(id of verifier, id of output weight): (verifier, output weight, draft weight, its oneDNN
+packing, token table)}; the entry holds the verifier and output weight, so their ids stay theirs."""
+
+
+def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor | None):
+    """The head's draft-vocabulary output weight (prepacked) and fused token table on `verifier`,
+    built once per head, verifier and output weight, not once per run."""
+    key = (id(verifier), None if out_weight is None else id(out_weight))
+    cache = _PREPARED.setdefault(head, {})
+    if key not in cache:
+        dtype = next(head.parameters()).dtype
+        weight = verifier.output_weight if out_weight is None else out_weight
+        if head.cfg.draft_vocab:
+            weight = weight[head.vocab]
+        weight = weight.detach().to(dtype).contiguous()
+        dec = verifier.decoder
+        with torch.no_grad():
+            table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
+        cache[key] = (verifier, out_weight, weight, prepack(weight), table)
+    return cache[key][2:]
 
 
 class DraftHeadDrafter:
@@ -34,15 +58,8 @@ class DraftHeadDrafter:
                  out_weight: torch.Tensor | None = None):
         self.head = head
         self.k = head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size)
-        dtype = next(head.parameters()).dtype
-        weight = verifier.output_weight if out_weight is None else out_weight
-        if head.cfg.draft_vocab:
-            weight = weight[head.vocab]
-        self.weight = weight.detach().to(dtype).contiguous()
-        self.packed = prepack(self.weight)
+        self.weight, self.packed, self.token_table = _prepared(verifier, head, out_weight)
         dec = verifier.decoder
-        with torch.no_grad():
-            self.token_table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
         self.last_layer = len(dec.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
         self.max_draft = self.k
@@ -76,15 +93,12 @@ class DraftHeadDrafter:
             return
         dtype = self.weight.dtype
         ctx = self.head.context(hidden.to(dtype), self.token_table, state.last_tokens())
-        if self.head.layers:
-            cache, layer = state.cache, self.last_layer
-            span = int(cache.lengths.max())
-            pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
-            keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
-            ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
-            states = self.head.from_context(ctx, pk, pv, keep, ck, cv, cache.cross.src_pad, k)
-        else:
-            states = self.head.from_context(ctx, None, None, None, None, None, None, k)
+        cache, layer = state.cache, self.last_layer
+        span = int(cache.lengths.max())
+        pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
+        keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
+        ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
+        states = self.head.from_context(ctx, pk, pv, keep, ck, cv, cache.cross.src_pad, k)
         logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")

@@ -34,8 +34,7 @@ class DraftHeadConfig:
     d_model: int
     heads: int  # the verifier's decoder heads (cross-attention reads its keys/values)
     ffn: int = 1024
-    layers: int = 1  # attention layers (0: none)
-    mlp_blocks: int = 0  # residual FFN blocks after them, shared by the k positions
+    layers: int = 1  # attention layers (at least one)
     block_size: int = 4  # mask queries: most tokens drafted per call
     draft_vocab: int = 0  # rows of the draft vocabulary (0: the verifier's whole vocabulary)
 
@@ -87,32 +86,19 @@ class _Layer(nn.Module):
         return x + self.fc2(self.fc1.relu(self.norm3(x)))
 
 
-class _Block(nn.Module):
-    """A pre-norm residual FFN block."""
-
-    def __init__(self, cfg: DraftHeadConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.fc1 = Linear(cfg.d_model, cfg.ffn)
-        self.fc2 = Linear(cfg.ffn, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.fc1.relu(self.norm(x)))
-
-
 class DraftHead(nn.Module):
     """See the module docstring. `vocab` (draft_vocab,) int64 buffer: the token ids the head can draft
-    (all of the verifier's when draft_vocab is 0). With `layers` = 0 the masks do not attend at all:
-    each is the fused context plus its own learned vector, refined by `mlp_blocks` FFN blocks."""
+    (all of the verifier's when draft_vocab is 0)."""
 
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
+        if cfg.layers < 1:
+            raise ValueError(f"layers: a draft head needs at least one attention layer, got {cfg.layers}")
         self.cfg = cfg
         d = cfg.d_model
         self.fuse = Linear(2 * d, d)
         self.masks = nn.Parameter(torch.randn(cfg.block_size, d) * d**-0.5)
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.layers))
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.mlp_blocks))
         self.norm = nn.LayerNorm(d)
         self.register_buffer("vocab", torch.arange(cfg.draft_vocab, dtype=torch.long))
 
@@ -139,22 +125,15 @@ class DraftHead(nn.Module):
         return self.from_context(self.fuse(torch.cat([h, token_emb], dim=-1)), prefix_k, prefix_v, prefix_keep,
                                  cross_k, cross_v, src_pad, k)
 
-    def from_context(self, ctx: torch.Tensor, prefix_k: torch.Tensor | None, prefix_v: torch.Tensor | None,
-                     prefix_keep: torch.Tensor | None, cross_k: torch.Tensor | None, cross_v: torch.Tensor | None,
-                     src_pad: torch.Tensor | None, k: int | None = None) -> torch.Tensor:
-        """As `states`, from the fused context (N,D); the verifier's keys/values are only read by the
-        attention layers (None without any)."""
+    def from_context(self, ctx: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                     prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
+                     src_pad: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """As `states`, from the fused context (N,D)."""
         k = self.cfg.block_size if k is None else k
         n, d = ctx.shape
-        if not self.layers:
-            x = ctx[:, None] + self.masks[:k].to(ctx.dtype)  # (N,k,D)
-        else:
-            x = torch.cat([ctx[:, None], self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
-            self_keep = torch.cat([prefix_keep, prefix_keep.new_ones(n, k + 1)], dim=1)[:, None, None, :]
-            cross_keep = (~src_pad)[:, None, None, :]
-            for layer in self.layers:
-                x = layer(x, prefix_k, prefix_v, self_keep, cross_k, cross_v, cross_keep)
-            x = x[:, 1:]
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
+        x = torch.cat([ctx[:, None], self.masks[:k].to(ctx.dtype).expand(n, k, d)], dim=1)  # (N,k+1,D)
+        self_keep = torch.cat([prefix_keep, prefix_keep.new_ones(n, k + 1)], dim=1)[:, None, None, :]
+        cross_keep = (~src_pad)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, prefix_k, prefix_v, self_keep, cross_k, cross_v, cross_keep)
+        return self.norm(x[:, 1:])

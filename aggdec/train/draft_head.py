@@ -180,11 +180,6 @@ def head_logits(head: DraftHead, verifier: Transformer, batch: dict, valid: torc
     b, t = valid.shape
     rows = torch.arange(b)[:, None].expand_as(valid)[valid]
     pos = torch.arange(t)[None].expand_as(valid)[valid]
-    if not head.layers:  # nothing attends: the context alone
-        with torch.no_grad():
-            emb = verifier.decoder.embed_scale * verifier.decoder.embed_tokens(batch["tokens"][valid])
-        ctx = head.fuse(torch.cat([batch["hidden"][valid], emb], dim=-1))
-        return head.from_context(ctx, None, None, None, None, None, None, k) @ out_weight.T
     with torch.no_grad():
         memory = batch["memory"]
         cross_k, cross_v = last.k_proj(memory)[rows], last.v_proj(memory)[rows]
@@ -241,7 +236,7 @@ def train(a: argparse.Namespace) -> Path:
     train_idx = list(range(n - a.valid))
     k = a.block_size
     hcfg = DraftHeadConfig(d_model=cfg.d_model, heads=cfg.dec_heads, ffn=a.ffn, layers=a.layers,
-                           mlp_blocks=a.mlp_blocks, block_size=k, draft_vocab=a.draft_vocab)
+                           block_size=k, draft_vocab=a.draft_vocab)
     head = DraftHead(hcfg)
     _init_from_verifier(head, verifier)
     vocab_map = None
@@ -349,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", required=True)
     t.add_argument("--block-size", type=int, default=4)
     t.add_argument("--layers", type=int, default=1)
-    t.add_argument("--mlp-blocks", type=int, default=0, help="residual FFN blocks after the attention layers")
     t.add_argument("--ffn", type=int, default=1024)
     t.add_argument("--draft-vocab", type=int, default=0, help="draft only the N most frequent target tokens")
     t.add_argument("--positions", type=int, default=2048, help="target positions per update")
