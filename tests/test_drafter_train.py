@@ -1,6 +1,7 @@
 """Seq-KD -> drafter and proposal-heads training -> GAD / GAD++ / blockwise through the public API."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -84,3 +85,27 @@ def test_block_layout_masks_the_k_tokens_after_the_cut():
     assert target.tolist() == [[pad, pad, 21, 22, 23], [pad, pad, 31, eos, pad]]
     # Prefix positions attend causally; the masks see each other (up to the last mask).
     assert limit.tolist() == [[0, 1, 4, 4, 4], [0, 1, 4, 4, 4]]
+
+
+def test_draft_head_trains_on_stored_features_and_decodes_losslessly(tiny_model_dir, tmp_path):
+    """features (greedy targets + verifier states) -> train -> a draft head GAD loads; output = greedy."""
+    from aggdec.train import draft_head as head_train
+
+    sources = synthetic_sentences(40, seed=9)
+    data = tmp_path / "src.tsv"
+    data.write_text("src\n" + "\n".join(sources) + "\n", encoding="utf-8")
+    torch.set_num_threads(1)
+    head_train.main(["features", "--verifier", str(tiny_model_dir), "--data", str(data), "--column", "src",
+                     "--out", str(tmp_path / "feats"), "--threads", "1"])
+    head_train.main(["train", "--verifier", str(tiny_model_dir), "--features", str(tmp_path / "feats"),
+                     "--out", str(tmp_path / "head"), "--block-size", "3", "--ffn", "32", "--draft-vocab", "20",
+                     "--positions", "128", "--warmup", "2", "--max-updates", "6", "--valid", "8", "--threads", "1",
+                     "--log-interval", "1000"])
+    tr = Translator.load(tiny_model_dir)
+    meta = json.loads((tmp_path / "head" / "config.json").read_text())["meta"]
+    assert meta["updates"] == 6 and len(meta["held_out"]["accuracy_by_position"]) == 3
+    greedy = tr.translate_batch(sources, decode_options("greedy", max_batch_size=8))
+    for length in ("auto", "max"):
+        gad = tr.translate_batch(sources, decode_options("gad", drafter=str(tmp_path / "head"), block_size=3,
+                                                         max_batch_size=8, draft_length=length))
+        assert [r.tokens for r in gad] == [r.tokens for r in greedy]

@@ -315,11 +315,6 @@ def _init_from_verifier(head: DraftHead, verifier: Transformer) -> None:
             layer.norm1.load_state_dict(last.self_attn_layer_norm.state_dict())
             layer.norm2.load_state_dict(last.encoder_attn_layer_norm.state_dict())
             layer.norm3.load_state_dict(last.final_layer_norm.state_dict())
-        for block in head.blocks:
-            if block.fc1.weight.shape == last.fc1.weight.shape:
-                block.fc1.load_state_dict(last.fc1.state_dict())
-                block.fc2.load_state_dict(last.fc2.state_dict())
-            block.norm.load_state_dict(last.final_layer_norm.state_dict())
         if verifier.decoder.layer_norm is not None:
             head.norm.load_state_dict(verifier.decoder.layer_norm.state_dict())
 
