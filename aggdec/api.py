@@ -23,6 +23,7 @@ import torch
 
 from aggdec import checkpoint
 from aggdec.checkpoint import Bundle
+from aggdec.conventions import Framing
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
@@ -81,7 +82,7 @@ class Translator:
             if certify and weight.device.type == "cuda":
                 warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but it is slower "
                               "than fp32 there (docs/benchmarks.md); 'auto' uses fp32 on GPUs", stacklevel=3)
-            self._projections[certify] = OutputProjection(weight, certify)
+            self._projections[certify] = OutputProjection(weight, certify, self.model.output_bias)
         return self._projections[certify]
 
     def _drafter_model(self, path: str, bf16: bool = False):
@@ -96,7 +97,13 @@ class Translator:
     def _context(self, opts: DecodeOptions) -> DraftContext:
         projection = self.projection(opts.verify_precision)
         return DraftContext(self.model, projection, drafts_in_bf16(opts, projection), self._drafter_model,
-                            self._budgets)
+                            self._budgets, self.framing(opts).prompt)
+
+    def framing(self, opts: DecodeOptions | None = None) -> Framing:
+        """The model's special-token framing for the languages of `opts` (aggdec.conventions); raises
+        OptionError naming source_lang / target_lang when one is missing or unknown."""
+        opts = opts or decode_options()
+        return self.bundle.conventions.resolve(self.cfg.eos, opts.source_lang, opts.target_lang)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
@@ -104,19 +111,21 @@ class Translator:
 
     # -- building requests -----------------------------------------------------------------------
 
-    def prepare(self, source: str) -> tuple[list[int] | None, str, str]:
-        """-> (source ids ending in eos or None when empty, status, cleaned text)."""
+    def prepare(self, source: str, framing: Framing | None = None) -> tuple[list[int] | None, str, str]:
+        """-> (source ids framed by `framing` (default: the model's default languages; fairseq: the
+        text's ids + eos) or None when empty, status, cleaned text)."""
+        framing = framing or self.framing()
         text = clean_text(source)
         if not text:
             return None, "empty", text
         ids = self.bundle.src_tok.encode(text)
         if not ids:
             return None, "empty", text
-        limit = self.cfg.max_source_positions - 1
+        limit = self.cfg.max_source_positions - len(framing.prefix) - len(framing.suffix)
         status = "ok"
         if len(ids) > limit:
             ids, status = ids[:limit], "truncated"
-        return ids + [self.cfg.eos], status, text
+        return [*framing.prefix, *ids, *framing.suffix], status, text
 
     def _run(self, reqs: list[Request], opts: DecodeOptions) -> list[Hypothesis]:
         return get_method(opts.method).decode(opts, reqs, self._context(opts))
@@ -132,15 +141,17 @@ class Translator:
         """
         opts = options or decode_options(**kwargs)
         method = get_method(opts.method)
+        framing = self.framing(opts)
         if method.drafter is not None:
             method.drafter(opts, self._context(opts))  # a bad drafter is a configuration error: raise now
         results: list[TranslationResult] = []
         reqs: list[Request] = []
         for i, s in enumerate(source):
-            ids, status, text = self.prepare(s)
+            ids, status, text = self.prepare(s, framing)
             results.append(TranslationResult(source=text, text="", tokens=[], status=status,
                                              src_len=len(ids) if ids else 0))
-            if ids is not None and status == "ok" and self.bundle.src_tok.unrepresented(ids[:-1]) > opts.max_unknown_share:
+            body = ids[len(framing.prefix): len(ids) - len(framing.suffix)] if ids else []
+            if ids is not None and status == "ok" and self.bundle.src_tok.unrepresented(body) > opts.max_unknown_share:
                 results[-1].status = "unknown_tokens"
                 results[-1].error = "most of the source is text the model's vocabulary lacks (unknown or byte tokens)"
             if ids is not None:
@@ -160,21 +171,24 @@ class Translator:
         return results
 
     @torch.no_grad()
-    def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32) -> None:
+    def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32,
+                options: DecodeOptions | None = None) -> None:
         """Set `score` of every "ok"/"truncated" result whose score is None to the verifier's sum of
         log-probs of its tokens plus eos given its (cleaned, truncated) source.
 
         One teacher-forced pass per batch of `max_batch_size` rows, sorted by length; the log-probs
-        are unconstrained (as beam's, an eos forced at max_len scores its own probability).
+        are unconstrained (as beam's, an eos forced at max_len scores its own probability). `options`
+        gives the languages of a multilingual model (default: its defaults).
         """
+        framing = self.framing(options)
         todo = [r for r in results if r.score is None and r.status in DECODED_STATUSES]
         todo.sort(key=lambda r: len(r.tokens))
         cfg = self.cfg
         device = next(self.model.parameters()).device
         for start in range(0, len(todo), max_batch_size):
             batch = todo[start: start + max_batch_size]
-            src = pad_batch([self.prepare(r.source)[0] for r in batch], cfg.pad, device)
-            prev = pad_batch([[cfg.eos] + r.tokens for r in batch], cfg.pad, device)
+            src = pad_batch([self.prepare(r.source, framing)[0] for r in batch], cfg.pad, device)
+            prev = pad_batch([[framing.start] + r.tokens for r in batch], cfg.pad, device)
             gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)
             logits = self.model(src, prev)
             dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -4,7 +4,9 @@ config.json = {"format": "aggdec-ckpt v1", "model": ModelConfig fields, "tokeniz
 "meta": {...}}. The tokenizer entry is either
   {"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"}   (project models), or
   {"type": "dictionary", "src_dict": "dict.src.txt", "tgt_dict": "dict.tgt.txt",
-   "bpe": null | "subword_nmt" | "sentencepiece", "bpe_model": "<file>" | null}  (converted fairseq).
+   "bpe": null | "subword_nmt" | "sentencepiece", "bpe_model": "<file>" | null}  (converted fairseq), or
+  {"type": "hf-pieces" | "hf-tokenizers", ...}  (imported Hugging Face models, aggdec.tokenizers.hf).
+An optional "conventions" entry gives the model's special-token framing (aggdec.conventions).
 Weights load without pickle. Files are named relative to the directory.
 """
 
@@ -19,11 +21,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
+from aggdec.conventions import Conventions
 from aggdec.model.config import ModelConfig
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
+from aggdec.tokenizers.hf import HF_TOKENIZERS, hf_tokenizers
 from aggdec.tokenizers.dictionary import Dictionary
 
 FORMAT = "aggdec-ckpt v1"
@@ -41,6 +45,7 @@ class Bundle:
     path: Path | None = None
     meta: dict = field(default_factory=dict)
     sha: str = ""  # sha256 of the weights file (first 12 hex digits), for signatures and manifests
+    conventions: Conventions = field(default_factory=Conventions)  # special-token framing (aggdec.conventions)
 
 
 def file_sha(path: Path) -> str:
@@ -52,7 +57,7 @@ def file_sha(path: Path) -> str:
 
 
 def save(out_dir: str | Path, model: Transformer, tokenizer: dict, files: dict[str, Path],
-         *, dtype: torch.dtype = torch.float16, meta: dict | None = None) -> Path:
+         *, dtype: torch.dtype = torch.float16, meta: dict | None = None, conventions: Conventions | None = None) -> Path:
     """Write `model` (weights cast to `dtype`) and copy tokenizer `files` {name_in_dir: source} into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,6 +68,8 @@ def save(out_dir: str | Path, model: Transformer, tokenizer: dict, files: dict[s
     clone.load_state_dict(model.state_dict())
     save_model(clone.to(dtype), str(out / "model.safetensors"))
     config = {"format": FORMAT, "model": model.cfg.to_dict(), "tokenizer": tokenizer, "meta": meta or {}}
+    if conventions is not None and conventions != Conventions():
+        config["conventions"] = conventions.to_dict()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -78,23 +85,34 @@ def _tokenizers(d: Path, spec: dict) -> tuple[Tokenizer, Tokenizer]:
         src = DictionaryTokenizer(Dictionary.load(d / spec["src_dict"]), spec.get("bpe"), bpe_model)
         tgt = DictionaryTokenizer(Dictionary.load(d / spec["tgt_dict"]), spec.get("bpe"), bpe_model)
         return src, tgt
-    raise ValueError(f"{d / 'config.json'}: tokenizer.type must be 'sentencepiece' or 'dictionary', got {kind!r}")
+    if kind in HF_TOKENIZERS:
+        return hf_tokenizers(d, spec)
+    raise ValueError(f"{d / 'config.json'}: tokenizer.type must be one of sentencepiece, dictionary, "
+                     f"{', '.join(HF_TOKENIZERS)}; got {kind!r}")
 
 
 def vocab_size(tok: Tokenizer) -> int:
     return len(tok.dict) if isinstance(tok, DictionaryTokenizer) else len(tok)
 
 
-def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, extra_target: int = 0) -> None:
-    """Embedding rows must equal vocabulary sizes (a NAR drafter has `extra_target` = 1: its mask)."""
+def is_model_dir(path: str | Path) -> bool:
+    """A project model directory or a Hugging Face model directory (both have config.json)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, extra_target: int = 0,
+                exact: bool = True) -> None:
+    """Embedding rows must equal vocabulary sizes (a NAR drafter has `extra_target` = 1: its mask); with
+    `exact=False` (imported Hugging Face models, whose embeddings are often padded) they must cover them."""
     for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab - extra_target)):
-        if vocab_size(tok) != n:
+        if vocab_size(tok) > n or (exact and vocab_size(tok) != n):
             raise ValueError(f"{where}: {side} vocabulary has {vocab_size(tok)} entries but the model's "
                              f"embedding has {n} rows (mismatched dictionary or tokenizer)")
 
 
 def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Bundle:
-    """Load a project-format model directory (no pickle). Errors name the file at fault."""
+    """Load a project-format model directory, or a Hugging Face model directory (imported in memory,
+    aggdec.hf_import; a pickled pytorch_model.bin is refused). No pickle. Errors name the file at fault."""
     d = Path(path)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
@@ -103,6 +121,10 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+    if isinstance(config, dict) and "format" not in config and "model_type" in config:
+        from aggdec import hf_import
+
+        return hf_import.load(d, device=device, dtype=dtype)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         got = config.get("format") if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"{cfg_path}: format is {got!r}, expected {FORMAT!r}")
@@ -118,7 +140,8 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
     except KeyError as e:
         raise ValueError(f"{cfg_path}: tokenizer.{e.args[0]}: missing") from e
     meta = config.get("meta", {})
-    check_vocab(cfg, src_tok, tgt_tok, str(d), extra_target=1 if meta.get("role") == "nar-drafter" else 0)
+    check_vocab(cfg, src_tok, tgt_tok, str(d), extra_target=1 if meta.get("role") == "nar-drafter" else 0,
+                exact=config["tokenizer"].get("type") not in HF_TOKENIZERS)
     weights = d / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing")
@@ -130,8 +153,10 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
     if missing or unexpected:
         raise ValueError(f"{weights}: weights do not match config.json (missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
+    conventions = Conventions.from_dict(config.get("conventions", {}), str(cfg_path))
     model = model.to(device=device, dtype=dtype).eval()
-    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=meta, sha=file_sha(weights))
+    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=meta, sha=file_sha(weights),
+                  conventions=conventions)
 
 
 def save_heads(out: Path, heads: ProposalHeads, meta: dict) -> None:

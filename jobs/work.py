@@ -68,7 +68,7 @@ class UnitTask:
             results[i].status = "invalid_utf8"
             results[i].error = "the text is not valid UTF-8; invalid bytes were decoded as U+FFFD"
         if self.score:
-            translator.rescore(results, max_batch_size=options.max_batch_size)
+            translator.rescore(results, max_batch_size=options.max_batch_size, options=options)
         decoded = pa.table(decoded_columns(results, score=self.score, nbest=self.nbest),
                            schema=decoded_schema(score=self.score, nbest=self.nbest))
         table = build_output_table(source, decoded, text_column=self.text_column, id_column=self.id_column,

@@ -25,12 +25,15 @@ from aggdec.model.projection import Constrain, OutputProjection
 
 
 def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor,
-                     pad: int, eos: int, min_len: int = 1) -> torch.Tensor:
+                     pad: int, eos: int, min_len: int = 1, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Apply fairseq-generate's per-step rules, in place, to verifier logits.
 
     logits (..., V); out_index (...) int64 is the output index each position predicts (0 = first
     target token); max_len (...) the row's limit at each position. Rules: pad is never produced;
-    eos is forbidden before `min_len` tokens; at index max_len only eos is allowed.
+    eos is forbidden before `min_len` tokens; at index max_len only eos is allowed. forced (F,)
+    int64, optional: the token at output index i < F is forced[i] (a model's forced first tokens,
+    aggdec.conventions), with logit 0 and every other token -inf, as Hugging Face's forced-token
+    logits processors.
     """
     neg = -math.inf
     logits[..., pad] = neg
@@ -41,6 +44,12 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
         eos_col = logits[..., eos].clone()
         logits.masked_fill_(force[..., None], neg)
         logits[..., eos] = torch.where(force, eos_col, logits[..., eos])
+    if forced is not None and forced.numel():
+        at = out_index < forced.numel()
+        if bool(at.any()):
+            token = forced[out_index.clamp(max=forced.numel() - 1)]  # (...)
+            logits.masked_fill_(at[..., None], neg)
+            logits.scatter_(-1, token[..., None], torch.where(at, 0.0, logits.gather(-1, token[..., None])[..., 0])[..., None])
     return logits
 
 

@@ -49,9 +49,9 @@ class BeamOptions(DecodeOptions):
         if self.nbest > self.beam:
             raise OptionError("nbest", f"must be <= beam ({self.beam}), got {self.nbest}")
 
-    def run(self, model: Transformer, requests: list[Request]) -> list[Hypothesis]:
+    def run(self, model: Transformer, requests: list[Request], prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
         return beam_search(model, requests, beam=self.beam, lenpen=self.lenpen, max_batch_size=self.max_batch_size,
-                           nbest=self.nbest)
+                           nbest=self.nbest, prompt=prompt)
 
 
 @dataclass
@@ -70,12 +70,15 @@ class BeamHypothesis(Hypothesis):
 
 @torch.no_grad()
 def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
-                max_batch_size: int = 16, min_len: int = 1, nbest: int = 1) -> list[BeamHypothesis]:
+                max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
+                prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
     """Beam-search `requests` (each: source ids ending in eos, max_len); results in input order.
 
     Sentences are grouped by source length into batches of at most `max_batch_size` sentences
     (each takes `beam` rows). `stats.iterations` is the number of decoder calls a sentence took.
     Each result carries the best `nbest` (1 <= nbest <= beam) hypotheses with their scores.
+    prompt: (decoder start token, forced first tokens...) as in DraftVerifyLoop; a forced token
+    scores log-prob 0 (Hugging Face's convention).
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
@@ -93,12 +96,13 @@ def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, l
     results: dict[int, BeamHypothesis] = {}
     for start in range(0, len(order), max_batch_size):
         batch = [requests[i] for i in order[start: start + max_batch_size]]
-        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest):
+        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest, prompt or (model.cfg.eos,)):
             results[order[start + pos]] = hyp
     return [results[i] for i in range(len(requests))]
 
 
-def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int, nbest: int):
+def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int, nbest: int,
+            prompt: tuple[int, ...]):
     """Yield (position in reqs, BeamHypothesis) for one static batch; mirrors SequenceGenerator._generate."""
     cfg = model.cfg
     pad, eos = cfg.pad, cfg.eos
@@ -117,7 +121,8 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
     tokens = torch.full((bsz * k, longest + 2), pad, dtype=torch.long, device=device)
-    tokens[:, 0] = eos
+    tokens[:, 0] = prompt[0]
+    forced = prompt[1:]
     cands_to_ignore = torch.zeros(bsz, k, dtype=torch.bool, device=device)
     finalized: list[list[tuple[torch.Tensor, float]]] = [[] for _ in range(bsz)]
     calls = [0] * bsz
@@ -146,6 +151,9 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
             lprobs[force, eos + 1:] = neg
         if step < min_len:
             lprobs[:, eos] = neg
+        if step < len(forced):
+            lprobs[:] = neg
+            lprobs[:, forced[step]] = 0.0
 
         # search.BeamSearch.step
         lp = lprobs.view(bsz, k, vocab)
@@ -224,7 +232,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
 def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, tokens: torch.Tensor, k: int,
               lenpen: float, eos: int, sent_ids: list[int], finalized: list[list], sent_max: torch.Tensor) -> list[int]:
     """fairseq's finalize_hypos: store eos-ending hypotheses; return batch positions now finished."""
-    toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the leading eos
+    toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the decoder start token
     toks[:, step] = eos
     eos_scores = eos_scores / (step + 1) ** lenpen
     unfin = torch.div(bbsz_idx, k, rounding_mode="trunc").tolist()

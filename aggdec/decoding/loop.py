@@ -64,12 +64,14 @@ class DraftVerifyLoop:
     0 or 1 encodes each refill alone.
     `budget`: chooses each call's draft length from measured costs and acceptance (DraftBudget);
     None verifies every drafted token.
+    `prompt`: (decoder start token, forced first output tokens...), aggdec.conventions.Framing.prompt;
+    default (eos,): fairseq's.
     """
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,
                  *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
                  projection: OutputProjection | None = None, encode_batch: int | None = None,
-                 budget: DraftBudget | None = None):
+                 budget: DraftBudget | None = None, prompt: tuple[int, ...] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -79,11 +81,13 @@ class DraftVerifyLoop:
         self.max_tokens = max_tokens
         self.refill = refill
         self.min_len = min_len
-        self.projection = projection or OutputProjection(model.output_weight, certify=False)
+        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias)
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()
         self.encode_batch = max_batch_size if encode_batch is None else encode_batch
         self.budget = budget
+        self.start = prompt[0] if prompt else model.cfg.eos
+        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._ahead: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
@@ -95,8 +99,8 @@ class DraftVerifyLoop:
         cfg = self.model.cfg
         if not 1 <= req.max_len < cfg.max_target_positions:
             raise ValueError(f"request {req.index}: max_len={req.max_len} outside [1, {cfg.max_target_positions - 1}]")
-        if not 1 <= len(req.src) <= cfg.max_source_positions or req.src[-1] != cfg.eos:
-            raise ValueError(f"request {req.index}: source must end in eos and have 1..{cfg.max_source_positions} tokens")
+        if not 1 <= len(req.src) <= cfg.max_source_positions:
+            raise ValueError(f"request {req.index}: source must have 1..{cfg.max_source_positions} tokens")
 
     def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
         taken = []
@@ -116,7 +120,7 @@ class DraftVerifyLoop:
         return DecodeState(
             src=src,
             src_len=torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device),
-            out=torch.full((len(reqs), 16), cfg.pad, dtype=torch.long, device=self.device).index_fill_(1, torch.tensor([0], device=self.device), cfg.eos),
+            out=torch.full((len(reqs), 16), cfg.pad, dtype=torch.long, device=self.device).index_fill_(1, torch.tensor([0], device=self.device), self.start),
             out_len=torch.ones(len(reqs), dtype=torch.long, device=self.device),
             max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
             cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
@@ -147,7 +151,7 @@ class DraftVerifyLoop:
         state.src[idx] = torch.nn.functional.pad(src, (0, state.src.shape[1] - src.shape[1]), value=cfg.pad)
         state.src_len[idx] = torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device)
         state.out[idx] = cfg.pad
-        state.out[idx, 0] = cfg.eos
+        state.out[idx, 0] = self.start
         state.out_len[idx] = 1
         state.max_len[idx] = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device)
         state.budget[idx] = self._length
@@ -191,7 +195,7 @@ class DraftVerifyLoop:
 
             def constrain(z: torch.Tensor, at: torch.Tensor | None, out_index=out_index, max_len=max_len) -> None:
                 idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-                constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len)
+                constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
 
             scores = VerifierScores(self.projection, hidden, constrain)
             # 3. Accept.

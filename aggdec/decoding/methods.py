@@ -41,13 +41,15 @@ from aggdec.versions import package_version
 class DraftContext:
     """What building a drafter may use: the verifier, its output projection, whether drafts may run in
     bf16 (a lossless method under the certified bf16 top-1), and `load(path)`, which loads a drafter
-    model directory (a NAR drafter bundle or proposal heads) for this verifier in the drafts' dtype."""
+    model directory (a NAR drafter bundle or proposal heads) for this verifier in the drafts' dtype.
+    `prompt`: the decoder start and forced first tokens (aggdec.conventions.Framing; None: eos only)."""
 
     model: Transformer
     projection: OutputProjection
     bf16: bool
     load: Callable[[str, bool], Any]
     budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
+    prompt: tuple[int, ...] | None = None
 
     def drafter_model(self, path: str) -> Any:
         return self.load(path, self.bf16)
@@ -58,7 +60,7 @@ class Method:
     """A registered decoding method.
 
     drafter(options, context) builds the method's drafter for the draft -> verify loop; None for a
-    method outside the loop, whose options class then decodes itself (`run(model, requests)`).
+    method outside the loop, whose options class then decodes itself (`run(model, requests, prompt)`).
     """
 
     options: type[DecodeOptions]
@@ -80,11 +82,12 @@ class Method:
                 and self.lossless(opts)):
             budget = context.budgets.setdefault(opts, DraftBudget(drafter.max_draft or DraftBudget.LONGEST))
         return DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
-                               max_tokens=opts.max_tokens, projection=context.projection, budget=budget)
+                               max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
+                               prompt=context.prompt)
 
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
         if self.drafter is None:
-            return opts.run(context.model, requests)
+            return opts.run(context.model, requests, context.prompt)
         return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
 
 

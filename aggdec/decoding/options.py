@@ -57,6 +57,10 @@ class DecodeOptions:
     max_unknown_share: float = option(0.5, "Rows whose source tokens are more than this share unknown or byte-fallback "
                                            "tokens (a script the vocabulary lacks) get status unknown_tokens; they are "
                                            "still decoded.", low=0)
+    source_lang: str | None = option(None, "Source language code of a multilingual model (M2M100, NLLB, mBART; "
+                                           "e.g. en, eng_Latn, en_XX); none: the model's default.")
+    target_lang: str | None = option(None, "Target language code of a multilingual model; its token starts or is "
+                                           "forced at the start of every output. None: the model's default.")
     verify_precision: str = option(
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "

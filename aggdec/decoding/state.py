@@ -18,7 +18,7 @@ class DecodeState:
 
     src:     (B, S) int64 source ids incl. final eos, right-padded with pad.
     src_len: (B,) int64.
-    out:     (B, Lo) int64 decoder inputs: out[b, 0] = eos (fairseq's BOS), then generated tokens.
+    out:     (B, Lo) int64 decoder inputs: out[b, 0] = the decoder start token (eos for fairseq), then generated tokens.
     out_len: (B,) int64; out[b, :out_len[b]] is valid. Generated tokens so far: out_len - 1.
     max_len: (B,) int64; the token at output index max_len is forced to eos.
     cache:   the verifier's decoder cache; invariant cache.lengths == out_len - 1 between calls

@@ -6,12 +6,17 @@ import dataclasses
 from dataclasses import dataclass
 
 
+ACTIVATIONS = ("relu", "gelu", "silu")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family).
 
-    Special token ids follow fairseq's Dictionary: bos=0, pad=1, eos=2, unk=3. The decoder is fed
-    `eos` as its first token (fairseq convention), and positions start at `pad + 1`.
+    Special token ids default to fairseq's Dictionary: bos=0, pad=1, eos=2, unk=3. The decoder is
+    fed `eos` as its first token unless a model's conventions (aggdec.conventions) name another.
+    Positions: row `first_position + i` of the position table embeds position i (fairseq and
+    M2M100: pad + 1; BART/mBART's learned table: 2; Marian: 0).
     """
 
     src_vocab: int  # rows of encoder.embed_tokens
@@ -31,7 +36,7 @@ class ModelConfig:
     no_scale_embedding: bool = False  # fairseq scales token embeddings by sqrt(d_model) unless set
     share_all_embeddings: bool = False  # encoder and decoder share one embedding matrix
     share_decoder_input_output_embed: bool = False  # output projection tied to decoder embeddings
-    activation: str = "relu"  # "relu" or "gelu"
+    activation: str = "relu"  # "relu", "gelu" or "silu" (Marian's "swish")
     dropout: float = 0.1  # training only
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
@@ -41,10 +46,15 @@ class ModelConfig:
     pad: int = 1
     eos: int = 2
     unk: int = 3
+    first_position: int | None = None  # table row of position 0; None: pad + 1 (fairseq)
+    sinusoidal: str = "fairseq"  # sinusoidal table layout: "fairseq" (also M2M100) or "marian"
+    output_bias: bool = False  # a bias on the output logits (Marian/BART's final_logits_bias)
 
     def __post_init__(self) -> None:
-        if self.activation not in ("relu", "gelu"):
-            raise ValueError(f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.sinusoidal not in ("fairseq", "marian"):
+            raise ValueError(f"sinusoidal must be 'fairseq' or 'marian', got {self.sinusoidal!r}")
         for name in ("d_model", "enc_heads", "dec_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -52,6 +62,11 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by the number of heads")
         if self.share_all_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError("share_all_embeddings needs src_vocab == tgt_vocab")
+
+    @property
+    def position_offset(self) -> int:
+        """Row of the position table that embeds position 0."""
+        return self.pad + 1 if self.first_position is None else self.first_position
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,10 +87,12 @@ class ModelConfig:
                 if f.default is dataclasses.MISSING:
                     raise ValueError(f"{name}: missing")
                 continue
-            want = types[f.type]
             value = d[name]
+            if value is None and f.type.endswith("| None"):
+                continue
+            want = types[f.type.removesuffix(" | None")]
             if not isinstance(value, want) or (f.type != "bool" and isinstance(value, bool)):
                 raise ValueError(f"{name}: must be {f.type}, got {value!r}")
-            if f.type == "int" and value < 0:
+            if f.type.startswith("int") and value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         return cls(**d)

@@ -64,7 +64,9 @@ def native_bf16(device: torch.device) -> bool:
 
 
 class OutputProjection:
-    """logits = hidden @ weight.T with weight (V, D) fp32, plus a bf16 copy for the certified top-1.
+    """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, plus a bf16 copy for the certified
+    top-1. A bias (V,) is folded in as one more column of the weight against a constant 1 appended to
+    every hidden state, so that the bound above covers it unchanged.
 
     Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
     snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
@@ -72,9 +74,12 @@ class OutputProjection:
     `recomputed` as whole fp32 rows.
     """
 
-    def __init__(self, weight: torch.Tensor, certify: bool):
+    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None):
         if certify and weight.dtype != torch.float32:
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {weight.dtype}")
+        self.with_bias = bias is not None
+        if self.with_bias:
+            weight = torch.cat([weight.detach(), bias.detach()[:, None]], dim=1)
         self.weight = weight
         self.certify = certify
         self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = None
@@ -98,14 +103,24 @@ class OutputProjection:
     def reset_counts(self) -> None:
         self.certified = self.refined = self.recomputed = 0
 
+    def _extend(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, D) -> (N, D + 1) with a constant 1 where the weight carries the bias."""
+        if not self.with_bias:
+            return hidden
+        return torch.cat([hidden, hidden.new_ones(hidden.shape[0], 1)], dim=1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> fp32 logits (N, V)."""
+        return self._logits(self._extend(hidden))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.weight, packed=self.packed)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
+        hidden = self._extend(hidden)
         if not self.certify:
-            z = self.logits(hidden)
+            z = self._logits(hidden)
             constrain(z, None)
             return z.argmax(dim=-1)
         return self._certified_top1(hidden, constrain)
@@ -131,7 +146,7 @@ class OutputProjection:
         self.refined += int(done.sum())
         redo = redo[~done]
         if redo.numel():
-            z = self.logits(hidden[redo])
+            z = self._logits(hidden[redo])
             constrain(z, redo)
             pred[redo] = z.argmax(dim=-1)
             self.recomputed += redo.numel()

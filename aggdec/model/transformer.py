@@ -18,37 +18,50 @@ from aggdec.model.config import ModelConfig
 from aggdec.model.linear import Linear, linear
 
 
-def sinusoidal_table(num: int, dim: int, padding_idx: int) -> torch.Tensor:
-    """fairseq's SinusoidalPositionalEmbedding table (num, dim): [sin | cos] halves, row pad = 0."""
+def sinusoidal_table(num: int, dim: int, padding_idx: int | None, layout: str = "fairseq") -> torch.Tensor:
+    """A sinusoidal position table (num, dim) with [sin | cos] halves.
+
+    layout "fairseq" (fairseq's SinusoidalPositionalEmbedding, also M2M100/NLLB): frequencies
+    10000^(-i / (dim/2 - 1)), computed in float32, row `padding_idx` zeroed. "marian" (Marian/OPUS-MT):
+    frequencies 10000^(-2i / dim), computed in float64, no zeroed row.
+    """
     half = dim // 2
+    if layout == "marian":
+        pos = torch.arange(num, dtype=torch.float64)[:, None]
+        j = torch.arange(dim, dtype=torch.float64)[None]
+        angles = pos / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / dim)
+        return torch.cat([torch.sin(angles[:, 0::2]), torch.cos(angles[:, 1::2])], dim=1).float()
     step = math.log(10000) / (half - 1)
     freqs = torch.exp(torch.arange(half, dtype=torch.float) * -step)
     angles = torch.arange(num, dtype=torch.float)[:, None] * freqs[None]
     table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
     if dim % 2:
         table = torch.cat([table, torch.zeros(num, 1)], dim=1)
-    table[padding_idx] = 0
+    if padding_idx is not None and padding_idx < num:
+        table[padding_idx] = 0
     return table
 
 
 class Positions(nn.Module):
-    """Learned or sinusoidal positions; index = pad + 1 + position (fairseq's make_positions)."""
+    """Learned or sinusoidal positions; row cfg.position_offset + i embeds position i."""
 
-    def __init__(self, max_positions: int, dim: int, padding_idx: int, learned: bool):
+    def __init__(self, cfg: ModelConfig, max_positions: int, learned: bool):
         super().__init__()
+        dim, pad = cfg.d_model, cfg.pad
         self.learned = learned
-        self.padding_idx = padding_idx
-        num = max_positions + padding_idx + 1
+        self.rows = max_positions + cfg.position_offset
+        zeroed = pad if cfg.first_position is None else None  # fairseq's table has a zero row at pad
         if learned:
-            self.weight = nn.Parameter(torch.empty(num, dim))
+            self.weight = nn.Parameter(torch.empty(self.rows, dim))
             nn.init.normal_(self.weight, mean=0, std=dim**-0.5)
-            with torch.no_grad():
-                self.weight[padding_idx].zero_()
+            if zeroed is not None:
+                with torch.no_grad():
+                    self.weight[zeroed].zero_()
         else:
-            self.register_buffer("table", sinusoidal_table(num, dim, padding_idx), persistent=False)
+            self.register_buffer("table", sinusoidal_table(self.rows, dim, zeroed, cfg.sinusoidal), persistent=False)
 
     def forward(self, index: torch.Tensor) -> torch.Tensor:
-        """index: int64 positions (any shape), already offset by pad + 1 -> (..., D)."""
+        """index: int64 table rows (any shape), already offset by cfg.position_offset -> (..., D)."""
         if self.learned:
             return F.embedding(index, self.weight)
         return self.table[index]
@@ -81,6 +94,9 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(self.core(self.q_proj(x), k, v, keep))
 
 
+ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
 class FeedForward(nn.Module):
     """Mixin for fc1/fc2 with fairseq's names; used by both layer kinds."""
 
@@ -96,7 +112,7 @@ class EncoderLayer(FeedForward, nn.Module):
         d = cfg.d_model
         self.pre = cfg.enc_normalize_before
         self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
-        self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.act = ACTIVATION[cfg.activation]
         self.self_attn = MultiheadAttention(d, cfg.enc_heads, cfg.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.enc_ffn)
@@ -120,7 +136,7 @@ class DecoderLayer(FeedForward, nn.Module):
         d = cfg.d_model
         self.pre = cfg.dec_normalize_before
         self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
-        self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.act = ACTIVATION[cfg.activation]
         self.self_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
@@ -157,7 +173,7 @@ class Stack(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
         with torch.no_grad():
             self.embed_tokens.weight[cfg.pad].zero_()
-        self.embed_positions = Positions(max_pos, d, cfg.pad, learned_pos)
+        self.embed_positions = Positions(cfg, max_pos, learned_pos)
         self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
         self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(n))
         self.layer_norm = nn.LayerNorm(d) if pre else None
@@ -186,15 +202,15 @@ class Transformer(nn.Module):
         else:
             self.decoder.output_projection = Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
             nn.init.normal_(self.decoder.output_projection.weight, mean=0, std=cfg.d_model**-0.5)
+        self.decoder.output_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab)) if cfg.output_bias else None
 
     # -- encoder ---------------------------------------------------------------------------------
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B,S) int64, right-padded with pad, each row ending in eos -> (memory (B,S,D), src_pad (B,S))."""
-        pad = self.cfg.pad
-        src_pad = src.eq(pad)
+        src_pad = src.eq(self.cfg.pad)
         nonpad = (~src_pad).long()
-        pos = torch.cumsum(nonpad, dim=1) * nonpad + pad
+        pos = (torch.cumsum(nonpad, dim=1) - 1) * nonpad + self.cfg.position_offset  # pads: any row (masked)
         x = self.encoder.embed(src, pos)
         keep = (~src_pad)[:, None, None, :]  # (B,1,1,S)
         for layer in self.encoder.layers:
@@ -221,13 +237,18 @@ class Transformer(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """(V, D): logits = hidden @ output_weight.T (no bias)."""
+        """(V, D): logits = hidden @ output_weight.T + output_bias."""
         if self.decoder.output_projection is None:
             return self.decoder.embed_tokens.weight
         return self.decoder.output_projection.weight
 
+    @property
+    def output_bias(self) -> torch.Tensor | None:
+        """(V,) or None: the bias of the output logits (cfg.output_bias)."""
+        return self.decoder.output_bias
+
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.output_weight)
+        return linear(x, self.output_weight, self.output_bias)
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Score a block of T new tokens per row on top of each row's cached prefix.
@@ -270,7 +291,7 @@ class Transformer(nn.Module):
             where = (rows, pos[valid])
             tokens, pos = tokens[valid], pos[valid]
         # Padding positions of short blocks may run past the table; their outputs are never used.
-        x = self.decoder.embed(tokens, (pos + cfg.pad + 1).clamp(max=cfg.max_target_positions + cfg.pad))
+        x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
 
         def unpack(y: torch.Tensor) -> torch.Tensor:
             if valid is None:
@@ -305,7 +326,7 @@ class Transformer(nn.Module):
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
         pos = torch.arange(t, device=src.device)
-        x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.pad + 1)[None].expand(bsz, t))
+        x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.position_offset)[None].expand(bsz, t))
         limit = pos[None].expand(bsz, t) if key_limit is None else key_limit
         causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]

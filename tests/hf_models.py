@@ -1,0 +1,162 @@
+"""Tiny Hugging Face encoder-decoders built in the test session (no download): a family's config with
+small dimensions, tokenizers trained on synthetic sentences, weights trained for a few seconds on a
+copy task so that outputs are neither constant nor flat, saved with `save_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from tests.conftest import synthetic_sentences
+
+SMALL = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+             encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128, dropout=0.0,
+             attention_dropout=0.0, activation_dropout=0.0)
+M2M_LANGS = ("en", "de", "fr")
+
+
+def _spm(out: Path, texts: list[str], vocab: int, **kw) -> Path:
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=str(out / "spm"), vocab_size=vocab, model_type="unigram",
+        character_coverage=1.0, shuffle_input_sentence=False, hard_vocab_limit=False, num_threads=1, minloglevel=2,
+        **kw)
+    return out / "spm.model"
+
+
+def _train(model, pairs: list[tuple[list[int], list[int]]], pad: int, steps: int, seed: int) -> None:
+    """Teacher-forced training on (source ids, label ids) pairs; labels include the final eos."""
+    rng = random.Random(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(pairs, 32)
+        ws, wt = max(len(s) for s, _ in batch), max(len(t) for _, t in batch)
+        src = torch.full((32, ws), pad)
+        labels = torch.full((32, wt), -100)
+        for b, (s, t) in enumerate(batch):
+            src[b, :len(s)] = torch.tensor(s)
+            labels[b, :len(t)] = torch.tensor(t)
+        loss = model(input_ids=src, attention_mask=src.ne(pad), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def build_marian(out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """OPUS-MT layout: source.spm/target.spm + vocab.json (</s>=0, <unk>=1, pad last), swish, scaled
+    embeddings, Marian's sinusoidal positions, a non-zero final_logits_bias."""
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    model_file = _spm(out, texts, 120)
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
+    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+    vocab["<pad>"] = len(vocab)
+    for name in ("source.spm", "target.spm"):
+        (out / name).write_bytes(model_file.read_bytes())
+    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tok = MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json"))
+    torch.manual_seed(seed)
+    cfg = MarianConfig(vocab_size=len(vocab), decoder_vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
+                       decoder_start_token_id=vocab["<pad>"], activation_function="swish", scale_embedding=True, **SMALL)
+    model = MarianMTModel(cfg)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0, 0.5)
+    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """BART layout: byte-level BPE (tokenizers), <s> text </s>, learned positions with offset 2,
+    layernorm_embedding, post-norm, GELU, forced bos."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import BartConfig, BartForConditionalGeneration, BartTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                            show_progress=False)
+    bpe.save_model(str(out))
+    tok = BartTokenizer.from_pretrained(str(out))  # from vocab.json + merges.txt
+    torch.manual_seed(seed)
+    cfg = BartConfig(vocab_size=len(tok), forced_bos_token_id=0, **SMALL)
+    model = BartForConditionalGeneration(cfg)
+    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """M2M100 layout: sentencepiece + vocab.json with language tokens after it, __en__ text </s>,
+    fairseq sinusoidal positions, pre-norm, ReLU, target language forced first."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    model_file = _spm(out, texts, 120, bos_id=0, pad_id=1, eos_id=2, unk_id=3)
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    vocab.update({"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3})
+    (out / "sentencepiece.bpe.model").write_bytes(model_file.read_bytes())
+    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tok = M2M100Tokenizer(str(out / "vocab.json"), str(out / "sentencepiece.bpe.model"), src_lang="en", tgt_lang="de",
+                          language_codes="m2m100")
+    torch.manual_seed(seed)  # rows: the vocabulary, M2M100's 100 language tokens and its 8 "madeup words"
+    cfg = M2M100Config(vocab_size=len(tok.encoder) + len(tok.lang_token_to_id) + 8, **SMALL)
+    model = M2M100ForConditionalGeneration(cfg)
+    pairs = []
+    for i, t in enumerate(texts):
+        tok.src_lang, tok.tgt_lang = "en", M2M_LANGS[i % len(M2M_LANGS)]
+        pairs.append((tok(t).input_ids, tok(text_target=t).input_ids))
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    tok.src_lang, tok.tgt_lang = "en", "de"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+MBART_LANGS = ("en_XX", "de_DE")
+
+
+def build_mbart(out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """mBART(-cc25) layout: text </s> en_XX on the source, the decoder starts from the target
+    language token; learned positions with offset 2, layernorm_embedding, pre-norm with final layer
+    norms, scaled embeddings, GELU. The tokenizer is a `tokenizers` pipeline in tokenizer.json with
+    the language codes as special tokens (the layout of MBartTokenizer's saved files)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False)
+    bpe.add_special_tokens(list(MBART_LANGS))
+    bpe.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "MBartTokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}), encoding="utf-8")
+    lang = {code: bpe.token_to_id(code) for code in MBART_LANGS}
+    torch.manual_seed(seed)
+    cfg = MBartConfig(vocab_size=bpe.get_vocab_size(), scale_embedding=True, decoder_start_token_id=lang["de_DE"], **SMALL)
+    model = MBartForConditionalGeneration(cfg)
+    pairs = [(ids + [2, lang["en_XX"]], ids + [2, lang["de_DE"]]) for ids in (bpe.encode(t).ids for t in texts)]
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    return out
