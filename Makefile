@@ -17,9 +17,10 @@ setup:
 	$(PIP) install -e .
 
 # fairseq (for the parity tests) builds against the installed torch; it pulls a torchaudio that
-# cannot load with torch 2.13 and is not needed, so it is removed again.
+# cannot load with torch 2.13 and is not needed, so it is removed again (with it installed,
+# transformers cannot import its model classes; the HF import tests need both).
 setup-dev:
 	$(PIP) install torch==2.13.0 cython numpy wheel
 	MAX_JOBS=2 $(PIP) install --no-build-isolation fairseq-fixed==0.12.3.1
 	$(PIP) uninstall -y torchaudio
-	$(PIP) install -e '.[dev,gec,report]'
+	$(PIP) install -e '.[dev,gec,report,hf]'

@@ -67,6 +67,10 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
                                                  bpe_model=Path(bpe_model) if bpe_model else None))
             translator.model.to(device)
             return translator
+        if trust_checkpoint and (path / "pytorch_model.bin").is_file():  # a Hugging Face directory's pickle
+            from aggdec import hf_import
+
+            return Translator(hf_import.load(path, device=device, trust=True))
         return Translator.load(path, device=device)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         raise Failure(str(e)) from e
@@ -111,14 +115,16 @@ def _base_type(hint):
 
 @main.command()
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
-              help="Project model directory, or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
+              help="Project model directory, a Hugging Face model directory (marian, bart, mbart, m2m_100/NLLB), "
+                   "or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
 @click.option("--method", default="greedy", show_default=True, type=click.Choice(_method_names()),
               help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
 @_option_flags
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
-@click.option("--trust-checkpoint", is_flag=True, help="Allow loading a pickled fairseq .pt file (it can run code).")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Allow loading a pickled fairseq .pt or pytorch_model.bin file (it can run code).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the model runs (fp32 either way).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -177,24 +183,36 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--from", "origin", type=click.Choice(["fairseq", "transformers"]), default="fairseq", show_default=True,
+              help="fairseq: CHECKPOINT is a fairseq .pt; transformers: a local Hugging Face model directory (marian, "
+                   "bart, mbart, m2m_100/NLLB) with its tokenizer files.")
 @click.option("--to", "target", type=click.Choice(["aggdec", "fairseq"]), default="aggdec", show_default=True,
               help="aggdec: fairseq checkpoint -> project format; fairseq: project model dir -> fairseq checkpoint + dicts.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None)
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("--trust-checkpoint", is_flag=True, help="Allow loading a pickled fairseq .pt file (it can run code).")
-def convert(checkpoint, out_dir, target, data_dir, bpe, bpe_model, trust_checkpoint) -> None:
-    """Convert between fairseq checkpoints and the project's safetensors format.
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Allow loading a pickled fairseq .pt or pytorch_model.bin file (it can run code).")
+def convert(checkpoint, out_dir, origin, target, data_dir, bpe, bpe_model, trust_checkpoint) -> None:
+    """Convert fairseq checkpoints and Hugging Face model directories to the project's safetensors
+    format, and project models to fairseq.
 
     \b
     Examples:
       aggdec convert ckpt/checkpoint_best.pt models/my-gec --data-dir data-bin --trust-checkpoint
+      aggdec convert ~/opus-mt-en-de models/opus-mt-en-de --from transformers
       aggdec convert models/gec-base export/gec-base-fairseq --to fairseq
     """
     from aggdec import fairseq_io
 
     try:
-        if target == "fairseq":
+        if origin == "transformers":
+            if target != "aggdec":
+                raise click.UsageError("--from transformers converts to the project format only (--to aggdec)")
+            from aggdec import hf_import
+
+            out = hf_import.convert(Path(checkpoint), Path(out_dir), trust=trust_checkpoint)
+        elif target == "fairseq":
             out = fairseq_io.save_fairseq(Path(checkpoint), Path(out_dir))
         else:
             if data_dir is None:

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from aggdec import checkpoint
+from aggdec.decoding.options import OptionError
 from jobs.inputs import Shard, inspect_inputs
 from jobs.spec import JobSpec, SpecError
 from jobs.storage import Location, is_uri, resolve
@@ -58,6 +59,10 @@ def _check_models(spec: JobSpec) -> None:
         bundle = checkpoint.load(spec.model)
     except (OSError, ValueError) as e:
         raise SpecError(f"model: {_first_line(e)}") from e
+    try:  # a multilingual model's languages (aggdec.conventions)
+        bundle.conventions.resolve(bundle.model.cfg.eos, spec.decode.source_lang, spec.decode.target_lang)
+    except OptionError as e:
+        raise SpecError(f"decode.{e}") from e
     drafter = getattr(spec.decode, "drafter", None)
     if drafter:
         try:

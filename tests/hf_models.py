@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import synthetic_sentences
+from conftest import synthetic_sentences
 
 SMALL = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
              encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128, dropout=0.0,

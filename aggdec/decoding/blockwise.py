@@ -67,7 +67,7 @@ class BlockwiseHeads:
     def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
         """The heads of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
         return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
-                   out_weight=ctx.projection.weight_bf16 if ctx.bf16 else None)
+                   out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
         self.rows.admit(state, slots, pending=torch.full((self.k1,), state.pad), ready=False)

@@ -69,7 +69,7 @@ class DraftHeadDrafter:
     def from_options(cls, opts, ctx) -> "DraftHeadDrafter":
         """The head of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
         return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
-                   out_weight=ctx.projection.weight_bf16 if ctx.bf16 else None)
+                   out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
         if self.rows.admit(state, slots, ready=False):  # a new batch; refilled rows keep stale drafts, not ready

@@ -82,10 +82,12 @@ class OutputProjection:
             weight = torch.cat([weight.detach(), bias.detach()[:, None]], dim=1)
         self.weight = weight
         self.certify = certify
-        self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = None
+        self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = self.draft_weight_bf16 = None
         self.packed = prepack(weight)
         if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
+            # drafters' bf16 output weight (V, D): without the bias column (drafts never change an output)
+            self.draft_weight_bf16 = self.weight_bf16[:, :-1].contiguous() if self.with_bias else self.weight_bf16
             self.packed_bf16 = prepack(self.weight_bf16)
             d = weight.shape[1]
             g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
