@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from aggdec.checkpoint import Bundle, check_vocab, file_sha, load as load_project, save as save_project
+from aggdec.conventions import Conventions
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
@@ -451,6 +452,15 @@ def save_fairseq(bundle_or_model_dir: Bundle | str | Path, out_dir: str | Path) 
     out.mkdir(parents=True, exist_ok=True)
     model = bundle.model
     cfg = model.cfg
+    for name, fairseq_value in (("first_position", None), ("sinusoidal", "fairseq"), ("output_bias", False),
+                                ("activation", ("relu", "gelu"))):
+        value = getattr(cfg, name)
+        if value != fairseq_value and not (isinstance(fairseq_value, tuple) and value in fairseq_value):
+            raise ValueError(f"{bundle.path or '<bundle>'}: model {name}={value!r} has no fairseq `transformer` "
+                             "equivalent (an imported Hugging Face model); it cannot be exported to fairseq")
+    if bundle.conventions != Conventions():
+        raise ValueError(f"{bundle.path or '<bundle>'}: the model frames its input with special tokens "
+                         "(conventions) that fairseq-generate does not apply; it cannot be exported to fairseq")
     check_vocab(cfg, bundle.src_tok, bundle.tgt_tok, str(bundle.path or "<bundle>"))
     _write_dict(_symbols(bundle.src_tok), out / "dict.src.txt")
     _write_dict(_symbols(bundle.tgt_tok), out / "dict.tgt.txt")

@@ -211,3 +211,10 @@ def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
     want = Translator.load(d).translate_batch(table.column("src").to_pylist(), spec.decode)
     assert table.column("hyp").to_pylist() == [r.text for r in want]
     assert table.column("status").to_pylist() == [r.status for r in want]
+
+
+def test_an_imported_model_is_not_exported_to_fairseq(hf_dirs, tmp_path):
+    from aggdec.fairseq_io import save_fairseq
+
+    with pytest.raises(ValueError, match="first_position=0 has no fairseq"):
+        save_fairseq(checkpoint.load(hf_dirs["marian"]), tmp_path / "fs")

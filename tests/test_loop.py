@@ -12,9 +12,11 @@ from tiny_models import naive_greedy, tiny_model
 
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import DraftBatch, Request
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 
 
 class GuideDrafter(NoDraft):
@@ -74,6 +76,27 @@ def test_greedy_loop_equals_naive_recompute(kind):
         got = _decode(model, NoDraft(), reqs, max_batch_size=bs)
         assert {i: h.tokens for i, h in got.items()} == ref
         assert all(h.stats.iterations == len(h.tokens) + 1 for h in got.values()), "greedy: one call per token"
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["marian-like", "bart-like"]), bs=st.integers(1, 6),
+       forced=st.integers(0, 2), budget=st.sampled_from([None, "random"]))
+def test_imported_layouts_and_prompts_are_lossless(seed, kind, bs, forced, budget):
+    """Hugging Face layouts (position offsets, Marian's sinusoids, silu, an output bias) with a start
+    token and forced first tokens: the loop equals naive recomputation, and IAD and the draft head
+    leave it unchanged."""
+    model = tiny_model(kind, seed=seed % 7)
+    rng = random.Random(seed)
+    prompt = tuple(rng.randint(3, model.cfg.tgt_vocab - 1) for _ in range(1 + forced))
+    reqs = [r for r in _requests(rng, rng.randint(1, 8), model.cfg.src_vocab, model.cfg.eos) if r.max_len > forced]
+    ref = {r.index: naive_greedy(model, r.src, r.max_len, prompt) for r in reqs}
+    assert all(ref[r.index][:forced] == list(prompt[1:]) for r in reqs)
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=1, block_size=3)).double().eval()
+    budgets = {None: None, "random": RandomBudget(seed, 4)}
+    for drafter in (NoDraft(), InputCopy(max_draft=4), DraftHeadDrafter(model, head)):
+        got = _decode(model, drafter, reqs, max_batch_size=bs, prompt=prompt, budget=budgets[budget])
+        assert {i: h.tokens for i, h in got.items()} == ref, type(drafter).__name__
 
 
 @settings(max_examples=20, deadline=None)

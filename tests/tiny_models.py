@@ -12,6 +12,11 @@ CONFIGS = {
     "prenorm-learned-separate": dict(enc_normalize_before=True, dec_normalize_before=True, enc_learned_pos=True,
                                      dec_learned_pos=True, layernorm_embedding=True, tgt_vocab=17),
     "shallow-decoder-tied-output": dict(enc_layers=3, dec_layers=1, share_decoder_input_output_embed=True, activation="gelu"),
+    # the switches of imported Hugging Face families (aggdec.hf_import)
+    "marian-like": dict(share_all_embeddings=True, first_position=0, sinusoidal="marian", activation="silu",
+                        output_bias=True),
+    "bart-like": dict(share_all_embeddings=True, enc_learned_pos=True, dec_learned_pos=True, first_position=2,
+                      layernorm_embedding=True, output_bias=True, max_source_positions=70),
 }
 
 
@@ -27,20 +32,26 @@ def tiny_model(kind: str = "postnorm-sinusoidal-shared", seed: int = 0, vocab: i
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(2.0)
+        if model.output_bias is not None:
+            model.output_bias.normal_(0, 1.0)
     return model
 
 
 @torch.no_grad()
-def naive_greedy(model: Transformer, src: list[int], max_len: int) -> list[int]:
-    """Greedy by full recomputation of the whole prefix at every step (no cache), fairseq rules."""
+def naive_greedy(model: Transformer, src: list[int], max_len: int, prompt: tuple[int, ...] | None = None) -> list[int]:
+    """Greedy by full recomputation of the whole prefix at every step (no cache), fairseq rules;
+    `prompt` = (decoder start, forced first tokens...), default (eos,)."""
     cfg = model.cfg
-    out = [cfg.eos]
+    prompt = prompt or (cfg.eos,)
+    out = [prompt[0]]
     for step in range(max_len + 1):
         logits = model(torch.tensor([src]), torch.tensor([out]))[0, -1].clone()
         logits[cfg.pad] = -float("inf")
         if step < 1:
             logits[cfg.eos] = -float("inf")
         tok = cfg.eos if step >= max_len else int(logits.argmax())
+        if step < len(prompt) - 1:
+            tok = prompt[1 + step]
         if tok == cfg.eos:
             break
         out.append(tok)
