@@ -8,7 +8,7 @@ in one process slow each other down), decode time only.
 
 The weights are random (no hub access here), so the figures are for timing only: every system
 decodes to the length limit (`--max-new` tokens), which makes tokens/s the comparable figure. The
-tokenizer is a sentencepiece model trained on the data's source side, its pieces padded with unused
+tokenizer is a sentencepiece model (up to 8,000 pieces) trained on the data's source side, padded with unused
 tokens to the Marian vocabulary size. Identical share: outputs equal to transformers' token for token.
 """
 
@@ -31,9 +31,11 @@ OPUS_MT = dict(vocab_size=58101, decoder_vocab_size=58101, d_model=512, encoder_
 SYSTEMS = ("aggdec", "transformers", "ct2-float32", "ct2-int8")
 
 
-def read_sources(path: Path, limit: int) -> list[str]:
+def read_sources(path: Path, limit: int, column: str = "en") -> list[str]:
+    """The first `limit` values of `column` of a TSV with a header line."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    return [line.split("\t")[0] for line in lines[:limit]]
+    at = lines[0].split("\t").index(column)
+    return [line.split("\t")[at] for line in lines[1: limit + 1]]
 
 
 def build_model(out: Path, texts: list[str]) -> Path:
@@ -45,7 +47,7 @@ def build_model(out: Path, texts: list[str]) -> Path:
     if (out / "config.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "spm"), vocab_size=8000,
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "spm"), vocab_size=8000, hard_vocab_limit=False,
                                    model_type="unigram", character_coverage=1.0, minloglevel=2, num_threads=2)
     sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
@@ -124,7 +126,8 @@ def identical(a: list[list[int]], b: list[list[int]], n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="TSV whose first column is the source")
+    ap.add_argument("--data", type=Path, required=True, help="TSV with a header line")
+    ap.add_argument("--column", default="en", help="the source column")
     ap.add_argument("--limit", type=int, default=256)
     ap.add_argument("--bs1-limit", type=int, default=32)
     ap.add_argument("--batch-sizes", default="1,64")
@@ -137,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bs", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    texts = read_sources(a.data, a.limit)
+    texts = read_sources(a.data, a.limit, a.column)
     model_dir = a.work / "opus-mt-shaped"
     if a.worker:
         n = a.limit
         print(json.dumps(worker(a.worker, model_dir, texts[:n], a.bs, a.max_new, a.threads)))
         return 0
-    build_model(model_dir, read_sources(a.data, 5000))
+    build_model(model_dir, read_sources(a.data, 5000, a.column))
     runs: dict[tuple[str, int], list[dict]] = {}
     systems = a.systems.split(",")
     sizes = [int(b) for b in a.batch_sizes.split(",")]
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         for bs in sizes:
             n = a.bs1_limit if bs == 1 else a.limit
             for system in systems:
-                cmd = [sys.executable, __file__, "--data", str(a.data), "--limit", str(n), "--max-new", str(a.max_new),
+                cmd = [sys.executable, __file__, "--data", str(a.data), "--column", a.column, "--limit", str(n),
+                       "--max-new", str(a.max_new),
                        "--threads", str(a.threads), "--work", str(a.work), "--worker", system, "--bs", str(bs)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
                 runs.setdefault((system, bs), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             toks = sum(len(o) + 1 for o in rs[0]["outputs"])
             rows.append({"system": system, "batch_size": bs, "sentences": n, "seconds": round(secs, 3),
                          "sentences_per_s": round(n / secs, 2), "tokens_per_s": round(toks / secs, 1),
+                         "distinct_outputs": len({tuple(o) for o in rs[0]["outputs"]}),
                          "identical_to_transformers": None if ref is None else round(
                              identical(rs[0]["outputs"], ref, a.max_new - 1), 4)})
         base = {r["system"]: r for r in rows if r["batch_size"] == bs}

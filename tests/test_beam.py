@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tiny_models import CONFIGS, naive_greedy, tiny_model
+from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 
 from aggdec.checkpoint import Bundle
 from aggdec.decoding.beam import beam_search
@@ -144,7 +144,7 @@ def _bundle(model: Transformer) -> Bundle:
     return Bundle(model=model, src_tok=tok(model.cfg.src_vocab), tgt_tok=tok(model.cfg.tgt_vocab))
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(FAIRSEQ_CONFIGS))
 def test_fairseq_round_trip(kind, tmp_path):
     model = tiny_model(kind, seed=4).float()
     out = save_fairseq(_bundle(model), tmp_path / "fs")

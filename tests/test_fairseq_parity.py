@@ -23,7 +23,7 @@ import torch
 pytestmark = pytest.mark.fairseq
 pytest.importorskip("fairseq")
 
-from tiny_models import CONFIGS as TINY_CONFIGS, tiny_model  # noqa: E402
+from tiny_models import FAIRSEQ_CONFIGS as TINY_CONFIGS, tiny_model  # noqa: E402
 
 from aggdec import checkpoint  # noqa: E402
 from aggdec.decoding.beam import beam_search  # noqa: E402

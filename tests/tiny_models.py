@@ -12,7 +12,9 @@ CONFIGS = {
     "prenorm-learned-separate": dict(enc_normalize_before=True, dec_normalize_before=True, enc_learned_pos=True,
                                      dec_learned_pos=True, layernorm_embedding=True, tgt_vocab=17),
     "shallow-decoder-tied-output": dict(enc_layers=3, dec_layers=1, share_decoder_input_output_embed=True, activation="gelu"),
-    # the switches of imported Hugging Face families (aggdec.hf_import)
+}
+FAIRSEQ_CONFIGS = dict(CONFIGS)  # the layouts a fairseq `transformer` checkpoint can have
+CONFIGS |= {  # the switches of imported Hugging Face families (aggdec.hf_import)
     "marian-like": dict(share_all_embeddings=True, first_position=0, sinusoidal="marian", activation="silu",
                         output_bias=True),
     "bart-like": dict(share_all_embeddings=True, enc_learned_pos=True, dec_learned_pos=True, first_position=2,

@@ -119,10 +119,11 @@ class EncoderLayer(FeedForward, nn.Module):
         self.fc2 = Linear(cfg.enc_ffn, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, self_attn) -> torch.Tensor:
+        """x: token states, (B,S,D) or packed (N,D); self_attn(h) returns the attention output in the
+        layout of h (it owns the projections, the mask and the layout)."""
         h = self.self_attn_layer_norm(x) if self.pre else x
-        h = self.self_attn.attend(h, self.self_attn.k_proj(h), self.self_attn.v_proj(h), keep)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = x + F.dropout(self_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre else x
@@ -207,17 +208,35 @@ class Transformer(nn.Module):
     # -- encoder ---------------------------------------------------------------------------------
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B,S) int64, right-padded with pad, each row ending in eos -> (memory (B,S,D), src_pad (B,S))."""
+        """src (B,S) int64, right-padded with pad -> (memory (B,S,D), src_pad (B,S)).
+
+        Padded batches run packed: embeddings, linear layers, FFN and norms on the N real tokens only,
+        attention alone on the padded layout. memory is zero at padding positions (masked anyway).
+        """
         src_pad = src.eq(self.cfg.pad)
-        nonpad = (~src_pad).long()
-        pos = (torch.cumsum(nonpad, dim=1) - 1) * nonpad + self.cfg.position_offset  # pads: any row (masked)
-        x = self.encoder.embed(src, pos)
-        keep = (~src_pad)[:, None, None, :]  # (B,1,1,S)
+        valid = ~src_pad
+        nonpad = valid.long()
+        pos = (torch.cumsum(nonpad, dim=1) - 1) * nonpad + self.cfg.position_offset
+        keep = valid[:, None, None, :]  # (B,1,1,S)
+        packed = not bool(valid.all())
+        x = self.encoder.embed(src[valid], pos[valid]) if packed else self.encoder.embed(src, pos)
+
+        def unpack(y: torch.Tensor) -> torch.Tensor:
+            if not packed:
+                return y
+            full = y.new_zeros(*src.shape, y.shape[-1])
+            full[valid] = y
+            return full
+
+        def self_attn(h: torch.Tensor, sa: MultiheadAttention) -> torch.Tensor:
+            out = sa.core(unpack(sa.q_proj(h)), unpack(sa.k_proj(h)), unpack(sa.v_proj(h)), keep)
+            return sa.out_proj(out[valid] if packed else out)
+
         for layer in self.encoder.layers:
-            x = layer(x, keep)
+            x = layer(x, lambda h, sa=layer.self_attn: self_attn(h, sa))
         if self.encoder.layer_norm is not None:
             x = self.encoder.layer_norm(x)
-        return x, src_pad
+        return unpack(x), src_pad
 
     def cross_kv(self, memory: torch.Tensor, src_pad: torch.Tensor) -> CrossKV:
         """Project encoder output to each decoder layer's cross-attention K/V, once per sentence."""
