@@ -48,6 +48,15 @@ def _train(model, pairs: list[tuple[list[int], list[int]]], pad: int, steps: int
     model.eval()
 
 
+def _copy_task(model, tok, texts: list[str], out: Path, steps: int, seed: int) -> Path:
+    """Train `model` to copy the tokenized `texts`; save it and its tokenizer to `out`."""
+    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
+    _train(model, pairs, model.config.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def build_marian(out: Path, steps: int = 200, seed: int = 0) -> Path:
     """OPUS-MT layout: source.spm/target.spm + vocab.json (</s>=0, <unk>=1, pad last), swish, scaled
     embeddings, Marian's sinusoidal positions, a non-zero final_logits_bias."""
@@ -72,11 +81,7 @@ def build_marian(out: Path, steps: int = 200, seed: int = 0) -> Path:
     model = MarianMTModel(cfg)
     with torch.no_grad():
         model.final_logits_bias.normal_(0, 0.5)
-    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
-    _train(model, pairs, cfg.pad_token_id, steps, seed)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return _copy_task(model, tok, texts, out, steps, seed)
 
 
 def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
@@ -95,11 +100,7 @@ def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = BartConfig(vocab_size=len(tok), forced_bos_token_id=0, **SMALL)
     model = BartForConditionalGeneration(cfg)
-    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
-    _train(model, pairs, cfg.pad_token_id, steps, seed)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return _copy_task(model, tok, texts, out, steps, seed)
 
 
 def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
