@@ -48,40 +48,40 @@ def _train(model, pairs: list[tuple[list[int], list[int]]], pad: int, steps: int
     model.eval()
 
 
-def _copy_task(model, tok, texts: list[str], out: Path, steps: int, seed: int) -> Path:
-    """Train `model` to copy the tokenized `texts`; save it and its tokenizer to `out`."""
-    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
-    _train(model, pairs, model.config.pad_token_id, steps, seed)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def build_marian(out: Path, steps: int = 200, seed: int = 0) -> Path:
+def build_marian(out: Path, steps: int = 200, seed: int = 0, separate: bool = False) -> Path:
     """OPUS-MT layout: source.spm/target.spm + vocab.json (</s>=0, <unk>=1, pad last), swish, scaled
-    embeddings, Marian's sinusoidal positions, a non-zero final_logits_bias."""
+    embeddings, Marian's sinusoidal positions, a non-zero final_logits_bias. `separate`: target ids
+    from their own target_vocab.json (another order) and separate encoder and decoder embeddings."""
+    import sentencepiece as spm
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     texts = synthetic_sentences(400, seed)
     model_file = _spm(out, texts, 120)
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
-    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
-    vocab["<pad>"] = len(vocab)
+    vocabs = {"vocab.json": pieces, **({"target_vocab.json": pieces[::-1]} if separate else {})}
+    for name, order in vocabs.items():
+        vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(order)}}
+        vocab["<pad>"] = len(vocab)
+        (out / name).write_text(json.dumps(vocab), encoding="utf-8")
     for name in ("source.spm", "target.spm"):
         (out / name).write_bytes(model_file.read_bytes())
-    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    tok = MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json"))
+    tok = MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json"),
+                          target_vocab_file=str(out / "target_vocab.json") if separate else None, separate_vocabs=separate)
     torch.manual_seed(seed)
-    cfg = MarianConfig(vocab_size=len(vocab), decoder_vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
-                       decoder_start_token_id=vocab["<pad>"], activation_function="swish", scale_embedding=True, **SMALL)
+    n = len(pieces) + 3
+    cfg = MarianConfig(vocab_size=n, decoder_vocab_size=n, pad_token_id=n - 1, eos_token_id=0, decoder_start_token_id=n - 1,
+                       activation_function="swish", scale_embedding=True, share_encoder_decoder_embeddings=not separate,
+                       **SMALL)
     model = MarianMTModel(cfg)
     with torch.no_grad():
         model.final_logits_bias.normal_(0, 0.5)
-    return _copy_task(model, tok, texts, out, steps, seed)
+    pairs = [(tok(t).input_ids, tok(text_target=t).input_ids) for t in texts]
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
 
 
 def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
@@ -100,7 +100,11 @@ def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = BartConfig(vocab_size=len(tok), forced_bos_token_id=0, **SMALL)
     model = BartForConditionalGeneration(cfg)
-    return _copy_task(model, tok, texts, out, steps, seed)
+    pairs = [(ids, ids) for ids in (tok(t).input_ids for t in texts)]
+    _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
 
 
 def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
@@ -159,5 +163,33 @@ def build_mbart(out: Path, steps: int = 200, seed: int = 0) -> Path:
     model = MBartForConditionalGeneration(cfg)
     pairs = [(ids + [2, lang["en_XX"]], ids + [2, lang["de_DE"]]) for ids in (bpe.encode(t).ids for t in texts)]
     _train(model, pairs, cfg.pad_token_id, steps, seed)
+    model.save_pretrained(out)
+    return out
+
+
+NLLB_LANGS = ("eng_Latn", "deu_Latn", "fra_Latn")
+
+
+def build_nllb(out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """NLLB layout: the M2M100 architecture with a sentencepiece-BPE `tokenizers` pipeline in
+    tokenizer.json whose language codes (eng_Latn, ...) are special tokens; eng_Latn text </s>, the
+    target language forced first."""
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    bpe = SentencePieceBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False)
+    bpe.add_special_tokens(list(NLLB_LANGS))
+    bpe.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "tgt_lang": "deu_Latn"}), encoding="utf-8")
+    lang = {code: bpe.token_to_id(code) for code in NLLB_LANGS}
+    torch.manual_seed(seed)
+    model = M2M100ForConditionalGeneration(M2M100Config(vocab_size=bpe.get_vocab_size(), **SMALL))
+    pairs = [([lang["eng_Latn"], *ids, 2], [lang[NLLB_LANGS[i % 3]], *ids, 2])
+             for i, ids in enumerate(bpe.encode(t).ids for t in texts)]
+    _train(model, pairs, model.config.pad_token_id, steps, seed)
     model.save_pretrained(out)
     return out

@@ -25,32 +25,46 @@ from aggdec.api import Translator, decode_options  # noqa: E402
 from aggdec.decoding.options import OptionError  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402
 
-FAMILIES = ("marian", "bart", "mbart", "m2m100")
+FAMILIES = ("marian", "bart", "mbart", "m2m100")  # every method on each
+LAYOUTS = (*FAMILIES, "marian-separate", "nllb")  # greedy against transformers on each
+BUILDERS = {"marian": hf_models.build_marian, "bart": hf_models.build_bart, "mbart": hf_models.build_mbart,
+            "m2m100": hf_models.build_m2m100, "nllb": hf_models.build_nllb,
+            "marian-separate": lambda out: hf_models.build_marian(out, separate=True)}
+MANUAL_FRAMING = {"mbart": ([], ["</s>", "en_XX"]), "nllb": (["eng_Latn"], ["</s>"])}  # (prefix, suffix)
+TARGET = {"m2m100": "fr", "nllb": "fra_Latn"}
 LIMIT = 40  # output tokens before eos is forced (max_len_a = 0, max_len_b = LIMIT)
 
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    """One trained tiny model directory per family, built once per session (~5 s each)."""
+    """One trained tiny model directory per layout, built once per session (~5 s each)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {f: getattr(hf_models, f"build_{f}")(tmp_path_factory.mktemp(f"hf-{f}")) for f in FAMILIES}
+        return {f: BUILDERS[f](tmp_path_factory.mktemp(f"hf-{f}")) for f in LAYOUTS}
     finally:
         torch.set_num_threads(threads)
 
 
 def _langs(family: str) -> dict:
-    return {"target_lang": "fr"} if family == "m2m100" else {}
+    return {"target_lang": TARGET[family]} if family in TARGET else {}
 
 
-def _hf_source(family: str, d: Path, text: str, tr: Translator) -> list[int]:
-    """The source ids transformers' own tokenizer gives (mBART: the saved tokenizer has no framing
-    template, so MBartTokenizer's layout, text </s> en_XX, is written out)."""
-    if family == "mbart":
-        tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
-        return tok(text, add_special_tokens=False).input_ids + [2, tok.convert_tokens_to_ids("en_XX")]
-    tok = transformers.AutoTokenizer.from_pretrained(d)
+def _hf_tokenizer(family: str, d: Path):
+    if family in MANUAL_FRAMING:  # a bare tokenizers pipeline, framed by hand below
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+    return transformers.AutoTokenizer.from_pretrained(d)
+
+
+def _hf_source(family: str, d: Path, text: str) -> list[int]:
+    """The source ids transformers' own tokenizer gives (mBART, NLLB: the saved tokenizer.json has no
+    framing template, so MBartTokenizer's `text </s> en_XX` and NllbTokenizer's `eng_Latn text </s>`
+    are written out)."""
+    tok = _hf_tokenizer(family, d)
+    if family in MANUAL_FRAMING:
+        prefix, suffix = MANUAL_FRAMING[family]
+        return (tok.convert_tokens_to_ids(prefix) + tok(text, add_special_tokens=False).input_ids
+                + tok.convert_tokens_to_ids(suffix))
     return tok(text).input_ids
 
 
@@ -58,12 +72,14 @@ def _hf_greedy(model, src: list[int], family: str, d: Path) -> list[int]:
     kw = {}
     if family == "m2m100":
         kw["forced_bos_token_id"] = transformers.AutoTokenizer.from_pretrained(d).get_lang_id("fr")
+    if family == "nllb":
+        kw["forced_bos_token_id"] = _hf_tokenizer(family, d).convert_tokens_to_ids("fra_Latn")
     out = model.generate(torch.tensor([src]), num_beams=1, do_sample=False, max_new_tokens=LIMIT + 1, **kw)[0].tolist()
     out = [t for t in out[1:] if t != model.config.pad_token_id]
     return out[:-1] if out and out[-1] == model.config.eos_token_id else out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LAYOUTS)
 def test_greedy_is_token_identical_to_transformers(hf_dirs, family):
     d = hf_dirs[family]
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(d).eval()
@@ -74,15 +90,15 @@ def test_greedy_is_token_identical_to_transformers(hf_dirs, family):
     framing = tr.framing(opts)
     assert len({tuple(r.tokens) for r in results}) >= 20  # a model with varied outputs, not a constant
     for text, r in zip(texts, results):
-        src = _hf_source(family, d, text, tr)
+        src = _hf_source(family, d, text)
         assert tr.prepare(text, framing)[0] == src
         hf = _hf_greedy(model, src, family, d)
         if r.status == "truncated_output":  # cut at LIMIT tokens then eos; transformers goes one further
             assert hf[:LIMIT] == r.tokens
         else:
             assert r.status == "ok" and hf == r.tokens
-    if family in ("marian", "bart"):  # detokenized as tokenizer.decode(..., skip_special_tokens=True)
-        tok = transformers.AutoTokenizer.from_pretrained(d)
+    if family != "m2m100":  # detokenized as tokenizer.decode(..., skip_special_tokens=True); M2M100Tokenizer
+        tok = _hf_tokenizer(family, d)  # keeps its language tokens (__fr__ ...) in the text, aggdec does not
         assert [r.text for r in results] == [tok.decode(r.tokens, skip_special_tokens=True) for r in results]
 
 
