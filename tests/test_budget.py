@@ -45,3 +45,14 @@ def test_a_middle_length_when_later_positions_are_poor():
     chosen = _drive(budget, 16, lambda length, rows: torch.full((rows,), min(length, 2)),
                     lambda b, d: 2e-3 + 1e-4 * (b + d), calls=1500)
     assert chosen[-50:] == [2] * 50
+
+
+def test_a_translator_keeps_the_budgets_of_its_recent_options(tiny_model_dir):
+    from aggdec.api import Translator
+    from aggdec.decoding.methods import KEPT_BUDGETS
+
+    tr = Translator.load(tiny_model_dir)
+    for b in range(KEPT_BUDGETS + 4):
+        tr.translate_batch(["The cat ."], method="iad", max_len_b=10 + b)
+    assert len(tr._budgets) == KEPT_BUDGETS
+    assert [o.max_len_b for o in tr._budgets] == list(range(14, 14 + KEPT_BUDGETS))  # oldest first

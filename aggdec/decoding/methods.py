@@ -37,6 +37,10 @@ from aggdec.model.transformer import Transformer
 from aggdec.versions import package_version
 
 
+KEPT_BUDGETS = 16
+"""Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
+
+
 @dataclass
 class DraftContext:
     """What building a drafter may use: the verifier, its output projection, whether drafts may run in
@@ -80,7 +84,10 @@ class Method:
         budget = None
         if (getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
                 and self.lossless(opts)):
-            budget = context.budgets.setdefault(opts, DraftBudget(drafter.max_draft or DraftBudget.LONGEST))
+            budget = context.budgets.pop(opts, None) or DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+            context.budgets[opts] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
+            while len(context.budgets) > KEPT_BUDGETS:
+                context.budgets.pop(next(iter(context.budgets)))
         return DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
                                max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
                                prompt=context.prompt)
