@@ -272,6 +272,8 @@ def conventions(d: Path, kind: str, hf: dict, tokens: dict[str, int]) -> tuple[C
         conv = Conventions(source_prefix=("source_lang",), decoder_start=start, forced=("target_lang",),
                            languages=langs, source_lang=src_lang, target_lang=tgt_lang)
     ignored = {k: gen[k] for k in GENERATION_KEYS_IGNORED if gen.get(k) not in (None, 0, 1.0, False, [])}
+    if ignored.get("bad_words_ids") == [[hf["pad_token_id"]]]:  # Marian's "never pad": aggdec never emits pad
+        del ignored["bad_words_ids"]
     return conv, ignored
 
 

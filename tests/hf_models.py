@@ -141,11 +141,13 @@ def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
 MBART_LANGS = ("en_XX", "de_DE")
 
 
-def build_mbart(out: Path, steps: int = 200, seed: int = 0) -> Path:
+def build_mbart(out: Path, steps: int = 200, seed: int = 0, fifty: bool = False) -> Path:
     """mBART(-cc25) layout: text </s> en_XX on the source, the decoder starts from the target
     language token; learned positions with offset 2, layernorm_embedding, pre-norm with final layer
     norms, scaled embeddings, GELU. The tokenizer is a `tokenizers` pipeline in tokenizer.json with
-    the language codes as special tokens (the layout of MBartTokenizer's saved files)."""
+    the language codes as special tokens (the layout of MBartTokenizer's saved files). `fifty`:
+    mBART-50's framing instead, en_XX text </s>, the decoder starting from </s> with the target
+    language forced first."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import MBartConfig, MBartForConditionalGeneration
 
@@ -156,12 +158,17 @@ def build_mbart(out: Path, steps: int = 200, seed: int = 0) -> Path:
     bpe.add_special_tokens(list(MBART_LANGS))
     bpe.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "MBartTokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}), encoding="utf-8")
+        {"tokenizer_class": "MBart50Tokenizer" if fifty else "MBartTokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}),
+        encoding="utf-8")
     lang = {code: bpe.token_to_id(code) for code in MBART_LANGS}
     torch.manual_seed(seed)
-    cfg = MBartConfig(vocab_size=bpe.get_vocab_size(), scale_embedding=True, decoder_start_token_id=lang["de_DE"], **SMALL)
+    cfg = MBartConfig(vocab_size=bpe.get_vocab_size(), scale_embedding=True,
+                      decoder_start_token_id=2 if fifty else lang["de_DE"], **SMALL)
     model = MBartForConditionalGeneration(cfg)
-    pairs = [(ids + [2, lang["en_XX"]], ids + [2, lang["de_DE"]]) for ids in (bpe.encode(t).ids for t in texts)]
+    if fifty:  # labels de_DE text </s>, fed after the decoder start </s>
+        pairs = [([lang["en_XX"], *ids, 2], [lang["de_DE"], *ids, 2]) for ids in (bpe.encode(t).ids for t in texts)]
+    else:  # labels text </s> de_DE, shifted right by wrapping de_DE to the front (MBart's shift_tokens_right)
+        pairs = [(ids + [2, lang["en_XX"]], ids + [2, lang["de_DE"]]) for ids in (bpe.encode(t).ids for t in texts)]
     _train(model, pairs, cfg.pad_token_id, steps, seed)
     model.save_pretrained(out)
     return out

@@ -26,12 +26,14 @@ from aggdec.decoding.options import OptionError  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402
 
 FAMILIES = ("marian", "bart", "mbart", "m2m100")  # every method on each
-LAYOUTS = (*FAMILIES, "marian-separate", "nllb")  # greedy against transformers on each
+LAYOUTS = (*FAMILIES, "marian-separate", "nllb", "mbart50")  # greedy against transformers on each
 BUILDERS = {"marian": hf_models.build_marian, "bart": hf_models.build_bart, "mbart": hf_models.build_mbart,
             "m2m100": hf_models.build_m2m100, "nllb": hf_models.build_nllb,
-            "marian-separate": lambda out: hf_models.build_marian(out, separate=True)}
-MANUAL_FRAMING = {"mbart": ([], ["</s>", "en_XX"]), "nllb": (["eng_Latn"], ["</s>"])}  # (prefix, suffix)
-TARGET = {"m2m100": "fr", "nllb": "fra_Latn"}
+            "marian-separate": lambda out: hf_models.build_marian(out, separate=True),
+            "mbart50": lambda out: hf_models.build_mbart(out, fifty=True)}
+MANUAL_FRAMING = {"mbart": ([], ["</s>", "en_XX"]), "nllb": (["eng_Latn"], ["</s>"]),  # (prefix, suffix)
+                  "mbart50": (["en_XX"], ["</s>"])}
+TARGET = {"m2m100": "fr", "nllb": "fra_Latn", "mbart50": "de_DE"}
 LIMIT = 40  # output tokens before eos is forced (max_len_a = 0, max_len_b = LIMIT)
 
 
@@ -72,8 +74,8 @@ def _hf_greedy(model, src: list[int], family: str, d: Path) -> list[int]:
     kw = {}
     if family == "m2m100":
         kw["forced_bos_token_id"] = transformers.AutoTokenizer.from_pretrained(d).get_lang_id("fr")
-    if family == "nllb":
-        kw["forced_bos_token_id"] = _hf_tokenizer(family, d).convert_tokens_to_ids("fra_Latn")
+    if family in ("nllb", "mbart50"):
+        kw["forced_bos_token_id"] = _hf_tokenizer(family, d).convert_tokens_to_ids(TARGET[family])
     out = model.generate(torch.tensor([src]), num_beams=1, do_sample=False, max_new_tokens=LIMIT + 1, **kw)[0].tolist()
     out = [t for t in out[1:] if t != model.config.pad_token_id]
     return out[:-1] if out and out[-1] == model.config.eos_token_id else out
