@@ -138,6 +138,19 @@ def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
     return out
 
 
+def _pipeline(out: Path, bpe, langs: tuple[str, ...], seed: int, **config) -> tuple[list[str], object, dict[str, int]]:
+    """Train the `tokenizers` model `bpe` on synthetic sentences with fairseq's four special tokens,
+    add the language codes `langs` as special tokens and save tokenizer.json plus a
+    tokenizer_config.json with `config` and src_lang = langs[0]. -> (texts, bpe, {code: id})."""
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False)
+    bpe.add_special_tokens(list(langs))
+    bpe.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": langs[0]}), encoding="utf-8")
+    return texts, bpe, {code: bpe.token_to_id(code) for code in langs}
+
+
 MBART_LANGS = ("en_XX", "de_DE")
 
 
@@ -151,16 +164,8 @@ def build_mbart(out: Path, steps: int = 200, seed: int = 0, fifty: bool = False)
     from tokenizers import ByteLevelBPETokenizer
     from transformers import MBartConfig, MBartForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    texts = synthetic_sentences(400, seed)
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False)
-    bpe.add_special_tokens(list(MBART_LANGS))
-    bpe.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "MBart50Tokenizer" if fifty else "MBartTokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}),
-        encoding="utf-8")
-    lang = {code: bpe.token_to_id(code) for code in MBART_LANGS}
+    texts, bpe, lang = _pipeline(out, ByteLevelBPETokenizer(), MBART_LANGS, seed,
+                                 tokenizer_class="MBart50Tokenizer" if fifty else "MBartTokenizer", tgt_lang="de_DE")
     torch.manual_seed(seed)
     cfg = MBartConfig(vocab_size=bpe.get_vocab_size(), scale_embedding=True,
                       decoder_start_token_id=2 if fifty else lang["de_DE"], **SMALL)
@@ -184,15 +189,8 @@ def build_nllb(out: Path, steps: int = 200, seed: int = 0) -> Path:
     from tokenizers import SentencePieceBPETokenizer
     from transformers import M2M100Config, M2M100ForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    texts = synthetic_sentences(400, seed)
-    bpe = SentencePieceBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False)
-    bpe.add_special_tokens(list(NLLB_LANGS))
-    bpe.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "tgt_lang": "deu_Latn"}), encoding="utf-8")
-    lang = {code: bpe.token_to_id(code) for code in NLLB_LANGS}
+    texts, bpe, lang = _pipeline(out, SentencePieceBPETokenizer(), NLLB_LANGS, seed, tokenizer_class="NllbTokenizer",
+                                 tgt_lang="deu_Latn")
     torch.manual_seed(seed)
     model = M2M100ForConditionalGeneration(M2M100Config(vocab_size=bpe.get_vocab_size(), **SMALL))
     pairs = [([lang["eng_Latn"], *ids, 2], [lang[NLLB_LANGS[i % 3]], *ids, 2])
