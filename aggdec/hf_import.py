@@ -79,7 +79,7 @@ def model_config(d: Path, hf: dict, weights: dict[str, torch.Tensor]) -> ModelCo
     if act not in ACTIVATIONS:
         raise ValueError(f"{where}: activation_function {act!r} is not supported ({', '.join(ACTIVATIONS)})")
     vocab = need("vocab_size")
-    tgt_vocab = hf.get("decoder_vocab_size") or vocab if kind == "marian" else vocab
+    tgt_vocab = (hf.get("decoder_vocab_size") or vocab) if kind == "marian" else vocab
     shared = hf.get("share_encoder_decoder_embeddings", True) if kind == "marian" else True
     tied = "lm_head.weight" not in weights and hf.get("tie_word_embeddings", True)
     if "lm_head.weight" in weights:  # saved although tied when it equals the decoder's embedding
@@ -207,8 +207,9 @@ def _added_tokens(d: Path) -> dict[str, int]:
     return out
 
 
-def tokenizer_spec(d: Path, kind: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
-    """(config.json tokenizer entry, files to copy) for the directory's tokenizer files."""
+def tokenizer_spec(d: Path, kind: str, cfg: ModelConfig, added: dict[str, int]) -> tuple[dict, list[str]]:
+    """(config.json tokenizer entry, files to copy) for the directory's tokenizer files; `added`: its
+    added tokens (`_added_tokens`)."""
     tc = _json(d / "tokenizer_config.json")
     cleanup = bool(tc.get("clean_up_tokenization_spaces", False))
     if kind == "marian":
@@ -224,7 +225,6 @@ def tokenizer_spec(d: Path, kind: str, cfg: ModelConfig) -> tuple[dict, list[str
                  "decode_spm": "target.spm" if separate else "source.spm",  # as MarianTokenizer.decode
                  "unk": cfg.unk, "specials": specials, "cleanup": cleanup}, files)
     if (d / "tokenizer.json").is_file():
-        added = _added_tokens(d)
         return ({"type": "hf-tokenizers", "file": "tokenizer.json", "unk": added.get("<unk>"), "cleanup": cleanup},
                 ["tokenizer.json"])
     if kind == "m2m_100":
@@ -235,7 +235,7 @@ def tokenizer_spec(d: Path, kind: str, cfg: ModelConfig) -> tuple[dict, list[str
         if codes is None:
             raise ValueError(f"{d / 'tokenizer_config.json'}: language_codes {tc.get('language_codes')!r} is not "
                              f"one of {', '.join(M2M100_LANGUAGES)}")
-        added = {**{f"__{c}__": len(vocab) + i for i, c in enumerate(codes)}, **_added_tokens(d)}
+        added = {**{f"__{c}__": len(vocab) + i for i, c in enumerate(codes)}, **added}
         specials = sorted({*added.values(), *(vocab[t] for t in ("<s>", "</s>", "<pad>", "<unk>") if t in vocab)})
         return ({"type": "hf-pieces", "src_spm": files[0], "tgt_spm": files[0], "src_vocab": "vocab.json",
                  "tgt_vocab": "vocab.json", "unk": cfg.unk, "specials": specials, "cleanup": cleanup,
@@ -277,15 +277,6 @@ def conventions(d: Path, kind: str, hf: dict, tokens: dict[str, int]) -> tuple[C
     return conv, ignored
 
 
-def _tokens_of(d: Path, spec: dict) -> dict[str, int]:
-    """Every token the directory's tokenizer knows, for finding language tokens."""
-    if spec["type"] == "hf-tokenizers":
-        vocab = _json(d / spec["file"]).get("model", {}).get("vocab", {})
-        vocab = vocab if isinstance(vocab, dict) else {}  # unigram models store a list of pieces
-        return {**vocab, **_added_tokens(d)}
-    return {**_json(d / spec["src_vocab"]), **spec.get("added", {})}
-
-
 def _prepare(d: Path, *, trust: bool):
     hf = _json(d / "config.json")
     if not hf:
@@ -293,8 +284,9 @@ def _prepare(d: Path, *, trust: bool):
     kind = _model_type(d, hf)
     weights, source = read_weights(d, trust=trust)
     cfg = model_config(d, hf, weights)
-    spec, files = tokenizer_spec(d, kind, cfg)
-    conv, ignored = conventions(d, kind, hf, _tokens_of(d, spec))
+    added = _added_tokens(d)  # language codes are added tokens in every family's tokenizer
+    spec, files = tokenizer_spec(d, kind, cfg, added)
+    conv, ignored = conventions(d, kind, hf, spec.get("added", added))
     meta = {"source": "transformers", "model_type": kind, "generation_config_ignored": ignored}
     return cfg, state_dict(cfg, weights, source), spec, files, conv, meta, source
 
