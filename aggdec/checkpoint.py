@@ -95,11 +95,6 @@ def vocab_size(tok: Tokenizer) -> int:
     return len(tok.dict) if isinstance(tok, DictionaryTokenizer) else len(tok)
 
 
-def is_model_dir(path: str | Path) -> bool:
-    """A project model directory or a Hugging Face model directory (both have config.json)."""
-    return (Path(path) / "config.json").is_file()
-
-
 def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, extra_target: int = 0,
                 exact: bool = True) -> None:
     """Embedding rows must equal vocabulary sizes (a NAR drafter has `extra_target` = 1: its mask); with

@@ -76,10 +76,6 @@ class Conventions:
             out[name] = value
         return cls(**out)
 
-    @property
-    def multilingual(self) -> bool:
-        return bool(self.languages)
-
     def resolve(self, eos: int, source_lang: str | None = None, target_lang: str | None = None) -> Framing:
         """The framing for a job. Raises OptionError naming source_lang / target_lang when the model
         needs a language it was not given, or was given one it does not know."""

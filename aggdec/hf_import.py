@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from aggdec.checkpoint import Bundle, file_sha, save
+from aggdec.checkpoint import Bundle, check_vocab, file_sha, save
 from aggdec.conventions import Conventions
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
@@ -304,17 +304,10 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
     d = Path(path)
     cfg, params, spec, _, conv, meta, source = _prepare(d, trust=trust)
     src_tok, tgt_tok = hf_tokenizers(d, spec)
-    _check_tokenizer(d, cfg, src_tok, tgt_tok)
+    check_vocab(cfg, src_tok, tgt_tok, str(d), exact=False)
     model = _model(cfg, params).to(device=device, dtype=dtype).eval()
     return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=d, meta=meta, sha=file_sha(source),
                   conventions=conv)
-
-
-def _check_tokenizer(d: Path, cfg: ModelConfig, src_tok, tgt_tok) -> None:
-    for side, tok, rows in (("source", src_tok, cfg.src_vocab), ("target", tgt_tok, cfg.tgt_vocab)):
-        if len(tok) > rows:
-            raise ValueError(f"{d}: the {side} tokenizer has {len(tok)} tokens but the model's embedding has "
-                             f"{rows} rows (mismatched tokenizer files)")
 
 
 def convert(path: str | Path, out_dir: str | Path, *, trust: bool = False, dtype: torch.dtype = torch.float32) -> Path:
@@ -322,6 +315,6 @@ def convert(path: str | Path, out_dir: str | Path, *, trust: bool = False, dtype
     conventions, model.safetensors, its tokenizer files)."""
     d = Path(path)
     cfg, params, spec, files, conv, meta, _ = _prepare(d, trust=trust)
-    _check_tokenizer(d, cfg, *hf_tokenizers(d, spec))
+    check_vocab(cfg, *hf_tokenizers(d, spec), str(d), exact=False)
     return save(out_dir, _model(cfg, params), spec, {f: d / f for f in files}, dtype=dtype, meta=meta,
                 conventions=conv)

@@ -108,7 +108,7 @@ def hf_tokenizers(d: Path, spec: dict) -> tuple:
     if spec["type"] == "hf-pieces":
         src_vocab = _vocab(d / spec["src_vocab"])
         tgt_vocab = src_vocab if spec["tgt_vocab"] == spec["src_vocab"] else _vocab(d / spec["tgt_vocab"])
-        for name, vocab in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab)):
+        for vocab in {id(v): v for v in (src_vocab, tgt_vocab)}.values():
             vocab.update(spec.get("added", {}))  # language tokens beyond vocab.json (M2M100)
         src = PieceVocabTokenizer(d / spec["src_spm"], src_vocab, spec["unk"], specials, cleanup=cleanup)
         tgt = PieceVocabTokenizer(d / spec["tgt_spm"], tgt_vocab, spec["unk"], specials,
