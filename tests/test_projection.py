@@ -132,3 +132,20 @@ def test_shipped_gec_model_same_outputs_in_both_precisions():
     ref = runs[("greedy", "fp32")]
     assert all(out == ref for out in runs.values())
     assert tr.projection("bf16-certified").certified > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_output_bias_is_covered_by_the_certificate(seed):
+    """Marian/BART's final_logits_bias: folded into the certified product, added in the fp32 one;
+    both give the argmax of the fp32 logits with the bias, ties included."""
+    w = _weights(seed)
+    bias = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(seed)) * 2.0
+    h = _confident_and_tied(w, 300, seed)
+    want = F.linear(h, w, bias).argmax(dim=-1)
+    certified = OutputProjection(w, certify=True, bias=bias)
+    assert torch.equal(certified.top1(h, _no_rules), want)
+    assert certified.certified > 0 and certified.draft_weight_bf16.shape == w.shape
+    plain = OutputProjection(w, certify=False, bias=bias)
+    assert torch.equal(plain.top1(h, _no_rules), want)
+    assert torch.allclose(plain.logits(h), certified.logits(h), atol=1e-4)
+    assert not torch.equal(OutputProjection(w, certify=True).top1(h, _no_rules), want)  # the bias matters

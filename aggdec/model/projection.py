@@ -65,8 +65,9 @@ def native_bf16(device: torch.device) -> bool:
 
 class OutputProjection:
     """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, plus a bf16 copy for the certified
-    top-1. A bias (V,) is folded in as one more column of the weight against a constant 1 appended to
-    every hidden state, so that the bound above covers it unchanged.
+    top-1. With the certified top-1, a bias (V,) is folded in as one more column of the weight against
+    a constant 1 appended to every hidden state, so that the bound above covers it unchanged; the
+    plain fp32 path adds it in the product.
 
     Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
     snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
@@ -77,7 +78,8 @@ class OutputProjection:
     def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None):
         if certify and weight.dtype != torch.float32:
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {weight.dtype}")
-        self.with_bias = bias is not None
+        self.with_bias = bias is not None and certify  # folded into the weight
+        self.bias = None if bias is None or certify else bias.detach()
         if self.with_bias:
             weight = torch.cat([weight.detach(), bias.detach()[:, None]], dim=1)
         self.weight = weight
@@ -116,7 +118,7 @@ class OutputProjection:
         return self._logits(self._extend(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight, packed=self.packed)
+        return linear(hidden, self.weight, self.bias, packed=self.packed)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
