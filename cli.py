@@ -67,11 +67,7 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
                                                  bpe_model=Path(bpe_model) if bpe_model else None))
             translator.model.to(device)
             return translator
-        if trust_checkpoint and (path / "pytorch_model.bin").is_file():  # a Hugging Face directory's pickle
-            from aggdec import hf_import
-
-            return Translator(hf_import.load(path, device=device, trust=True))
-        return Translator.load(path, device=device)
+        return Translator.load(path, device=device, trust=trust_checkpoint)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         raise Failure(str(e)) from e
 

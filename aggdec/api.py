@@ -106,8 +106,11 @@ class Translator:
         return self.bundle.conventions.resolve(self.cfg.eos, opts.source_lang, opts.target_lang)
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Translator":
-        return cls(checkpoint.load(path, device=device, dtype=dtype))
+    def load(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             trust: bool = False) -> "Translator":
+        """A model directory (checkpoint.load); `trust` allows a Hugging Face directory's pickled
+        pytorch_model.bin."""
+        return cls(checkpoint.load(path, device=device, dtype=dtype, trust=trust))
 
     # -- building requests -----------------------------------------------------------------------
 

@@ -105,9 +105,11 @@ def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, ex
                              f"embedding has {n} rows (mismatched dictionary or tokenizer)")
 
 
-def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Bundle:
+def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         trust: bool = False) -> Bundle:
     """Load a project-format model directory, or a Hugging Face model directory (imported in memory,
-    aggdec.hf_import; a pickled pytorch_model.bin is refused). No pickle. Errors name the file at fault."""
+    aggdec.hf_import; its pickled pytorch_model.bin is read only with `trust`). Errors name the file at
+    fault."""
     d = Path(path)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
@@ -119,7 +121,7 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
     if isinstance(config, dict) and "format" not in config and "model_type" in config:
         from aggdec import hf_import
 
-        return hf_import.load(d, device=device, dtype=dtype)
+        return hf_import.load(d, device=device, dtype=dtype, trust=trust)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         got = config.get("format") if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"{cfg_path}: format is {got!r}, expected {FORMAT!r}")

@@ -113,9 +113,9 @@ def test_gad_plus_plus_beta1_equals_gad_and_tolerance_accepts_more():
     assert acc_loose > acc_gad
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_blockwise_equals_greedy(k):
-    verifier = tiny_model("prenorm-learned-separate")
+@pytest.mark.parametrize("k,kind", [(2, "prenorm-learned-separate"), (4, "prenorm-learned-separate"), (3, "marian-like")])
+def test_blockwise_equals_greedy(k, kind):
+    verifier = tiny_model(kind)
     reqs = _requests(random.Random(k), 10, verifier.cfg.src_vocab, verifier.cfg.eos)
     greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=3), reqs)
     torch.manual_seed(0)

@@ -192,6 +192,8 @@ def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
         checkpoint.load(d)
     trusted = Translator(hf_import.load(d, trust=True)).translate_batch(["The cat ."])
     assert trusted[0].tokens == Translator.load(hf_dirs["bart"]).translate_batch(["The cat ."])[0].tokens
+    run = CliRunner().invoke(__import__("cli").main, ["decode", "-m", str(d), "--trust-checkpoint"], input="The cat .\n")
+    assert run.exit_code == 0 and run.stdout.strip() == trusted[0].text
 
     d = _copy(hf_dirs["marian"], tmp_path / "no-spm")
     (d / "target.spm").unlink()

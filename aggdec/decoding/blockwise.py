@@ -59,6 +59,8 @@ class BlockwiseHeads:
             raise ValueError(f"blockwise block size must be >= 2, got {block_size}")
         self.heads = heads
         self.out_weight = verifier.output_weight if out_weight is None else out_weight
+        bias = verifier.output_bias  # Marian/BART's final_logits_bias, in the proposals' dtype
+        self.out_bias = None if bias is None else bias.detach().to(self.out_weight.dtype)
         self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
         self.max_draft = self.k1
         self.rows = RowState()  # pending (B, k-1): proposals for the next call; ready (B,): has proposals
@@ -86,7 +88,7 @@ class BlockwiseHeads:
         if not bool((state.budget > 0).any()):  # the next call drafts nothing
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return
-        logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight)  # (B, k-1, V)
+        logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight, self.out_bias)  # (B, k-1, V)
         logits[..., state.pad] = -float("inf")
         self.rows.pending = draft_argmax(logits)
         self.rows.ready = torch.ones_like(self.rows.ready)

@@ -24,24 +24,28 @@ from aggdec.model.transformer import Transformer
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """head -> {(id of verifier, id of output weight): (verifier, output weight, draft weight, its oneDNN
-packing, token table)}; the entry holds the verifier and output weight, so their ids stay theirs."""
+packing, draft bias, token table)}; the entry holds the verifier and output weight, so their ids stay
+theirs."""
 
 
 def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor | None):
-    """The head's draft-vocabulary output weight (prepacked) and fused token table on `verifier`,
-    built once per head, verifier and output weight, not once per run."""
+    """The head's draft-vocabulary output weight (prepacked), the verifier's output bias on it (None
+    without one) and the fused token table on `verifier`, built once per head, verifier and output
+    weight, not once per run."""
     key = (id(verifier), None if out_weight is None else id(out_weight))
     cache = _PREPARED.setdefault(head, {})
     if key not in cache:
         dtype = next(head.parameters()).dtype
-        weight = verifier.output_weight if out_weight is None else out_weight
+        weight, bias = verifier.output_weight if out_weight is None else out_weight, verifier.output_bias
         if head.cfg.draft_vocab:
             weight = weight[head.vocab]
+            bias = None if bias is None else bias[head.vocab]
         weight = weight.detach().to(dtype).contiguous()
+        bias = None if bias is None else bias.detach().to(dtype)
         dec = verifier.decoder
         with torch.no_grad():
             table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
-        cache[key] = (verifier, out_weight, weight, prepack(weight), table)
+        cache[key] = (verifier, out_weight, weight, prepack(weight), bias, table)
     return cache[key][2:]
 
 
@@ -58,7 +62,7 @@ class DraftHeadDrafter:
                  out_weight: torch.Tensor | None = None):
         self.head = head
         self.k = head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size)
-        self.weight, self.packed, self.token_table = _prepared(verifier, head, out_weight)
+        self.weight, self.packed, self.bias, self.token_table = _prepared(verifier, head, out_weight)
         dec = verifier.decoder
         self.last_layer = len(dec.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
@@ -99,7 +103,7 @@ class DraftHeadDrafter:
         keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
         ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
         states = self.head.from_context(ctx, pk, pv, keep, ck, cv, cache.cross.src_pad, k)
-        logits = linear(states, self.weight, packed=self.packed)  # (B, k, V_draft)
+        logits = linear(states, self.weight, self.bias, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")
         ids = draft_argmax(logits)

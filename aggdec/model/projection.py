@@ -88,7 +88,7 @@ class OutputProjection:
         self.packed = prepack(weight)
         if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
-            # drafters' bf16 output weight (V, D): without the bias column (drafts never change an output)
+            # drafters' bf16 output weight (V, D): without the bias column, which drafters add themselves
             self.draft_weight_bf16 = self.weight_bf16[:, :-1].contiguous() if self.with_bias else self.weight_bf16
             self.packed_bf16 = prepack(self.weight_bf16)
             d = weight.shape[1]
