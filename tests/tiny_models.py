@@ -19,6 +19,7 @@ CONFIGS |= {  # the switches of imported Hugging Face families (aggdec.hf_import
                         output_bias=True),
     "bart-like": dict(share_all_embeddings=True, enc_learned_pos=True, dec_learned_pos=True, first_position=2,
                       layernorm_embedding=True, output_bias=True, max_source_positions=70),
+    "double-token": dict(share_all_embeddings=True, dec_learned_pos=True, double_token=True),  # aggdec.double_token
 }
 
 

@@ -92,8 +92,10 @@ class Acceptance(Protocol):
                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide per row.
 
-        draft (B,K) int64; num_draft (B,); valid (B,K+1) bool, True at positions t <= num_draft[b];
-        scores: the verifier at the valid positions in row-major order (N = valid.sum()).
+        draft (B,K) int64; num_draft (B,); valid (B,K+S) bool, True at positions t < num_draft[b] + S,
+        S being the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair
+        at positions m, m + 1); scores: the verifier at the valid positions in row-major order
+        (N = valid.sum()); position t predicts the token after draft token t (t = 0: after the last).
         Returns (accepted (B,) int64, bonus (B,) int64).
         """
 
@@ -121,8 +123,8 @@ class ExactMatch:
         return self.name
 
     def accept(self, draft, num_draft, scores, valid):
-        pred = _unpack(scores.top1, valid, -1)  # (B, K+1)
-        m = _prefix_len(pred[:, :-1] == draft, num_draft)
+        pred = _unpack(scores.top1, valid, -1)  # (B, K+S)
+        m = _prefix_len(pred[:, : draft.shape[1]] == draft, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
 
@@ -148,10 +150,10 @@ class TopKTolerance:
         logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
         top = logp.topk(self.beta, dim=-1)  # (N, beta)
         # the token each valid position would be checked against: the next draft token (or none)
-        nxt = torch.cat([draft, draft.new_full((draft.shape[0], 1), -1)], dim=1)[valid]  # (N,)
+        nxt = torch.cat([draft, draft.new_full((draft.shape[0], valid.shape[1] - draft.shape[1]), -1)], dim=1)[valid]
         in_top = (top.indices == nxt[:, None]).any(-1)
         gap = top.values[:, 0] - logp.gather(1, nxt.clamp(min=0)[:, None]).squeeze(1)
-        ok = _unpack(in_top & (gap <= self.tau), valid, False)[:, :-1]
+        ok = _unpack(in_top & (gap <= self.tau), valid, False)[:, : draft.shape[1]]
         pred = _unpack(top.indices[:, 0], valid, -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)

@@ -24,20 +24,22 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from aggdec.decoding.loop import pad_batch
-from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
 from aggdec.decoding.options import DecodeOptions, OptionError, option
+from aggdec.decoding.pair_beam import pair_beam_search
 from aggdec.model.transformer import Transformer
 
 
 @dataclass(frozen=True, kw_only=True)
 class BeamOptions(DecodeOptions):
-    """Beam search as fairseq-generate --beam (not a draft -> verify method)."""
+    """Beam search as fairseq-generate --beam (not a draft -> verify method); over token pairs for a
+    double-token model (aggdec.decoding.pair_beam)."""
 
     method: ClassVar[str] = "beam"
 
@@ -50,22 +52,11 @@ class BeamOptions(DecodeOptions):
             raise OptionError("nbest", f"must be <= beam ({self.beam}), got {self.nbest}")
 
     def run(self, model: Transformer, requests: list[Request], prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
+        if model.cfg.double_token:  # beam over (head, tail) pairs, the double-token paper's Algorithm 1
+            return pair_beam_search(model, requests, beam=self.beam, lenpen=self.lenpen,
+                                    max_batch_size=self.max_batch_size, nbest=self.nbest, prompt=prompt)
         return beam_search(model, requests, beam=self.beam, lenpen=self.lenpen, max_batch_size=self.max_batch_size,
                            nbest=self.nbest, prompt=prompt)
-
-
-@dataclass
-class BeamHypothesis(Hypothesis):
-    """A beam search result: `tokens` is the best finalized hypothesis, `score` its normalized score
-    (cumulative log-prob incl. eos / len ** lenpen, len counting the eos).
-
-    nbest: the best `nbest` finalized hypotheses as (tokens without eos/pad, normalized score), best
-    first in fairseq's order; nbest[0] is (tokens, score). Fewer than `nbest` when fewer were
-    finalized (a tiny vocabulary, or a sentence that hit max_len early).
-    """
-
-    score: float = 0.0
-    nbest: list[tuple[list[int], float]] = field(default_factory=list)
 
 
 @torch.no_grad()

@@ -6,6 +6,9 @@ Each iteration, for all active rows at once:
   3. Accept: the acceptance criterion returns, per row, the accepted draft length m and a bonus token.
   4. Commit: each row appends d_1..d_m + bonus; its cache keeps m + 1 of the fed positions (the rest
      is rolled back by not advancing its length).
+     A double-token verifier (aggdec.double_token) emits a (head, tail) pair per step: it is fed its
+     last pair, drafts and acceptance go by whole pairs and the bonus is a pair; its output is the
+     unfolded stream.
   5. Observe: the drafter sees the accepted counts and the verifier state behind each bonus token.
   6. Retire and refill: rows that produced eos leave; free slots are refilled from the queue of
      pending sentences (continuous batching), encoded a batch at a time ahead of admission.
@@ -24,6 +27,7 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import NO_LIMIT, DecodeState
+from aggdec.double_token import STRIDE, unfold
 from aggdec.model.cache import CrossKV
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
@@ -65,7 +69,8 @@ class DraftVerifyLoop:
     `budget`: chooses each call's draft length from measured costs and acceptance (DraftBudget);
     None verifies every drafted token.
     `prompt`: (decoder start token, forced first output tokens...), aggdec.conventions.Framing.prompt;
-    default (eos,): fairseq's.
+    default (eos,): fairseq's. A double-token model starts from the pair (bos, start) and takes no
+    forced tokens.
     """
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, acceptance: Acceptance | None = None,
@@ -86,8 +91,12 @@ class DraftVerifyLoop:
         self.counters = LoopCounters()
         self.encode_batch = max_batch_size if encode_batch is None else encode_batch
         self.budget = budget
-        self.start = prompt[0] if prompt else model.cfg.eos
+        self.stride = STRIDE if model.cfg.double_token else 1
+        start = prompt[0] if prompt else model.cfg.eos
+        self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
+        if self.stride > 1 and self.forced.numel():
+            raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._ahead: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
@@ -117,14 +126,16 @@ class DraftVerifyLoop:
         src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
         cache = self.model.start(src, capacity=16)
         self.counters.encoded_rows += len(reqs)
+        out = torch.full((len(reqs), 16), cfg.pad, dtype=torch.long, device=self.device)
+        out[:, : self.stride] = self.starts
         return DecodeState(
             src=src,
             src_len=torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device),
-            out=torch.full((len(reqs), 16), cfg.pad, dtype=torch.long, device=self.device).index_fill_(1, torch.tensor([0], device=self.device), self.start),
-            out_len=torch.ones(len(reqs), dtype=torch.long, device=self.device),
+            out=out,
+            out_len=torch.full((len(reqs),), self.stride, dtype=torch.long, device=self.device),
             max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
             cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
-            budget=torch.full((len(reqs),), self._length, dtype=torch.long, device=self.device),
+            budget=torch.full((len(reqs),), self._length, dtype=torch.long, device=self.device), stride=self.stride,
         )
 
     def _fill(self, state: DecodeState, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
@@ -151,8 +162,8 @@ class DraftVerifyLoop:
         state.src[idx] = torch.nn.functional.pad(src, (0, state.src.shape[1] - src.shape[1]), value=cfg.pad)
         state.src_len[idx] = torch.tensor([len(r.src) for r in reqs], dtype=torch.long, device=self.device)
         state.out[idx] = cfg.pad
-        state.out[idx, 0] = self.start
-        state.out_len[idx] = 1
+        state.out[idx, : self.stride] = self.starts
+        state.out_len[idx] = self.stride
         state.max_len[idx] = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device)
         state.budget[idx] = self._length
         for s, r in zip(slots, reqs):
@@ -170,6 +181,7 @@ class DraftVerifyLoop:
         source padding.
         """
         cfg = self.model.cfg
+        s = self.stride
         queue = sorted(requests, key=lambda r: len(r.src))  # pop() takes the longest
         for r in queue:
             self._check(r)
@@ -184,11 +196,12 @@ class DraftVerifyLoop:
             draft = self.drafter.propose(state)
             room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
             num_draft = torch.minimum(torch.minimum(draft.num_draft, room), state.budget)
-            # 2. Verify: [last ; draft] for every row in one call; project only real positions.
-            block = torch.cat([state.last_tokens()[:, None], draft.tokens], dim=1)  # (B, K+1)
+            num_draft = num_draft - num_draft % s  # whole steps only
+            # 2. Verify: [last step ; draft] for every row in one call; project only real positions.
+            block = torch.cat([state.last_step(), draft.tokens], dim=1)  # (B, K+S)
             k1 = block.shape[1]
             offs = torch.arange(k1, device=self.device)[None]
-            valid = offs <= num_draft[:, None]  # (B, K+1)
+            valid = offs < num_draft[:, None] + s  # (B, K+S)
             hidden = self.model.decode_hidden(block, state.cache, valid=valid)  # (N, D), packed
             out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
             max_len = state.max_len[:, None].expand_as(valid)[valid]
@@ -200,17 +213,24 @@ class DraftVerifyLoop:
             scores = VerifierScores(self.projection, hidden, constrain)
             # 3. Accept.
             accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, scores, valid)
-            # 4. Commit d_1..d_m + bonus; truncate at eos.
-            new = torch.cat([draft.tokens, bonus[:, None]], dim=1)
-            new = torch.where(offs < accepted[:, None], new, bonus[:, None])  # (B, K+1); valid for t <= m
-            is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
+            bonus = bonus[:, None]  # (B, S)
+            if s > 1:  # whole pairs; the bonus pair is the verifier's top-1 at m, m + 1
+                accepted = accepted - accepted % s
+                pred = torch.full(valid.shape, cfg.pad, dtype=torch.long, device=self.device)
+                pred[valid] = scores.top1
+                bonus = pred.gather(1, accepted[:, None] + torch.arange(s, device=self.device)[None])
+            # 4. Commit d_1..d_m + bonus; truncate after the step that holds eos.
+            drafted = torch.nn.functional.pad(draft.tokens, (0, s), value=cfg.pad)  # (B, K+S)
+            new = torch.where(offs < accepted[:, None], drafted,
+                              bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1)))
+            is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
             done = is_eos.any(dim=1)
-            n_new = torch.where(done, is_eos.long().argmax(dim=1) + 1, accepted + 1)
+            n_new = torch.where(done, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s)
             state.reserve_out(k1)
             rows = torch.arange(state.batch_size, device=self.device)[:, None].expand(-1, k1)
             state.out[rows, state.out_len[:, None] + offs] = new
             state.out_len = state.out_len + n_new
-            state.cache.commit(accepted + 1)
+            state.cache.commit(accepted + s)
             length = self._length  # this call's draft length
             if self.budget is not None:
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
@@ -234,20 +254,21 @@ class DraftVerifyLoop:
 
     def _record(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
         nd, acc = num_draft.tolist(), accepted.tolist()
-        fed = sum(nd) + len(nd)
+        fed = sum(nd) + self.stride * len(nd)
         self.counters.fed += fed
-        for s, d, a in zip(state.stats, nd, acc):
-            s.iterations += 1
-            s.drafted += d
-            s.accepted += a
-            s.accepted_per_iter.append(a)
-            s.decode_ms += 1000.0 * seconds * (d + 1) / fed
+        for st, d, a in zip(state.stats, nd, acc):
+            st.iterations += 1
+            st.drafted += d
+            st.accepted += a
+            st.accepted_per_iter.append(a)
+            st.decode_ms += 1000.0 * seconds * (d + self.stride) / fed
 
     def _retire(self, state: DecodeState, done: list[bool], queue: list[Request]):
         out_len = state.out_len.tolist()
         finished = [i for i, d in enumerate(done) if d]
         for i in finished:
-            toks = state.out[i, 1 : out_len[i] - 1].tolist()  # drop the start token and the eos
+            stream = state.out[i, self.stride : out_len[i]].tolist()  # without the start
+            toks = stream[:-1] if self.stride == 1 else unfold(stream, self.model.cfg.eos)  # without eos
             yield Hypothesis(index=state.requests[i].index, tokens=toks, stats=state.stats[i])
         used = sum(len(r.src) for i, r in enumerate(state.requests) if not done[i])
         reqs = self._take(queue, len(finished), used) if self.refill else []

@@ -60,3 +60,17 @@ class Hypothesis:
     index: int
     tokens: list[int]
     stats: RowStats
+
+
+@dataclass
+class BeamHypothesis(Hypothesis):
+    """A beam search result: `tokens` is the best finalized hypothesis, `score` its normalized score
+    (cumulative log-prob incl. eos / len ** lenpen, len counting the eos).
+
+    nbest: the best `nbest` finalized hypotheses as (tokens without eos/pad, normalized score), best
+    first in fairseq's order; nbest[0] is (tokens, score). Fewer than `nbest` when fewer were
+    finalized (a tiny vocabulary, or a sentence that hit max_len early).
+    """
+
+    score: float = 0.0
+    nbest: list[tuple[list[int], float]] = field(default_factory=list)

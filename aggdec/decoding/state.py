@@ -18,15 +18,18 @@ class DecodeState:
 
     src:     (B, S) int64 source ids incl. final eos, right-padded with pad.
     src_len: (B,) int64.
-    out:     (B, Lo) int64 decoder inputs: out[b, 0] = the decoder start token (eos for fairseq), then generated tokens.
-    out_len: (B,) int64; out[b, :out_len[b]] is valid. Generated tokens so far: out_len - 1.
+    out:     (B, Lo) int64 decoder inputs: out[b, :stride] = the decoder start (eos for fairseq; the pair
+             (bos, start) for a double-token model), then generated tokens.
+    out_len: (B,) int64; out[b, :out_len[b]] is valid. Generated tokens so far: out_len - stride.
     max_len: (B,) int64; the token at output index max_len is forced to eos.
-    cache:   the verifier's decoder cache; invariant cache.lengths == out_len - 1 between calls
-             (every decoder input but the last has been fed).
+    cache:   the verifier's decoder cache; invariant cache.lengths == out_len - stride between calls
+             (every decoder input but the last step's has been fed).
     requests, stats: host-side, one per row, same order.
     pad, eos: the vocabulary's special ids.
     budget:  (B,) int64, the most draft tokens each row's next call verifies (the loop's
              DraftBudget; a large number when the loop has none). Drafters may skip work beyond it.
+    stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
+             whose generated tokens are a folded stream of (head, tail) pairs.
     """
 
     src: torch.Tensor
@@ -40,6 +43,7 @@ class DecodeState:
     pad: int
     eos: int
     budget: torch.Tensor | None = None
+    stride: int = 1
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -52,11 +56,16 @@ class DecodeState:
     @property
     def generated(self) -> torch.Tensor:
         """(B,) number of generated tokens per row."""
-        return self.out_len - 1
+        return self.out_len - self.stride
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) the last decoder input of each row (not yet fed to the verifier)."""
         return self.out.gather(1, (self.out_len - 1)[:, None]).squeeze(1)
+
+    def last_step(self) -> torch.Tensor:
+        """(B, stride) the decoder inputs of each row's last step (not yet fed to the verifier)."""
+        offs = torch.arange(self.stride, device=self.out.device) - self.stride
+        return self.out.gather(1, self.out_len[:, None] + offs)
 
     def reserve_out(self, extra: int) -> None:
         need = int(self.out_len.max()) + extra

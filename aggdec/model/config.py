@@ -49,6 +49,7 @@ class ModelConfig:
     first_position: int | None = None  # table row of position 0; None: pad + 1 (fairseq)
     sinusoidal: str = "fairseq"  # sinusoidal table layout: "fairseq" (also M2M100) or "marian"
     output_bias: bool = False  # a bias on the output logits (Marian/BART's final_logits_bias)
+    double_token: bool = False  # the decoder emits a (head, tail) token pair per step (aggdec.double_token)
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -60,6 +61,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive")
         if self.d_model % self.enc_heads or self.d_model % self.dec_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by the number of heads")
+        if self.double_token and not self.dec_learned_pos:
+            raise ValueError("double_token needs dec_learned_pos (a pair's tokens are not adjacent in the sentence)")
         if self.share_all_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError("share_all_embeddings needs src_vocab == tgt_vocab")
 

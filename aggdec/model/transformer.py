@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aggdec.double_token import pair_limit
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import Linear, linear
@@ -285,7 +286,8 @@ class Transformer(nn.Module):
         only the positions they need (the output projection dominates a verification call).
 
         key_limit (B,T) int64, optional: query [b, t] attends to positions <= key_limit[b, t]
-        (default: its own position, i.e. causal). The NAR drafter uses it to let mask tokens see
+        (default: its own position, i.e. causal; a double-token model's default is the end of its
+        pair, so its blocks start at even positions and hold whole pairs). The NAR drafter uses it to let mask tokens see
         each other while the prefix stays causal (and so cacheable).
         valid (B,T) bool, optional: the positions that matter, a prefix of each row's block. Then
         only they are computed (packed: linear layers, FFN and norms run on N = valid.sum() tokens,
@@ -302,7 +304,7 @@ class Transformer(nn.Module):
         pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
         span = int(cache.lengths.max()) + t
         keys = torch.arange(span, device=tokens.device)
-        limit = pos if key_limit is None else key_limit
+        limit = self._default_limit(pos) if key_limit is None else key_limit
         self_keep = (keys[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,L)
         cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
         if valid is not None:
@@ -337,16 +339,21 @@ class Transformer(nn.Module):
             x = self.decoder.layer_norm(x)
         return x
 
+    def _default_limit(self, pos: torch.Tensor) -> torch.Tensor:
+        """Causal: each position sees itself and before; a double-token model's unit is the pair."""
+        return pair_limit(pos) if self.cfg.double_token else pos
+
     def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor, key_limit: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         """Teacher-forced logits (B,T,V) for training, no cache (hidden states (B,T,D) if
-        `return_hidden`). key_limit (B,T) as in `decode_hidden`; default causal."""
+        `return_hidden`). key_limit (B,T) as in `decode_hidden`; default causal (pairs for a
+        double-token model)."""
         memory, src_pad = self.encode(src)
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
         pos = torch.arange(t, device=src.device)
         x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.position_offset)[None].expand(bsz, t))
-        limit = pos[None].expand(bsz, t) if key_limit is None else key_limit
+        limit = self._default_limit(pos[None].expand(bsz, t)) if key_limit is None else key_limit
         causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]
         for i, layer in enumerate(self.decoder.layers):

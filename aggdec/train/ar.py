@@ -7,6 +7,11 @@ gradient clipping. The model is saved in the project format (`aggdec.checkpoint.
 validation loss improves, so a run stopped at any time leaves a usable model.
 
     python -m aggdec.train.ar --task gec --out models/gec-base --max-minutes 75
+
+With `--double-token` the model learns double-token bidirectional decoding (aggdec.double_token):
+targets are folded into (head, tail) pairs and the decoder's positions are learned. From
+`--init-from` a single-token model, every weight is kept and the learned positions start as its
+sinusoidal table.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggdec import checkpoint
+from aggdec.double_token import fold
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import SentencePieceTokenizer
@@ -38,7 +44,7 @@ TASKS = {  # name -> (directory, source column, target column)
     "gec": ("gec", "noisy", "clean"),
     "ende": ("ende", "en", "de"),
 }
-PAD, EOS = 1, 2
+BOS, PAD, EOS = 0, 1, 2
 
 
 @dataclass
@@ -64,6 +70,7 @@ class TrainConfig:
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
     max_positions: int = 512
+    double_token: bool = False  # fold targets into (head, tail) pairs; learned decoder positions
     # optimisation
     max_tokens: int = 4096  # per batch, counting padding: batch_size * max(len) on either side
     lr: float = 1e-3
@@ -135,24 +142,44 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def collate(src, tgt, idx: list[int], multiple: int = 1):
+def collate(src, tgt, idx: list[int], multiple: int = 1, double_token: bool = False):
     """-> src (B,S) [tokens, eos], prev (B,T) [eos, tokens], target (B,T) [tokens, eos]; right-padded,
-    widths rounded up to `multiple` (fewer distinct shapes for GPU kernels and allocator)."""
+    widths rounded up to `multiple` (fewer distinct shapes for GPU kernels and allocator).
+    double_token: target is the folded sentence (aggdec.double_token.fold) and prev is
+    [bos, eos, target[:-2]]: each pair is predicted from the pairs before it."""
     b = len(idx)
+    if double_token:
+        targets = [fold(list(tgt[i]), EOS) for i in idx]
+        prevs = [[BOS, EOS, *z[:-2]] for z in targets]
+    else:
+        targets = [[*tgt[i], EOS] for i in idx]
+        prevs = [[EOS, *tgt[i]] for i in idx]
     s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
-    t_w = round_up(max(len(tgt[i]) for i in idx) + 1, multiple)
+    t_w = round_up(max(len(z) for z in targets), multiple)
     s = np.full((b, s_w), PAD, dtype=np.int64)
     prev = np.full((b, t_w), PAD, dtype=np.int64)
     target = np.full((b, t_w), PAD, dtype=np.int64)
     for r, i in enumerate(idx):
-        a, t = src[i], tgt[i]
+        a = src[i]
         s[r, : len(a)] = a
         s[r, len(a)] = EOS
-        prev[r, 0] = EOS
-        prev[r, 1 : len(t) + 1] = t
-        target[r, : len(t)] = t
-        target[r, len(t)] = EOS
+        prev[r, : len(prevs[r])] = prevs[r]
+        target[r, : len(targets[r])] = targets[r]
     return torch.from_numpy(s), torch.from_numpy(prev), torch.from_numpy(target)
+
+
+def to_double_token(model: Transformer) -> Transformer:
+    """A double-token model initialised from single-token `model`: every weight kept, the decoder's
+    positions learned and starting as `model`'s position table."""
+    cfg = dataclasses.replace(model.cfg, double_token=True, dec_learned_pos=True)
+    out = Transformer(cfg).to(next(model.parameters()).device)
+    missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or set(missing) - {"decoder.embed_positions.weight"}:
+        raise ValueError(f"cannot convert: missing {missing}, unexpected {unexpected}")
+    old = model.decoder.embed_positions
+    with torch.no_grad():
+        out.decoder.embed_positions.weight.copy_(old.weight if old.learned else old.table)
+    return out
 
 
 def training_autocast(device: str, bf16: bool) -> torch.autocast:
@@ -214,7 +241,7 @@ def evaluate(model: Transformer, src, tgt, batches, cfg: TrainConfig) -> tuple[f
     ntok = 0
     amp = training_autocast(cfg.device, cfg.bf16)
     for idx in batches:
-        s, prev, target = to_device(collate(src, tgt, idx), cfg.device)
+        s, prev, target = to_device(collate(src, tgt, idx, double_token=cfg.double_token), cfg.device)
         with amp:
             logits = model(s, prev)
         loss, nll, n = ls_loss(logits, target, cfg.label_smoothing)
@@ -256,6 +283,10 @@ def train_ar(cfg: TrainConfig) -> Path:
         prior_minutes = float(bundle.meta.get("minutes", 0.0))
         prior_epochs = float(bundle.meta.get("epochs", 0.0))
         log(f"init from {cfg.init_from} ({prior_updates} updates, {prior_minutes:.1f} min)")
+        if cfg.double_token and not mcfg.double_token:
+            model = to_double_token(model)
+            mcfg = model.cfg
+            log("converted to a double-token model (learned decoder positions from the position table)")
     else:
         spm_path = Path(cfg.spm_model) if cfg.spm_model else out / "spm.model"
         if not spm_path.is_file():
@@ -272,6 +303,7 @@ def train_ar(cfg: TrainConfig) -> Path:
             share_all_embeddings=True, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
             activation_dropout=cfg.activation_dropout,
             max_source_positions=cfg.max_positions, max_target_positions=cfg.max_positions,
+            dec_learned_pos=cfg.double_token, double_token=cfg.double_token,
         )
         model = Transformer(mcfg)
         init_weights(model)
@@ -333,7 +365,8 @@ def train_ar(cfg: TrainConfig) -> Path:
     while not stop:
         epoch += 1
         for idx in make_batches(tr_src_ids, tr_tgt_ids, cfg.max_tokens, rng):
-            s, prev, target = to_device(collate(tr_src_ids, tr_tgt_ids, idx), cfg.device)
+            s, prev, target = to_device(collate(tr_src_ids, tr_tgt_ids, idx, double_token=cfg.double_token),
+                                        cfg.device)
             step += 1
             updates += 1
             lr = lr_at(step, cfg)

@@ -1,0 +1,150 @@
+"""Beam search over token pairs for double-token models (the paper's Algorithm 1).
+
+Per step, for every active sentence (beam W, vocabulary V), one decoder call scores the next
+(left, right) pair of every beam (aggdec.double_token):
+  - lpL, lpR = log_softmax of the two positions' logits (float32, float64 for float64 models); pad
+    is never chosen, end-of-decoding (eos) is forbidden before `min_len` tokens and forced at every
+    stream position >= the sentence's max_len.
+  - DOUBLETOPK: the 2W best (beam, left) of W*V by beam score + lpL, then the 3W best (beam, left,
+    right) of those 2W times V by adding lpR: the two tokens are taken as independent. A left
+    end-of-decoding ends the sentence whatever the right slot holds: it pairs with its best right
+    token alone (as greedy takes it), so no output is finalized twice and a beam of 1 is greedy.
+  - Candidates among the first W holding an end-of-decoding token are finalized with the normalized
+    score cumulative / (len + 1) ** lenpen, len counting the unfolded output's tokens; the W best
+    candidates without one continue. A sentence is finished once it holds W finalized hypotheses.
+The result is the best finalized hypothesis (ties: the earlier finalized).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from aggdec.decoding.loop import pad_batch
+from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
+from aggdec.double_token import STRIDE, unfold
+from aggdec.model.transformer import Transformer
+
+
+@torch.no_grad()
+def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
+                     max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
+                     prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
+    """Beam-search `requests` with a double-token `model`; results in input order (as beam_search).
+
+    prompt: (decoder start token,) (forced tokens are not supported by double-token models); the first
+    pair fed is (bos, start).
+    """
+    if not model.cfg.double_token:
+        raise ValueError("pair_beam_search needs a double-token model (ModelConfig.double_token)")
+    if prompt is not None and len(prompt) > 1:
+        raise ValueError("a double-token model takes no forced first tokens")
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    start = prompt[0] if prompt else model.cfg.eos
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
+    results: dict[int, BeamHypothesis] = {}
+    for at in range(0, len(order), max_batch_size):
+        batch = [requests[i] for i in order[at: at + max_batch_size]]
+        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest, start):
+            results[order[at + pos]] = hyp
+    return [results[i] for i in range(len(requests))]
+
+
+def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_len: int, nbest: int, start: int):
+    """Yield (position in reqs, BeamHypothesis) for one static batch."""
+    cfg = model.cfg
+    pad, eos, vocab = cfg.pad, cfg.eos, cfg.tgt_vocab
+    device = next(model.parameters()).device
+    bsz = len(reqs)
+    ids = list(range(bsz))  # batch position -> position in reqs
+    sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)
+    cache = model.start(pad_batch([r.src for r in reqs], pad, device), capacity=64)
+    cache.select(torch.arange(bsz, device=device).repeat_interleave(w))
+    tokens = torch.full((bsz * w, STRIDE), pad, dtype=torch.long, device=device)
+    tokens[:, 0], tokens[:, 1] = cfg.bos, start
+    neg = -math.inf
+    lp_dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    scores = torch.full((bsz, w), neg, dtype=lp_dtype, device=device)
+    scores[:, 0] = 0.0  # all beams start equal: expand the first only
+    scores = scores.view(-1)
+    finalized: list[list[tuple[list[int], float]]] = [[] for _ in range(bsz)]
+    calls = [0] * bsz
+    ms = [0.0] * bsz
+    step = 0
+    while bsz:
+        t0 = time.perf_counter()
+        logits = model.decode(tokens[:, -STRIDE:], cache)  # (n, 2, V)
+        cache.commit(torch.full((bsz * w,), STRIDE, dtype=torch.long, device=device))
+        lp = torch.log_softmax(logits.to(lp_dtype), dim=-1)
+        lp[lp != lp] = neg
+        lp[..., pad] = neg
+        index = STRIDE * step + torch.arange(STRIDE, device=device)  # stream index of each slot
+        if int(index[0]) < min_len:
+            lp[:, index < min_len, eos] = neg
+        force = index[None] >= sent_max.repeat_interleave(w)[:, None]  # (n, 2)
+        if bool(force.any()):
+            keep_eos = lp[..., eos].clone()
+            lp.masked_fill_(force[..., None], neg)
+            lp[..., eos] = torch.where(force, keep_eos, lp[..., eos])
+        lp_l, lp_r = lp[:, 0], lp[:, 1]  # (n, V)
+        # DOUBLETOPK: 2W (beam, left), then 3W (beam, left, right)
+        left = (scores[:, None] + lp_l).view(bsz, w * vocab)
+        s1, i1 = left.topk(2 * w, dim=1)  # (bsz, 2W)
+        beam1 = torch.div(i1, vocab, rounding_mode="trunc")
+        row1 = beam1 + (torch.arange(bsz, device=device) * w)[:, None]  # (bsz, 2W) rows of the batch
+        right = lp_r[row1]  # (bsz, 2W, V)
+        stop = i1.fmod(vocab) == eos  # (bsz, 2W) a left end-of-decoding ends the sentence
+        best_r = right.max(dim=-1, keepdim=True).values
+        right.masked_fill_(stop[..., None] & (right < best_r), neg)
+        pair = (s1[..., None] + right).view(bsz, 2 * w * vocab)
+        s2, i2 = pair.topk(3 * w, dim=1)  # (bsz, 3W)
+        which = torch.div(i2, vocab, rounding_mode="trunc")  # index into the 2W
+        cand_row = row1.gather(1, which)
+        cand_l = i1.gather(1, which).fmod(vocab)
+        cand_r = i2.fmod(vocab)
+        ended = ((cand_l == eos) | (cand_r == eos)) & (s2 > neg)
+
+        elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
+        done: list[int] = []
+        ended_l, rows_l, score_l = ended.tolist(), cand_row.tolist(), s2.tolist()
+        limits = sent_max.tolist()
+        cl, cr = cand_l.tolist(), cand_r.tolist()
+        for b in range(bsz):
+            calls[ids[b]] += 1
+            ms[ids[b]] += elapsed
+            slot = finalized[ids[b]]
+            for c in range(w):
+                if ended_l[b][c] and len(slot) < w:
+                    out = unfold(tokens[rows_l[b][c], STRIDE:].tolist() + [cl[b][c], cr[b][c]], eos)
+                    slot.append((out, score_l[b][c] / (len(out) + 1) ** lenpen))
+            if len(slot) >= w or STRIDE * step >= limits[b]:  # full, or every candidate had to end
+                done.append(b)
+        for b in done:
+            yield ids[b], _best(reqs[ids[b]], finalized[ids[b]], calls[ids[b]], ms[ids[b]], nbest)
+        # the W best candidates that go on (ended ones sink below every open one)
+        rank = torch.where(ended, torch.full_like(s2, neg), s2)
+        top, pick = rank.topk(w, dim=1)  # (bsz, W)
+        rows = cand_row.gather(1, pick).view(-1)
+        new_pair = torch.stack([cand_l.gather(1, pick), cand_r.gather(1, pick)], dim=-1).view(-1, STRIDE)
+        scores = top.view(-1)
+        tokens = torch.cat([tokens.index_select(0, rows), new_pair], dim=1)
+        cache.select(rows)
+        if done:
+            gone = set(done)
+            keep = [b for b in range(bsz) if b not in gone]
+            sel = torch.tensor([b * w + j for b in keep for j in range(w)], dtype=torch.long, device=device)
+            tokens, scores = tokens.index_select(0, sel), scores.index_select(0, sel)
+            cache.select(sel)
+            sent_max = sent_max[torch.tensor(keep, dtype=torch.long, device=device)]
+            ids = [ids[b] for b in keep]
+            bsz = len(keep)
+        step += 1
+
+
+def _best(req: Request, hyps: list[tuple[list[int], float]], calls: int, ms: float, nbest: int) -> BeamHypothesis:
+    ranked = sorted(hyps, key=lambda h: -h[1])[:nbest]  # stable: the earlier finalized wins a tie
+    stats = RowStats(iterations=calls, accepted_per_iter=[0] * calls, decode_ms=ms)
+    return BeamHypothesis(index=req.index, tokens=ranked[0][0], stats=stats, score=ranked[0][1], nbest=ranked)
