@@ -19,6 +19,8 @@ CONFIGS |= {  # the switches of imported Hugging Face families (aggdec.hf_import
                         output_bias=True),
     "bart-like": dict(share_all_embeddings=True, enc_learned_pos=True, dec_learned_pos=True, first_position=2,
                       layernorm_embedding=True, output_bias=True, max_source_positions=70),
+}
+MODELS = CONFIGS | {  # models whose outputs are not single-token greedy's
     "double-token": dict(share_all_embeddings=True, dec_learned_pos=True, double_token=True),  # aggdec.double_token
 }
 
@@ -28,7 +30,7 @@ def tiny_model(kind: str = "postnorm-sinusoidal-shared", seed: int = 0, vocab: i
     torch.manual_seed(seed)
     kw = dict(src_vocab=vocab, tgt_vocab=vocab, d_model=16, enc_layers=2, dec_layers=2, enc_heads=2, dec_heads=2,
               enc_ffn=24, dec_ffn=24, max_source_positions=64, max_target_positions=64)
-    kw.update(CONFIGS[kind])
+    kw.update(MODELS[kind])
     kw.update(over)
     model = Transformer(ModelConfig(**kw)).double().eval()
     # Sharpen the output distribution so greedy outputs have structure (copies, repeats, eos).
