@@ -29,6 +29,7 @@ from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
+from aggdec.double_token import fold
 from aggdec.model.projection import OutputProjection, native_bf16
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
@@ -180,7 +181,8 @@ class Translator:
         log-probs of its tokens plus eos given its (cleaned, truncated) source.
 
         One teacher-forced pass per batch of `max_batch_size` rows, sorted by length; the log-probs
-        are unconstrained (as beam's, an eos forced at max_len scores its own probability). `options`
+        are unconstrained (as beam's, an eos forced at max_len scores its own probability); a
+        double-token model scores its folded stream (aggdec.double_token). `options`
         gives the languages of a multilingual model (default: its defaults).
         """
         framing = self.framing(options)
@@ -191,8 +193,13 @@ class Translator:
         for start in range(0, len(todo), max_batch_size):
             batch = todo[start: start + max_batch_size]
             src = pad_batch([self.prepare(r.source, framing)[0] for r in batch], cfg.pad, device)
-            prev = pad_batch([[framing.start] + r.tokens for r in batch], cfg.pad, device)
-            gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)
+            if cfg.double_token:  # the folded stream, both end-of-decoding slots included
+                gold = pad_batch([fold(r.tokens, cfg.eos) for r in batch], cfg.pad, device)
+                prev = pad_batch([[cfg.bos, framing.start, *fold(r.tokens, cfg.eos)[:-2]] for r in batch], cfg.pad,
+                                 device)
+            else:
+                prev = pad_batch([[framing.start] + r.tokens for r in batch], cfg.pad, device)
+                gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)
             logits = self.model(src, prev)
             dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             lprobs = torch.log_softmax(logits.to(dtype), dim=-1).gather(2, gold[:, :, None])[:, :, 0]

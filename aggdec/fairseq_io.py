@@ -453,11 +453,12 @@ def save_fairseq(bundle_or_model_dir: Bundle | str | Path, out_dir: str | Path) 
     model = bundle.model
     cfg = model.cfg
     for name, fairseq_value in (("first_position", None), ("sinusoidal", "fairseq"), ("output_bias", False),
-                                ("activation", ("relu", "gelu"))):
+                                ("activation", ("relu", "gelu")), ("double_token", False)):
         value = getattr(cfg, name)
         if value != fairseq_value and not (isinstance(fairseq_value, tuple) and value in fairseq_value):
             raise ValueError(f"{bundle.path or '<bundle>'}: model {name}={value!r} has no fairseq `transformer` "
-                             "equivalent (an imported Hugging Face model); it cannot be exported to fairseq")
+                             "equivalent (an imported Hugging Face or a double-token model); it cannot be exported "
+                             "to fairseq")
     if bundle.conventions != Conventions():
         raise ValueError(f"{bundle.path or '<bundle>'}: the model frames its input with special tokens "
                          "(conventions) that fairseq-generate does not apply; it cannot be exported to fairseq")

@@ -80,3 +80,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def double_token_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """`tiny_model_dir` turned into a double-token model (aggdec.double_token) by the trainer's
+    `--init-from ... --double-token`, trained a few seconds on the same copy task."""
+    from aggdec.train import ar
+
+    work = tmp_path_factory.mktemp("double-token")
+    for name, n, seed in (("train.tsv", 400, 0), ("valid.tsv", 40, 9)):
+        with open(work / name, "w", encoding="utf-8") as f:
+            f.write("src\ttgt\n" + "".join(f"{s}\t{s}\n" for s in synthetic_sentences(n, seed)))
+    threads = torch.get_num_threads()
+    try:
+        ar.main(["--train", str(work / "train.tsv"), "--valid", str(work / "valid.tsv"), "--src-col", "src",
+                 "--tgt-col", "tgt", "--init-from", str(tiny_model_dir), "--double-token", "--out", str(work / "model"),
+                 "--max-updates", "400", "--max-tokens", "1024", "--lr", "3e-3", "--warmup", "100", "--rewarmup", "20",
+                 "--dropout", "0", "--eval-updates", "400", "--log-interval", "100", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    return work / "model"

@@ -150,3 +150,57 @@ def test_collate_folds_targets_and_conversion_keeps_weights():
     assert double.cfg.double_token and double.cfg.dec_learned_pos
     assert torch.equal(double.decoder.embed_positions.weight, single.decoder.embed_positions.table)
     assert torch.equal(double.encoder.layers[0].fc1.weight, single.encoder.layers[0].fc1.weight)
+
+
+def test_a_trained_double_token_model_through_the_api_cli_and_a_corpus_job(double_token_dir, tmp_path):
+    """A model made by `aggdec train ar --init-from ... --double-token` decodes in pairs everywhere."""
+    import ray
+    from click.testing import CliRunner
+
+    from cli import main
+    from conftest import synthetic_sentences
+    from jobs.run import run_job
+    from jobs.spec import load_spec
+    from test_jobs import read_outputs, write_corpus, write_spec
+
+    from aggdec import checkpoint
+    from aggdec.api import Translator
+    from aggdec.fairseq_io import save_fairseq
+
+    tr = Translator.load(double_token_dir)
+    assert tr.cfg.double_token
+    src = synthetic_sentences(24, seed=5)
+    greedy = tr.translate_batch(src, method="greedy", max_batch_size=5)
+    texts = [r.text for r in greedy]
+    assert len(set(texts)) > 12, "outputs vary"
+    for r in greedy:
+        assert r.text == tr.bundle.tgt_tok.decode(r.tokens)
+        if r.status == "ok":
+            assert r.stats.iterations == len(fold(r.tokens, tr.cfg.eos)) // 2, "one call per pair"
+    assert [r.text for r in tr.translate_batch(src, method="iad", max_batch_size=7)] == texts, "lossless"
+    assert [r.text for r in tr.translate_batch(src, method="beam", beam=1, max_batch_size=4)] == texts
+    beam = tr.translate_batch(src, method="beam", beam=4, max_batch_size=4)
+    assert all(r.score is not None and r.score <= 0 for r in beam)
+    tr.rescore(greedy)
+    assert all(r.score is not None and r.score < 0 for r in greedy)
+
+    res = CliRunner().invoke(main, ["decode", "-m", str(double_token_dir), "--batch-size", "3"],
+                             input="\n".join(src[:6]) + "\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == texts[:6]
+
+    inp = write_corpus(tmp_path / "in", shards=2, rows=6)
+    spec = load_spec(write_spec(tmp_path / "job.toml", double_token_dir, inp, tmp_path / "out",
+                                decode={"method": '"greedy"'}, resources={"actors": "1"}))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run_job(spec)
+    finally:
+        ray.shutdown()
+    table = read_outputs(tmp_path / "out")
+    assert result.rows == table.num_rows == 12
+    want = tr.translate_batch(table.column("src").to_pylist(), spec.decode)
+    assert table.column("hyp").to_pylist() == [r.text for r in want]
+
+    with pytest.raises(ValueError, match="double_token=True has no fairseq"):
+        save_fairseq(checkpoint.load(double_token_dir), tmp_path / "fs")
