@@ -237,22 +237,13 @@ def train_ar(ctx) -> None:
     sys.exit(ar.main(ctx.args))
 
 
-@train.command("drafter", context_settings=_PASS_THROUGH)
-@click.pass_context
-def train_drafter(ctx) -> None:
-    """Train GAD's NAR block drafter on Seq-KD data; options as `python -m aggdec.train.drafter drafter --help`."""
-    from aggdec.train import drafter
-
-    sys.exit(drafter.main(["drafter", *ctx.args]))
-
-
 @train.command("heads", context_settings=_PASS_THROUGH)
 @click.pass_context
 def train_heads(ctx) -> None:
-    """Train blockwise proposal heads on a frozen verifier; options as `python -m aggdec.train.drafter heads --help`."""
-    from aggdec.train import drafter
+    """Train blockwise proposal heads on a frozen verifier; options as `python -m aggdec.train.heads --help`."""
+    from aggdec.train import heads
 
-    sys.exit(drafter.main(["heads", *ctx.args]))
+    sys.exit(heads.main(ctx.args))
 
 
 @train.command("seqkd", context_settings=_PASS_THROUGH)

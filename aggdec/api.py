@@ -87,7 +87,7 @@ class Translator:
         return self._projections[certify]
 
     def _drafter_model(self, path: str, bf16: bool = False):
-        """Load (once per dtype) a NAR drafter or proposal heads for this verifier; `bf16` casts it to
+        """Load (once per dtype) a draft head or proposal heads for this verifier; `bf16` casts it to
         bfloat16 (drafts never change a lossless method's output, only how many are accepted)."""
         device = next(self.model.parameters()).device
         dtype = torch.bfloat16 if bf16 else next(self.model.parameters()).dtype

@@ -95,11 +95,10 @@ def vocab_size(tok: Tokenizer) -> int:
     return len(tok.dict) if isinstance(tok, DictionaryTokenizer) else len(tok)
 
 
-def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, extra_target: int = 0,
-                exact: bool = True) -> None:
-    """Embedding rows must equal vocabulary sizes (a NAR drafter has `extra_target` = 1: its mask); with
-    `exact=False` (imported Hugging Face models, whose embeddings are often padded) they must cover them."""
-    for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab - extra_target)):
+def check_vocab(cfg: ModelConfig, src: Tokenizer, tgt: Tokenizer, where: str, exact: bool = True) -> None:
+    """Embedding rows must equal vocabulary sizes; with `exact=False` (imported Hugging Face models,
+    whose embeddings are often padded) they must cover them."""
+    for side, tok, n in (("source", src, cfg.src_vocab), ("target", tgt, cfg.tgt_vocab)):
         if vocab_size(tok) > n or (exact and vocab_size(tok) != n):
             raise ValueError(f"{where}: {side} vocabulary has {vocab_size(tok)} entries but the model's "
                              f"embedding has {n} rows (mismatched dictionary or tokenizer)")
@@ -137,8 +136,7 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
     except KeyError as e:
         raise ValueError(f"{cfg_path}: tokenizer.{e.args[0]}: missing") from e
     meta = config.get("meta", {})
-    check_vocab(cfg, src_tok, tgt_tok, str(d), extra_target=1 if meta.get("role") == "nar-drafter" else 0,
-                exact=config["tokenizer"].get("type") not in HF_TOKENIZERS)
+    check_vocab(cfg, src_tok, tgt_tok, str(d), exact=config["tokenizer"].get("type") not in HF_TOKENIZERS)
     weights = d / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing")
@@ -182,21 +180,17 @@ def load_heads(path: str | Path, verifier_sha: str | None = None) -> ProposalHea
 
 
 def load_drafter(path: str | Path, verifier: Bundle, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> Bundle | ProposalHeads | DraftHead:
-    """A drafter directory for `verifier`: proposal heads (heads.safetensors), a GAD draft head
-    (draft_head.safetensors) or a NAR drafter bundle. Raises ValueError when it was not made for
-    this verifier."""
+                 dtype: torch.dtype = torch.float32) -> ProposalHeads | DraftHead:
+    """A drafter directory for `verifier`: proposal heads (heads.safetensors) or a GAD draft head
+    (draft_head.safetensors). Raises FileNotFoundError for a missing directory, ValueError when it is
+    neither or was not made for this verifier."""
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path}: no such drafter directory")
     if (Path(path) / "heads.safetensors").is_file():
         return load_heads(path, verifier.sha).to(device=device, dtype=dtype)
     if (Path(path) / "draft_head.safetensors").is_file():
         return load_draft_head(path, verifier.sha).to(device=device, dtype=dtype)
-    drafter = load(path, device=device, dtype=dtype)
-    if drafter.meta.get("role") != "nar-drafter":
-        raise ValueError(f"{path}: not a NAR drafter (config.json meta.role is {drafter.meta.get('role')!r})")
-    if drafter.model.cfg.tgt_vocab != verifier.model.cfg.tgt_vocab + 1:
-        raise ValueError(f"{path}: drafter vocabulary ({drafter.model.cfg.tgt_vocab - 1}) differs from the "
-                         f"verifier's ({verifier.model.cfg.tgt_vocab})")
-    return drafter
+    raise ValueError(f"{path}: not a drafter directory (no heads.safetensors or draft_head.safetensors)")
 
 
 def save_draft_head(out: str | Path, head: DraftHead, meta: dict) -> Path:

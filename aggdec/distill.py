@@ -17,7 +17,7 @@ filter that applies is the reason:
                   source tokens have no ratio and pass both)
 
 TSV: UTF-8, header `src<TAB>kd`, then one `<src><TAB><hyp>` line per kept row in input
-order, no quoting and no escaping: `aggdec.train.ar.read_tsv` (what `python -m aggdec.train.drafter
+order, no quoting and no escaping: `aggdec.train.ar.read_tsv` (what `python -m aggdec.train.heads
 --data` uses) splits on tabs and newlines with csv.QUOTE_NONE and has no unescaping. So nothing is
 escaped: the source written is `clean_text(src)`, the text the verifier actually decoded, in which
 every control character is already a space; an output holding a control character is filtered

@@ -4,7 +4,7 @@
 
 Part 1, products: median microseconds of `F.linear` and `linear` for the shapes the models use.
 Part 2, end to end, in one process with the two routes interleaved (`--repeat` medians): greedy and
-IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its drafter, at
+IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its draft head, at
 `--batch-sizes` 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. The oneDNN
 route includes the prepacked output projection (`use_onednn(False)` turns both off). Reports
 sentences/s of both routes, their ratio, and whether the outputs are identical.
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gec", default="models/gec-base")
     ap.add_argument("--gec-data", default="../shared/data/gec/test.tsv")
     ap.add_argument("--ende", default="models/ende-base")
-    ap.add_argument("--drafter", default="models/ende-base-drafter")
+    ap.add_argument("--drafter", default="models/ende-base-draft-head")
     ap.add_argument("--ende-data", default="../shared/data/ende/test.tsv")
     add_run_args(ap, batch_sizes="1,64")
     ap.set_defaults(limit=1000, bs1_limit=100, precisions="fp32,bf16-certified", repeat=3)

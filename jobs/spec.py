@@ -106,7 +106,7 @@ class DistillSpec(PairFilter):
     the sum of log-probs incl. eos (one extra teacher-forced verifier pass per batch)."""
     tsv: bool = True
     """Also write <stem>.tsv (header `src<TAB>kd`, one line per kept pair), the format of
-    `python -m aggdec.train.drafter --data`."""
+    `python -m aggdec.train.heads --data`."""
 
 
 @dataclass

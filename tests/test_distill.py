@@ -1,5 +1,5 @@
-"""Distill jobs (Seq-KD data at scale): n-best and scores in the API, filters, the training TSV, and a
-drafter trained on that TSV. Real local Ray (2 CPUs), real Parquet, the tiny model fixture."""
+"""Distill jobs (Seq-KD data at scale): n-best and scores in the API, filters, the training TSV, and
+proposal heads trained on that TSV. Real local Ray (2 CPUs), real Parquet, the tiny model fixture."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from test_jobs import ray_local, read_outputs, write_spec  # noqa: F401  (ray_lo
 from aggdec import checkpoint
 from aggdec.api import Translator, decode_options
 from aggdec.text import clean_text
-from aggdec.train import drafter as drafter_train
+from aggdec.train import heads as heads_train
 from aggdec.train.ar import read_tsv
 from aggdec.distill import TSV_HEADER, distill_table, filter_reasons, merge_counts
 from jobs.run import run_job
@@ -165,10 +165,10 @@ def test_distill_job_filters_writes_tsv_and_trains_a_drafter(tiny_model_dir, tmp
     with pytest.raises(SpecError, match="different job"):  # other filters, same directory
         run_job(distill_spec(tmp_path, tiny_model_dir, inp, out, "distill.keep_scores=true"))
 
-    drafter_train.main(["drafter", "--verifier", str(tiny_model_dir), "--data", str(merged), "--out",
-                        str(tmp_path / "drafter"), "--max-minutes", "0.05", "--threads", "1", "--max-tokens", "512",
-                        "--warmup", "20", "--block-size", "4", "--log-interval", "1000"])
-    assert checkpoint.load(tmp_path / "drafter").meta["role"] == "nar-drafter"
+    heads_train.main(["--verifier", str(tiny_model_dir), "--data", str(merged), "--out", str(tmp_path / "heads"),
+                      "--max-minutes", "0.05", "--threads", "1", "--max-tokens", "512", "--warmup", "20",
+                      "--block-size", "3", "--hidden", "32", "--log-interval", "1000"])
+    assert checkpoint.load_heads(tmp_path / "heads", checkpoint.load(tiny_model_dir).sha).num_heads == 2
 
 
 @pytest.mark.usefixtures("ray_local")

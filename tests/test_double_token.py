@@ -154,14 +154,12 @@ def test_collate_folds_targets_and_conversion_keeps_weights():
 
 def test_a_trained_double_token_model_through_the_api_cli_and_a_corpus_job(double_token_dir, tmp_path):
     """A model made by `aggdec train ar --init-from ... --double-token` decodes in pairs everywhere."""
-    import ray
     from click.testing import CliRunner
 
     from cli import main
     from conftest import synthetic_sentences
-    from jobs.run import run_job
     from jobs.spec import load_spec
-    from test_jobs import read_outputs, write_corpus, write_spec
+    from test_jobs import run_on_new_ray, write_corpus, write_spec
 
     from aggdec import checkpoint
     from aggdec.api import Translator
@@ -192,12 +190,7 @@ def test_a_trained_double_token_model_through_the_api_cli_and_a_corpus_job(doubl
     inp = write_corpus(tmp_path / "in", shards=2, rows=6)
     spec = load_spec(write_spec(tmp_path / "job.toml", double_token_dir, inp, tmp_path / "out",
                                 decode={"method": '"greedy"'}, resources={"actors": "1"}))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run_job(spec)
-    finally:
-        ray.shutdown()
-    table = read_outputs(tmp_path / "out")
+    result, table = run_on_new_ray(spec, tmp_path / "out")
     assert result.rows == table.num_rows == 12
     want = tr.translate_batch(table.column("src").to_pylist(), spec.decode)
     assert table.column("hyp").to_pylist() == [r.text for r in want]

@@ -205,12 +205,9 @@ def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
 
 def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
     """A job on the Hugging Face directory itself, its target language from the spec's [decode]."""
-    import ray
-
     from jobs.preflight import check_job
-    from jobs.run import run_job
     from jobs.spec import SpecError, load_spec
-    from test_jobs import read_outputs, write_corpus, write_spec
+    from test_jobs import run_on_new_ray, write_corpus, write_spec
 
     d = hf_dirs["m2m100"]
     inp = write_corpus(tmp_path / "in", shards=2, rows=10)
@@ -221,12 +218,7 @@ def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
     spec = load_spec(write_spec(tmp_path / "job.toml", d, inp, tmp_path / "out",
                                 decode={"method": '"iad"', "target_lang": '"fr"'}, resources={"actors": "1"}))
     check_job(spec)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run_job(spec)
-    finally:
-        ray.shutdown()
-    table = read_outputs(tmp_path / "out")
+    result, table = run_on_new_ray(spec, tmp_path / "out")
     assert result.rows == table.num_rows == 20
     want = Translator.load(d).translate_batch(table.column("src").to_pylist(), spec.decode)
     assert table.column("hyp").to_pylist() == [r.text for r in want]

@@ -61,6 +61,16 @@ def read_outputs(out: Path) -> pa.Table:
     return pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
 
 
+def run_on_new_ray(spec, out: Path) -> tuple:
+    """Run `spec` on a Ray started for it (and shut down after) -> (JobResult, its outputs)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run_job(spec)
+    finally:
+        ray.shutdown()
+    return result, read_outputs(out)
+
+
 def in_process(model: Path, texts: list[str], spec) -> list:
     return Translator.load(model).translate_batch(texts, spec.decode)
 

@@ -5,7 +5,7 @@ DraftBatch for the active rows, `observe` sees how many tokens each row accepted
 drafter when rows enter (`admit`, continuous batching) and when the batch is compacted
 (`select`), so drafters may keep per-row state aligned with the loop's rows (`RowState`).
 
-Each drafter lives in its own module with its options class (iad.py, nat.py, blockwise.py) and is
+Each drafter lives in its own module with its options class (iad.py, gad_head.py, blockwise.py) and is
 registered in aggdec.decoding.methods. This module holds the protocol, greedy's empty drafter and
 what drafters share.
 """

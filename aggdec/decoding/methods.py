@@ -19,11 +19,10 @@ from aggdec.decoding.beam import BeamOptions
 from aggdec.decoding.blockwise import BlockwiseHeads, BlockwiseOptions
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, GreedyOptions, NoDraft
-from aggdec.decoding.gad_head import DraftHeadDrafter
+from aggdec.decoding.gad_head import DraftHeadDrafter, GADOptions, GADPlusOptions
 from aggdec.decoding.iad import IADOptions, InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Hypothesis, Request
-from aggdec.decoding.nat import GADOptions, GADPlusOptions, NATDrafter
 from aggdec.decoding.options import (
     DecodeOptions,
     OptionError,
@@ -31,7 +30,6 @@ from aggdec.decoding.options import (
     option_fields,
     type_hints,
 )
-from aggdec.model.draft_head import DraftHead
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.versions import package_version
@@ -45,7 +43,7 @@ KEPT_BUDGETS = 16
 class DraftContext:
     """What building a drafter may use: the verifier, its output projection, whether drafts may run in
     bf16 (a lossless method under the certified bf16 top-1), and `load(path)`, which loads a drafter
-    model directory (a NAR drafter bundle or proposal heads) for this verifier in the drafts' dtype.
+    directory (a draft head or proposal heads) for this verifier in the drafts' dtype.
     `prompt`: the decoder start and forced first tokens (aggdec.conventions.Framing; None: eos only)."""
 
     model: Transformer
@@ -107,18 +105,11 @@ def register(method: Method) -> Method:
     return method
 
 
-def _gad_drafter(opts: GADOptions, ctx: DraftContext) -> Drafter:
-    """GAD's drafter: a draft head (reads the verifier) or a NAR drafter model, as the directory holds."""
-    if isinstance(ctx.drafter_model(opts.drafter), DraftHead):
-        return DraftHeadDrafter.from_options(opts, ctx)
-    return NATDrafter.from_options(opts, ctx)
-
-
 register(Method(GreedyOptions, lambda opts, ctx: NoDraft()))
 register(Method(BeamOptions))
 register(Method(IADOptions, InputCopy.from_options))
-register(Method(GADOptions, _gad_drafter))
-register(Method(GADPlusOptions, _gad_drafter))
+register(Method(GADOptions, DraftHeadDrafter.from_options))
+register(Method(GADPlusOptions, DraftHeadDrafter.from_options))
 register(Method(BlockwiseOptions, BlockwiseHeads.from_options))
 
 

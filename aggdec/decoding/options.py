@@ -1,7 +1,7 @@
 """Decoding options: every option is declared once, as a field of a frozen dataclass.
 
 `DecodeOptions` holds the fields every method has (batching, length limits, precision); each method
-adds its own in a subclass that lives beside its drafter (`iad.IADOptions`, `nat.GADOptions`, ...),
+adds its own in a subclass that lives beside its drafter (`iad.IADOptions`, `gad_head.GADOptions`, ...),
 and `aggdec.decoding.methods` registers them. A field's metadata (see `option`) carries its help
 text, its lower bound or choices, its command-line flag and whether it can change an output, so
 validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature are
@@ -122,17 +122,17 @@ class AdaptiveDraft:
 class DraftModel:
     """Mixin: methods whose drafts come from a trained drafter model."""
 
-    drafter: str | None = option(None, "Drafter directory: a NAR drafter (gad, gad++) or proposal heads "
+    drafter: str | None = option(None, "Drafter directory: a draft head (gad, gad++) or proposal heads "
                                        "(blockwise), trained for this verifier.", path=True)
-    block_size: int = option(10, "Draft block size k: masks per drafter call (gad, gad++); blockwise: propose "
-                                 "k-1 tokens with the first k-1 heads.", low=1)
+    block_size: int = option(10, "Draft block size k: tokens per draft (gad, gad++: at most the head's); "
+                                 "blockwise: propose k-1 tokens with the first k-1 heads.", low=1)
     min_block: int = option(0, "Always keep the first min_block drafted tokens (Stern et al. 5.3; approximate, "
                                "lossy; 0: off).", low=0)
 
     def validate(self) -> None:
         super().validate()
         if not self.drafter:
-            raise OptionError("drafter", f"method {self.method!r} needs a drafter (a NAR drafter or proposal-heads "
+            raise OptionError("drafter", f"method {self.method!r} needs a drafter (a draft-head or proposal-heads "
                                          "directory)")
 
 

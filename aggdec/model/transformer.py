@@ -287,8 +287,8 @@ class Transformer(nn.Module):
 
         key_limit (B,T) int64, optional: query [b, t] attends to positions <= key_limit[b, t]
         (default: its own position, i.e. causal; a double-token model's default is the end of its
-        pair, so its blocks start at even positions and hold whole pairs). The NAR drafter uses it to let mask tokens see
-        each other while the prefix stays causal (and so cacheable).
+        pair, so its blocks start at even positions and hold whole pairs). A wider limit lets a block's
+        positions see each other while the prefix stays causal (and so cacheable).
         valid (B,T) bool, optional: the positions that matter, a prefix of each row's block. Then
         only they are computed (packed: linear layers, FFN and norms run on N = valid.sum() tokens,
         attention alone on the padded layout), only they are written to the cache, and the result
