@@ -30,7 +30,7 @@ from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.double_token import fold
-from aggdec.model.projection import OutputProjection, native_bf16
+from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
@@ -76,7 +76,7 @@ class Translator:
         """The verifier's output projection for `verify_precision` (see DecodeOptions), built once."""
         weight = self.model.output_weight
         if verify_precision == "auto":
-            certify = weight.dtype == torch.float32 and native_bf16(weight.device)
+            certify = weight.dtype == torch.float32 and certified_pays(weight.device)
         else:
             certify = verify_precision == "bf16-certified"
         if certify not in self._projections:

@@ -1,8 +1,8 @@
 """Double-token bidirectional decoding: the token order of a model that emits a pair per step.
 
 Such a model (ModelConfig.double_token) generates, at each decoder step, one token from the head and
-one from the tail of the sentence (Zhang et al., "Transformer-based Double-token Bidirectional
-Autoregressive Decoding in Neural Machine Translation"). Its decoder sees the *folded* sequence
+one from the tail of the sentence ("Transformer-based Double-token Bidirectional Autoregressive
+Decoding in Neural Machine Translation"). Its decoder sees the *folded* sequence
 
     y_1 .. y_n  ->  L_1 R_1 L_2 R_2 ...  =  y_1 y_n y_2 y_(n-1) ...
 

@@ -221,8 +221,8 @@ class DraftVerifyLoop:
                 bonus = pred.gather(1, accepted[:, None] + torch.arange(s, device=self.device)[None])
             # 4. Commit d_1..d_m + bonus; truncate after the step that holds eos.
             drafted = torch.nn.functional.pad(draft.tokens, (0, s), value=cfg.pad)  # (B, K+S)
-            new = torch.where(offs < accepted[:, None], drafted,
-                              bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1)))
+            fill = bonus if s == 1 else bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1))
+            new = torch.where(offs < accepted[:, None], drafted, fill)
             is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
             done = is_eos.any(dim=1)
             n_new = torch.where(done, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s)

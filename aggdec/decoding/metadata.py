@@ -41,7 +41,8 @@ class RowStats:
 
     iterations: verifier calls that included this row. drafted: draft tokens proposed.
     accepted: draft tokens accepted and kept (the verifier's own token at each call is not counted,
-        nor are drafts after an accepted eos), so iterations + accepted is len(tokens) + 1 or + 2.
+        nor are drafts after an accepted eos), so iterations + accepted is len(tokens) + 1 or + 2
+        for a single-token model (a double-token model's calls add a pair each).
     accepted_per_iter: accepted draft tokens at each call. decode_ms: this row's share of the
     verifier/drafter time, split between the rows of each call in proportion to tokens fed.
     """
