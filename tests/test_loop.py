@@ -210,3 +210,18 @@ def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
     anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
     got = InputCopy().match(state, torch.tensor(anchors)).tolist()
     assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
+
+
+def test_cross_kv_drops_padding_every_row_has():
+    """Rows refilled after the longest have left: the cross K/V shrinks to the longest real source
+    once that is under 3/4 of its width, and outputs stay greedy's (the property tests above)."""
+    from aggdec.model.cache import CrossKV, DecoderCache
+
+    pad = torch.tensor([[False] * 3 + [True] * 7, [False] * 8 + [True] * 2])
+    kv = [torch.arange(2 * 10 * 4, dtype=torch.float).view(2, 10, 4)]
+    cache = DecoderCache(CrossKV(k=kv, v=kv, src_pad=pad), n_layers=1, d_model=4)
+    cache.trim_cross()
+    assert cache.cross.src_pad.shape[1] == 10, "8 of 10 positions are real in row 1: kept"
+    cache.select(torch.tensor([0]))
+    cache.trim_cross()
+    assert cache.cross.src_pad.shape[1] == 3 and torch.equal(cache.cross.k[0], kv[0][:1, :3])

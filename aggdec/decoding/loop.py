@@ -283,4 +283,5 @@ class DraftVerifyLoop:
             rows = torch.tensor(keep, dtype=torch.long, device=self.device)
             state.select(rows)
             self.drafter.select(rows)
+        state.cache.trim_cross()
         return state

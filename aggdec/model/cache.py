@@ -98,6 +98,15 @@ class DecoderCache:
         self.v = [t.index_select(0, rows) for t in self.v]
         self.cross = self.cross.take(rows)
 
+    def trim_cross(self, keep: float = 0.75) -> None:
+        """Drop the source positions that are padding in every row once they are more than 1 - `keep`
+        of the cross K/V's width. Admission is longest first, so refilled rows are shorter than the
+        batch's width and single-query cross-attention would otherwise read the first batch's
+        padding to the end (masked, so nothing changes but the time)."""
+        width = self.cross.src_pad.shape[1]
+        if self.batch_size and int((~self.cross.src_pad).sum(dim=1).max()) < keep * width:
+            self.cross = self.cross.take(torch.arange(self.batch_size, device=self.lengths.device), trim=True)
+
     def replace(self, slots: torch.Tensor, cross: CrossKV) -> None:
         """Put new sentences into `slots` (continuous batching): their cross K/V, length 0.
 
