@@ -29,7 +29,7 @@ from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
-from aggdec.double_token import fold
+from aggdec.double_token import teacher_forcing
 from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
@@ -194,9 +194,9 @@ class Translator:
             batch = todo[start: start + max_batch_size]
             src = pad_batch([self.prepare(r.source, framing)[0] for r in batch], cfg.pad, device)
             if cfg.double_token:  # the folded stream, both end-of-decoding slots included
-                gold = pad_batch([fold(r.tokens, cfg.eos) for r in batch], cfg.pad, device)
-                prev = pad_batch([[cfg.bos, framing.start, *fold(r.tokens, cfg.eos)[:-2]] for r in batch], cfg.pad,
-                                 device)
+                io = [teacher_forcing(r.tokens, cfg.bos, framing.start, cfg.eos) for r in batch]
+                prev = pad_batch([p for p, _ in io], cfg.pad, device)
+                gold = pad_batch([z for _, z in io], cfg.pad, device)
             else:
                 prev = pad_batch([[framing.start] + r.tokens for r in batch], cfg.pad, device)
                 gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)

@@ -63,6 +63,13 @@ def unfold(stream: Sequence[int], eod: int) -> list[int]:
     return left + right[::-1]
 
 
+def teacher_forcing(tokens: Sequence[int], bos: int, start: int, eod: int) -> tuple[list[int], list[int]]:
+    """(decoder input, target) of a sentence for a double-token model: the target is its folded
+    stream, the input the start pair (bos, start) then the stream without its last pair."""
+    target = fold(tokens, eod)
+    return [bos, start, *target[:-STRIDE]], target
+
+
 def pair_limit(pos: torch.Tensor) -> torch.Tensor:
     """The last key position each query position may attend to: the end of its own pair (pos | 1)."""
     return pos | 1

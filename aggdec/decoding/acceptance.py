@@ -100,8 +100,8 @@ class Acceptance(Protocol):
         """
 
 
-def _unpack(values: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
-    """Scatter packed per-position values (N, ...) back to (B, K+1, ...), `fill` elsewhere."""
+def unpack(values: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
+    """Scatter packed per-position values (N, ...) back to valid's layout (B, K+S, ...), `fill` elsewhere."""
     out = values.new_full((*valid.shape, *values.shape[1:]), fill)
     out[valid] = values
     return out
@@ -123,7 +123,7 @@ class ExactMatch:
         return self.name
 
     def accept(self, draft, num_draft, scores, valid):
-        pred = _unpack(scores.top1, valid, -1)  # (B, K+S)
+        pred = unpack(scores.top1, valid, -1)  # (B, K+S)
         m = _prefix_len(pred[:, : draft.shape[1]] == draft, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -153,8 +153,8 @@ class TopKTolerance:
         nxt = torch.cat([draft, draft.new_full((draft.shape[0], valid.shape[1] - draft.shape[1]), -1)], dim=1)[valid]
         in_top = (top.indices == nxt[:, None]).any(-1)
         gap = top.values[:, 0] - logp.gather(1, nxt.clamp(min=0)[:, None]).squeeze(1)
-        ok = _unpack(in_top & (gap <= self.tau), valid, False)[:, : draft.shape[1]]
-        pred = _unpack(top.indices[:, 0], valid, -1)
+        ok = unpack(in_top & (gap <= self.tau), valid, False)[:, : draft.shape[1]]
+        pred = unpack(top.indices[:, 0], valid, -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -182,7 +182,7 @@ class MinBlock:
         m, bonus = self.inner.accept(draft, num_draft, scores, valid)
         forced = torch.minimum(num_draft, torch.full_like(num_draft, self.min_block))
         if bool((forced > m).any()):
-            pred = _unpack(scores.top1, valid, -1)
+            pred = unpack(scores.top1, valid, -1)
             m = torch.maximum(m, forced)
             bonus = pred.gather(1, m[:, None]).squeeze(1)
         return m, bonus

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits, unpack
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
@@ -216,9 +216,8 @@ class DraftVerifyLoop:
             bonus = bonus[:, None]  # (B, S)
             if s > 1:  # whole pairs; the bonus pair is the verifier's top-1 at m, m + 1
                 accepted = accepted - accepted % s
-                pred = torch.full(valid.shape, cfg.pad, dtype=torch.long, device=self.device)
-                pred[valid] = scores.top1
-                bonus = pred.gather(1, accepted[:, None] + torch.arange(s, device=self.device)[None])
+                steps = accepted[:, None] + torch.arange(s, device=self.device)[None]
+                bonus = unpack(scores.top1, valid, cfg.pad).gather(1, steps)
             # 4. Commit d_1..d_m + bonus; truncate after the step that holds eos.
             drafted = torch.nn.functional.pad(draft.tokens, (0, s), value=cfg.pad)  # (B, K+S)
             fill = bonus if s == 1 else bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1))

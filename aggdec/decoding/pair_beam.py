@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from aggdec.decoding.acceptance import constrain_logits
 from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
 from aggdec.double_token import STRIDE, unfold
@@ -80,15 +81,8 @@ def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_
         cache.commit(torch.full((bsz * w,), STRIDE, dtype=torch.long, device=device))
         lp = torch.log_softmax(logits.to(lp_dtype), dim=-1)
         lp[lp != lp] = neg
-        lp[..., pad] = neg
-        index = STRIDE * step + torch.arange(STRIDE, device=device)  # stream index of each slot
-        if int(index[0]) < min_len:
-            lp[:, index < min_len, eos] = neg
-        force = index[None] >= sent_max.repeat_interleave(w)[:, None]  # (n, 2)
-        if bool(force.any()):
-            keep_eos = lp[..., eos].clone()
-            lp.masked_fill_(force[..., None], neg)
-            lp[..., eos] = torch.where(force, keep_eos, lp[..., eos])
+        index = (STRIDE * step + torch.arange(STRIDE, device=device)).expand(bsz * w, STRIDE)  # stream index
+        constrain_logits(lp, index, sent_max.repeat_interleave(w)[:, None].expand_as(index), pad, eos, min_len)
         lp_l, lp_r = lp[:, 0], lp[:, 1]  # (n, V)
         # DOUBLETOPK: 2W (beam, left), then 3W (beam, left, right)
         left = (scores[:, None] + lp_l).view(bsz, w * vocab)
@@ -127,20 +121,21 @@ def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_
         # the W best candidates that go on (ended ones sink below every open one)
         rank = torch.where(ended, torch.full_like(s2, neg), s2)
         top, pick = rank.topk(w, dim=1)  # (bsz, W)
-        rows = cand_row.gather(1, pick).view(-1)
-        new_pair = torch.stack([cand_l.gather(1, pick), cand_r.gather(1, pick)], dim=-1).view(-1, STRIDE)
-        scores = top.view(-1)
-        tokens = torch.cat([tokens.index_select(0, rows), new_pair], dim=1)
-        cache.select(rows)
-        if done:
+        rows = cand_row.gather(1, pick)
+        new_pair = torch.stack([cand_l.gather(1, pick), cand_r.gather(1, pick)], dim=-1)  # (bsz, W, 2)
+        if done:  # finished sentences leave in the same reordering
             gone = set(done)
             keep = [b for b in range(bsz) if b not in gone]
-            sel = torch.tensor([b * w + j for b in keep for j in range(w)], dtype=torch.long, device=device)
-            tokens, scores = tokens.index_select(0, sel), scores.index_select(0, sel)
-            cache.select(sel)
-            sent_max = sent_max[torch.tensor(keep, dtype=torch.long, device=device)]
+            if not keep:
+                return
+            at = torch.tensor(keep, dtype=torch.long, device=device)
+            rows, new_pair, top, sent_max = rows[at], new_pair[at], top[at], sent_max[at]
             ids = [ids[b] for b in keep]
             bsz = len(keep)
+        rows = rows.reshape(-1)
+        tokens = torch.cat([tokens.index_select(0, rows), new_pair.reshape(-1, STRIDE)], dim=1)
+        scores = top.reshape(-1)
+        cache.select(rows)
         step += 1
 
 

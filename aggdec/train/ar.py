@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggdec import checkpoint
-from aggdec.double_token import fold
+from aggdec.double_token import teacher_forcing
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import SentencePieceTokenizer
@@ -148,23 +148,25 @@ def collate(src, tgt, idx: list[int], multiple: int = 1, double_token: bool = Fa
     double_token: target is the folded sentence (aggdec.double_token.fold) and prev is
     [bos, eos, target[:-2]]: each pair is predicted from the pairs before it."""
     b = len(idx)
-    if double_token:
-        targets = [fold(list(tgt[i]), EOS) for i in idx]
-        prevs = [[BOS, EOS, *z[:-2]] for z in targets]
-    else:
-        targets = [[*tgt[i], EOS] for i in idx]
-        prevs = [[EOS, *tgt[i]] for i in idx]
+    pairs = [teacher_forcing(list(tgt[i]), BOS, EOS, EOS) for i in idx] if double_token else None
     s_w = round_up(max(len(src[i]) for i in idx) + 1, multiple)
-    t_w = round_up(max(len(z) for z in targets), multiple)
+    t_w = round_up(max(len(z) for _, z in pairs) if pairs else max(len(tgt[i]) for i in idx) + 1, multiple)
     s = np.full((b, s_w), PAD, dtype=np.int64)
     prev = np.full((b, t_w), PAD, dtype=np.int64)
     target = np.full((b, t_w), PAD, dtype=np.int64)
     for r, i in enumerate(idx):
-        a = src[i]
+        a, t = src[i], tgt[i]
         s[r, : len(a)] = a
         s[r, len(a)] = EOS
-        prev[r, : len(prevs[r])] = prevs[r]
-        target[r, : len(targets[r])] = targets[r]
+        if pairs:
+            p, z = pairs[r]
+            prev[r, : len(p)] = p
+            target[r, : len(z)] = z
+        else:
+            prev[r, 0] = EOS
+            prev[r, 1 : len(t) + 1] = t
+            target[r, : len(t)] = t
+            target[r, len(t)] = EOS
     return torch.from_numpy(s), torch.from_numpy(prev), torch.from_numpy(target)
 
 
