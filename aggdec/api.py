@@ -30,7 +30,9 @@ from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.double_token import teacher_forcing
+from aggdec.model.precision import with_precision
 from aggdec.model.projection import OutputProjection, certified_pays
+from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
@@ -69,35 +71,50 @@ class Translator:
         self.model = bundle.model
         self.cfg = bundle.model.cfg
         self._drafters: dict[tuple[str, torch.dtype], object] = {}
-        self._projections: dict[bool, OutputProjection] = {}
+        self._models: dict[str, Transformer] = {"fp32": bundle.model}
+        self._projections: dict[tuple[str, bool], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by options, kept across calls
 
-    def projection(self, verify_precision: str = "auto") -> OutputProjection:
-        """The verifier's output projection for `verify_precision` (see DecodeOptions), built once."""
-        weight = self.model.output_weight
+    def verifier(self, precision: str = "fp32") -> Transformer:
+        """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once."""
+        if precision not in self._models:
+            self._models[precision] = with_precision(self.model, precision)
+        return self._models[precision]
+
+    def projection(self, verify_precision: str = "auto", precision: str = "fp32") -> OutputProjection:
+        """The output projection of the verifier at `precision` for `verify_precision` (see
+        DecodeOptions), built once; the certified bf16 top-1 applies to an fp32 verifier only."""
+        model = self.verifier(precision)
+        weight = model.output_weight
+        fp32 = weight.dtype == torch.float32 and model.output_int8 is None
         if verify_precision == "auto":
-            certify = weight.dtype == torch.float32 and certified_pays(weight.device)
+            certify = fp32 and certified_pays(weight.device)
         else:
-            certify = verify_precision == "bf16-certified"
-        if certify not in self._projections:
+            certify = verify_precision == "bf16-certified" and fp32
+        key = (precision, certify)
+        if key not in self._projections:
             if certify and weight.device.type == "cuda":
                 warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but it is slower "
                               "than fp32 there (docs/benchmarks.md); 'auto' uses fp32 on GPUs", stacklevel=3)
-            self._projections[certify] = OutputProjection(weight, certify, self.model.output_bias)
-        return self._projections[certify]
+            self._projections[key] = OutputProjection(weight, certify, model.output_bias, int8=model.output_int8)
+        return self._projections[key]
 
-    def _drafter_model(self, path: str, bf16: bool = False):
-        """Load (once per dtype) a draft head or proposal heads for this verifier; `bf16` casts it to
-        bfloat16 (drafts never change a lossless method's output, only how many are accepted)."""
+    def _drafter_model(self, path: str, bf16: bool = False, dtype: torch.dtype | None = None):
+        """Load (once per dtype) a draft head or proposal heads for this verifier, in `dtype` (default:
+        the verifier's); `bf16` casts it to bfloat16 (drafts never change a lossless method's output,
+        only how many are accepted)."""
         device = next(self.model.parameters()).device
-        dtype = torch.bfloat16 if bf16 else next(self.model.parameters()).dtype
+        dtype = torch.bfloat16 if bf16 else dtype or next(self.model.parameters()).dtype
         if (path, dtype) not in self._drafters:
             self._drafters[(path, dtype)] = checkpoint.load_drafter(path, self.bundle, device=device, dtype=dtype)
         return self._drafters[(path, dtype)]
 
     def _context(self, opts: DecodeOptions) -> DraftContext:
-        projection = self.projection(opts.verify_precision)
-        return DraftContext(self.model, projection, drafts_in_bf16(opts, projection), self._drafter_model,
+        model = self.verifier(opts.precision)
+        projection = self.projection(opts.verify_precision, opts.precision)
+        dtype = next(model.parameters()).dtype
+        return DraftContext(model, projection, drafts_in_bf16(opts, projection),
+                            lambda path, bf16: self._drafter_model(path, bf16, dtype),
                             self._budgets, self.framing(opts).prompt)
 
     def framing(self, opts: DecodeOptions | None = None) -> Framing:
@@ -183,9 +200,10 @@ class Translator:
         One teacher-forced pass per batch of `max_batch_size` rows, sorted by length; the log-probs
         are unconstrained (as beam's, an eos forced at max_len scores its own probability); a
         double-token model scores its folded stream (aggdec.double_token). `options`
-        gives the languages of a multilingual model (default: its defaults).
+        gives the languages of a multilingual model (default: its defaults) and the precision.
         """
         framing = self.framing(options)
+        model = self.verifier((options or decode_options()).precision)
         todo = [r for r in results if r.score is None and r.status in DECODED_STATUSES]
         todo.sort(key=lambda r: len(r.tokens))
         cfg = self.cfg
@@ -200,7 +218,7 @@ class Translator:
             else:
                 prev = pad_batch([[framing.start] + r.tokens for r in batch], cfg.pad, device)
                 gold = pad_batch([r.tokens + [cfg.eos] for r in batch], cfg.pad, device)
-            logits = self.model(src, prev)
+            logits = model(src, prev)
             dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             lprobs = torch.log_softmax(logits.to(dtype), dim=-1).gather(2, gold[:, :, None])[:, :, 0]
             sums = lprobs.masked_fill(gold.eq(cfg.pad), 0.0).sum(dim=1).tolist()

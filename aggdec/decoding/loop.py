@@ -86,7 +86,8 @@ class DraftVerifyLoop:
         self.max_tokens = max_tokens
         self.refill = refill
         self.min_len = min_len
-        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias)
+        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
+                                                         int8=model.output_int8)
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()
         self.encode_batch = max_batch_size if encode_batch is None else encode_batch

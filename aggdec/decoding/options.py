@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from aggdec.decoding.acceptance import Acceptance, ExactMatch
 
 VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
+PRECISIONS = ("fp32", "bf16", "int8")  # aggdec.model.precision
 
 
 class OptionError(ValueError):
@@ -61,6 +62,11 @@ class DecodeOptions:
                                            "e.g. en, eng_Latn, en_XX); none: the model's default.")
     target_lang: str | None = option(None, "Target language code of a multilingual model; its token starts or is "
                                            "forced at the start of every output. None: the model's default.")
+    precision: str = option(
+        "fp32", "The verifier's arithmetic, encoder included (aggdec.model.precision). fp32: the model as "
+                "trained. bf16: bfloat16 weights and activations. int8: int8 linear layers and output projection "
+                "(per-channel weights, per-token activations). Lossless methods give the output of greedy at the "
+                "same precision; bf16 and int8 outputs may differ from fp32's.", choices=PRECISIONS)
     verify_precision: str = option(
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "

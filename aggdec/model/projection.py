@@ -67,15 +67,19 @@ class OutputProjection:
     a constant 1 appended to every hidden state, so that the bound above covers it unchanged; the
     plain fp32 path adds it in the product.
 
+    int8: the verifier's quantized output projection (aggdec.model.precision.Int8Weight, bias
+    included), which then computes the logits (no certified top-1).
+
     Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
     snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
     see `counts`): `certified` by the bf16 bound, `refined` from their candidates' fp32 logits,
     `recomputed` as whole fp32 rows.
     """
 
-    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None):
-        if certify and weight.dtype != torch.float32:
-            raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {weight.dtype}")
+    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None):
+        if certify and (weight.dtype != torch.float32 or int8 is not None):
+            raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
+        self.int8 = int8
         self.with_bias = bias is not None and certify  # folded into the weight
         self.bias = None if bias is None or certify else bias.detach()
         if self.with_bias:
@@ -116,13 +120,15 @@ class OutputProjection:
         return self._logits(self._extend(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(hidden)
         return linear(hidden, self.weight, self.bias, packed=self.packed)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
         hidden = self._extend(hidden)
         if not self.certify:
-            z = self._logits(hidden)
+            z = self._logits(hidden) if self.int8 is None else self.int8.ranking_logits(hidden)
             constrain(z, None)
             return z.argmax(dim=-1)
         return self._certified_top1(hidden, constrain)

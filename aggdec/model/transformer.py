@@ -188,7 +188,12 @@ class Stack(nn.Module):
 
 
 class Transformer(nn.Module):
-    """fairseq-compatible encoder-decoder. See module docstring for shape letters."""
+    """fairseq-compatible encoder-decoder. See module docstring for shape letters.
+
+    `output_int8`: None, or the output projection quantized (aggdec.model.precision), which then
+    computes the logits."""
+
+    output_int8 = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -268,6 +273,8 @@ class Transformer(nn.Module):
         return self.decoder.output_bias
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_int8 is not None:
+            return self.output_int8(x)
         return linear(x, self.output_weight, self.output_bias)
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
