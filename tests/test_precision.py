@@ -1,0 +1,106 @@
+"""Verifier precisions (aggdec.model.precision): int8 products that do not depend on the call, draft ->
+verify exact with respect to the converted verifier, and the option end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from conftest import synthetic_sentences
+from hypothesis import strategies as st
+from test_loop import GuideDrafter, RandomBudget, _decode, _requests
+from tiny_models import tiny_model
+
+from aggdec.api import Translator
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
+from aggdec.decoding.iad import InputCopy
+from aggdec.decoding.methods import decode_options, options_from_mapping
+from aggdec.decoding.options import OptionError
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
+from aggdec.model.linear import Linear
+from aggdec.model.precision import Int8Linear, Int8Weight, with_precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_int8_rows_do_not_depend_on_the_call(dtype):
+    """A row's int8 product is bit for bit the same alone or among others, with and without a bias,
+    and within about 2% of the float product."""
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 96, dtype=dtype), torch.randn(300, dtype=dtype)
+    x = torch.randn(257, 96, dtype=dtype) * torch.rand(257, 1, dtype=dtype) * 10
+    for bias in (None, b):
+        q = Int8Weight(w, bias)
+        full = q(x)
+        for rows in (slice(0, 1), slice(5, 6), slice(3, 70), slice(100, 257)):
+            assert torch.equal(q(x[rows]), full[rows])
+        ref = x @ w.T + (0 if bias is None else bias)
+        assert ((full - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.02
+        ranking = q.ranking_logits(x)
+        assert torch.equal(ranking.argmax(dim=1), full.argmax(dim=1))
+    assert torch.equal(q(torch.zeros(2, 96, dtype=dtype)), b.expand(2, -1))  # an all-zero row: no division by 0
+
+
+def test_with_precision_converts_a_copy():
+    model = tiny_model("marian-like")
+    assert with_precision(model, "fp32") is model
+    quantized = with_precision(model, "int8")
+    assert not any(isinstance(m, Linear) for m in quantized.modules())
+    assert sum(isinstance(m, Int8Linear) for m in quantized.modules()) == 2 * 6 + 2 * 10  # 2 encoder + 2 decoder layers
+    assert quantized.output_int8 is not None and model.output_int8 is None
+    assert any(isinstance(m, Linear) for m in model.modules())  # the original is untouched
+    assert next(with_precision(model, "bf16").parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="precision: must be one of fp32, bf16, int8"):
+        with_precision(model, "int4")
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["shallow-decoder-tied-output", "marian-like", "double-token"]),
+       precision=st.sampled_from(["int8", "bf16"]), bs=st.integers(1, 6), refill=st.booleans(),
+       budget=st.sampled_from([None, "random"]), corrupt=st.floats(0, 0.5))
+def test_draft_verify_is_exact_for_the_converted_verifier(seed, kind, precision, bs, refill, budget, corrupt):
+    """IAD, the draft head and guided drafts (accepted, partly accepted, rejected) on an int8 or bf16
+    verifier give that verifier's own greedy output, at random batch sizes, refill orders and budgets."""
+    model = with_precision(tiny_model(kind, seed=seed % 5), precision)
+    rng = random.Random(seed)
+    reqs = _requests(rng, rng.randint(1, 8), model.cfg.src_vocab, model.cfg.eos)
+    rng.shuffle(reqs)
+    greedy = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=1).items()}
+    assert len({tuple(t) for t in greedy.values()}) > 1 or len(greedy) == 1
+    guides = {i: [t if rng.random() >= corrupt else rng.randint(0, model.cfg.tgt_vocab - 1) for t in toks + [2, 5, 6]]
+              for i, toks in greedy.items()}
+    torch.manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=1, block_size=3)).to(dtype).eval()
+    drafters = [InputCopy(max_draft=4), GuideDrafter(guides, 2 if model.cfg.double_token else 3),
+                DraftHeadDrafter(model, head)]
+    for drafter in drafters:
+        got = _decode(model, drafter, reqs, max_batch_size=bs, refill=refill,
+                      budget=RandomBudget(seed, 4) if budget else None)
+        assert {i: h.tokens for i, h in got.items()} == greedy, type(drafter).__name__
+
+
+def test_precision_option_end_to_end(tiny_model_dir):
+    """The option reaches the verifier, the signature and the job spec; int8 IAD equals int8 greedy
+    on a trained model, and int8 stays close to fp32."""
+    tr = Translator.load(tiny_model_dir)
+    sents = synthetic_sentences(40, seed=3)
+    fp32 = [r.tokens for r in tr.translate_batch(sents, method="greedy")]
+    outs = {}
+    for method in ("greedy", "iad"):
+        res = tr.translate_batch(sents, method=method, precision="int8", max_batch_size=7)
+        assert all(r.status in ("ok", "truncated_output") for r in res)
+        outs[method] = [r.tokens for r in res]
+    assert outs["iad"] == outs["greedy"]
+    assert sum(a == b for a, b in zip(outs["greedy"], fp32)) >= 0.8 * len(sents)
+    assert tr.verifier("int8") is tr.verifier("int8") and tr.verifier("fp32") is tr.model
+    assert "precision:int8" in decode_options("iad", precision="int8").signature()
+    assert decode_options("iad").signature() != decode_options("iad", precision="bf16").signature()
+    opts, _ = options_from_mapping({"method": "greedy", "precision": "int8"}, "greedy")
+    assert opts.precision == "int8"
+    with pytest.raises(OptionError, match="^precision: must be one of fp32, bf16, int8"):
+        decode_options("greedy", precision="fp16")
+    bf16 = tr.translate_batch(sents[:5], method="iad", precision="bf16")
+    assert [r.tokens for r in bf16] == [r.tokens for r in tr.translate_batch(sents[:5], precision="bf16")]
