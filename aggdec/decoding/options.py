@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch
+from aggdec.model.precision import PRECISIONS
 
 VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
-PRECISIONS = ("fp32", "bf16", "int8")  # aggdec.model.precision
 
 
 class OptionError(ValueError):

@@ -87,7 +87,7 @@ class OutputProjection:
         self.weight = weight
         self.certify = certify
         self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = self.draft_weight_bf16 = None
-        self.packed = prepack(weight)
+        self.packed = prepack(weight) if int8 is None else None  # an int8 projection never uses the float weight
         if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
             # drafters' bf16 output weight (V, D): without the bias column, which drafters add themselves
