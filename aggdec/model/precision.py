@@ -64,8 +64,7 @@ class Int8Weight:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, D) float -> (x_q (N, D) int8, s (N, 1)) with x ~ x_q * s, s = max |x_row| / 127 per row."""
-    lo, hi = torch.aminmax(x, dim=1, keepdim=True)
-    s = torch.maximum(hi, lo.neg_()).clamp_(min=torch.finfo(x.dtype).tiny).div_(127.0)
+    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny).div_(127.0)
     return torch.div(x, s).round_().to(torch.int8), s
 
 
