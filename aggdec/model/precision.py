@@ -20,6 +20,8 @@ fp32 greedy's; the benchmarks report by how much (docs/benchmarks.md).
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,27 +47,83 @@ class Int8Weight:
         """x (..., in) float -> (..., out) in x's dtype: int8 x int8 -> int32, rescaled, + bias."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        xq, s = quantize_rows(x)
-        y = torch._int_mm(xq, self.qweight_t).to(x.dtype).mul_(self.scale)
-        y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s, out=y)
-        if relu:
-            y.relu_()
+        if self.bias is None:
+            y = _run("relu" if relu else "plain", x, self.qweight_t, self.scale)
+        else:
+            y = _run("bias_relu" if relu else "bias", x, self.qweight_t, self.scale, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
     def ranking_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (the activation
         scale is left out where there is no bias), so every row ranks tokens as `__call__` does, and a
-        pass over the (N, out) result is saved. For the verifier's top-1."""
+        multiplication over the (N, out) result is saved. For the verifier's top-1."""
         if self.bias is not None:
             return self(x)
-        xq, _ = quantize_rows(x)
-        return torch._int_mm(xq, self.qweight_t).to(x.dtype).mul_(self.scale)
+        return _run("ranking", x, self.qweight_t, self.scale)
+
+
+def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """`kernel(name)` on x (N, D) and the weight tensors. x goes in detached (a view would make the
+    compiled kernels guard on the shape of its base) and with at least 2 rows (zero rows added, their
+    results dropped): compiled kernels specialize on a single row, and one kernel for every N keeps
+    each row's result independent of N."""
+    n = x.shape[0]
+    x = x.detach()
+    if n < 2:
+        x = torch.cat([x, x.new_zeros(2 - n, x.shape[1])])
+    y = kernel(name)(x, *weights)
+    return y if n >= 2 else y[:n]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, D) float -> (x_q (N, D) int8, s (N, 1)) with x ~ x_q * s, s = max |x_row| / 127 per row."""
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny).div_(127.0)
-    return torch.div(x, s).round_().to(torch.int8), s
+    s = x.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / 127.0
+    return torch.round(x / s).to(torch.int8), s
+
+
+def _product(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    xq, s = quantize_rows(x)
+    return torch._int_mm(xq, qweight_t).to(x.dtype) * scale * s
+
+
+def _ranking(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch._int_mm(quantize_rows(x)[0], qweight_t).to(x.dtype) * scale
+
+
+_VARIANTS = {
+    "plain": _product,
+    "relu": lambda x, w, s: _product(x, w, s).relu(),
+    "bias": lambda x, w, s, b: _product(x, w, s) + b,
+    "bias_relu": lambda x, w, s, b: (_product(x, w, s) + b).relu(),
+    "ranking": _ranking,
+}
+_KERNELS: dict[str, Callable] = {}
+
+
+def kernel(name: str) -> Callable:
+    """The W8A8 product `name` of `_VARIANTS`, compiled by TorchInductor (one C++ loop quantizes the
+    activations, one rescales the int32 products, adds the bias and applies relu, around the
+    integer matmul), or run op by op where compiling is not available.
+
+    The choice is made once per process, at the first call: every product of a run goes through the
+    same code, which keeps each row's result independent of the call's other rows (compiled and op
+    by op products round the rescaling differently). Shapes are dynamic, so each variant compiles
+    once per dtype (and once more for single rows) whatever the layer sizes and batch."""
+    if not _KERNELS:
+        _KERNELS.update(_compiled() or _VARIANTS)
+    return _KERNELS[name]
+
+
+def _compiled() -> dict[str, Callable] | None:
+    """The compiled variants, or None (with a warning) where TorchInductor cannot build the probe."""
+    compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _VARIANTS.items()}
+    try:
+        compiled["plain"](torch.ones(2, 16), torch.ones(16, 16, dtype=torch.int8), torch.ones(16))
+    except Exception as err:  # no C++ compiler, an unsupported platform: the same products op by op
+        warnings.warn(f"int8: TorchInductor unavailable ({type(err).__name__}: {err}); products run op by op",
+                      stacklevel=3)
+        return None
+    return compiled
 
 
 class Int8Linear(nn.Module):
