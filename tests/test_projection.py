@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from aggdec.api import Translator
 from aggdec.decoding.acceptance import constrain_logits
-from aggdec.model.projection import OutputProjection
+from aggdec.model.precision import Int8Weight
+from aggdec.model.projection import TOP1_ROWS, OutputProjection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +116,34 @@ def test_constraints_apply_before_certification():
     rules(ref, None)
     assert torch.equal(got, ref.argmax(-1))
     assert int(got[0]) != 1 and int(got[1]) == 2  # pad never wins; eos forced at max_len
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_plain_top1_over_many_positions_applies_each_rows_rules(int8):
+    """The plain top-1 takes its positions TOP1_ROWS at a time: every position keeps its own rules
+    (pad, min_len, max_len, forced tokens) and equals the argmax of the constrained logits of all
+    positions at once, fp32 and int8 (whose logits are also row for row those of one call)."""
+    w = _weights(4, vocab=300, dim=32)
+    b = torch.randn(300)
+    n = 3 * TOP1_ROWS + 5
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(n, 32, generator=g) * 2
+    h[::7] = w[1] * 3  # pad would win these
+    out_index = torch.randint(0, 12, (n,), generator=g)
+    max_len = torch.randint(3, 12, (n,), generator=g)
+    forced = torch.tensor([5, 6])
+
+    def rules(z, at):
+        idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+        constrain_logits(z, idx, lim, pad=1, eos=2, min_len=2, forced=forced)
+
+    int8_weight = Int8Weight(w, b) if int8 else None
+    proj = OutputProjection(w, certify=False, bias=b, int8=int8_weight)
+    ref = int8_weight(h) if int8 else F.linear(h, w, b)
+    rules(ref, None)
+    got = proj.top1(h, rules)
+    assert torch.equal(got, ref.argmax(-1))
+    assert (got != 1).all() and (got[out_index == 0] == 5).all() and (got[(out_index >= max_len) & (out_index >= 2)] == 2).all()
 
 
 def test_certify_needs_fp32():
