@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from aggdec import checkpoint
+from aggdec.allocator import keep_freed_memory
 from aggdec.checkpoint import Bundle
 from aggdec.conventions import Framing
 from aggdec.decoding.limits import max_len_for
@@ -64,9 +65,13 @@ class TranslationResult:
 
 
 class Translator:
-    """A loaded verifier plus its tokenizers; decodes lists or streams of sentences in-process."""
+    """A loaded verifier plus its tokenizers; decodes lists or streams of sentences in-process.
+
+    Constructing one sets glibc's allocator to keep freed memory for the process
+    (aggdec.allocator.keep_freed_memory)."""
 
     def __init__(self, bundle: Bundle):
+        keep_freed_memory()
         self.bundle = bundle
         self.model = bundle.model
         self.cfg = bundle.model.cfg
