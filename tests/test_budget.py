@@ -39,6 +39,24 @@ def test_drafting_turns_itself_off_where_it_does_not_pay():
     assert budget.score[1] < 0  # the challenger left, one token, keeps losing
 
 
+def test_none_is_tried_first_even_after_a_comparison_was_dropped():
+    """A batch that shrinks right after greedy's trial block drops that comparison (a kept budget's
+    warm-up run drains so); greedy, still not compared, is the next challenger again, not a shorter
+    draft, so a start where drafting loses stays short."""
+    budget = DraftBudget(4)
+    gen = torch.Generator().manual_seed(0)
+    lengths, length = [], budget.next_length(64, 4)
+    for call in range(60):  # compute-bound costs, poor drafts: greedy pays
+        lengths.append(length)
+        rows = 40 if 8 <= call < 12 else 64
+        acc = (torch.rand(rows, length, generator=gen) < 0.3).long().cumprod(1).sum(1) if length else torch.zeros(rows)
+        budget.record(length, int((acc + 1).sum()), 1e-4 * rows * (1 + length), rows)
+        length = budget.next_length(rows, 4)
+    assert lengths[4:8] == [0] * 4 and lengths[8:16] == [4] * 8  # greedy's trial, dropped by the shrink
+    assert lengths[16:20] == [0] * 4  # greedy again, not the shorter draft 3
+    assert budget.choice == 0
+
+
 def test_a_middle_length_when_later_positions_are_poor():
     """Positions 1-2 nearly always kept, 3-6 never; a per-token cost: two tokens are worth it, more are not."""
     budget = DraftBudget(6)

@@ -10,8 +10,9 @@ decoding, chosen whenever drafting does not pay; the drafters then skip their ow
 Lengths are measured in blocks of `block` consecutive calls. Most blocks run the best length found
 so far; now and then a block tries a challenger (none, a quarter less or a quarter more, at least
 one token), and its rate is compared with the mean rate of the best-length blocks just before and
-just after it. The paired comparison cancels what drifts during a run (sentence lengths, the
-machine's load); a comparison across a change of batch size is dropped, and no challenger is tried
+just after it. Lengths not yet compared with the current best are tried first, none (greedy
+decoding) first of all, so that a start where drafting does not pay is short. The paired comparison
+cancels what drifts during a run (sentence lengths, the machine's load); a comparison across a change of batch size is dropped, and no challenger is tried
 while a batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over.
 The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
@@ -109,6 +110,9 @@ class DraftBudget:
             challengers = self._challengers()
             if challengers:
                 self._since = 0
+                untried = [c for c in challengers if c not in self.score]
+                if untried:  # none first: the plain path is the one never to lose to
+                    return untried[0]
                 self._turn += 1
                 return challengers[(self._turn - 1) % len(challengers)]
         self._since += 1
