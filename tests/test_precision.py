@@ -21,6 +21,7 @@ from aggdec.decoding.methods import decode_options, options_from_mapping
 from aggdec.decoding.options import OptionError
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.linear import Linear
+from aggdec.model import precision
 from aggdec.model.precision import Int8Linear, Int8Weight, with_precision
 
 
@@ -41,6 +42,20 @@ def test_int8_rows_do_not_depend_on_the_call(dtype):
         ranking = q.ranking_logits(x)
         assert torch.equal(ranking.argmax(dim=1), full.argmax(dim=1))
     assert torch.equal(q(torch.zeros(2, 96, dtype=dtype)), b.expand(2, -1))  # an all-zero row: no division by 0
+
+
+def test_op_by_op_products_are_row_invariant_and_match_the_compiled_ones():
+    """The fallback where TorchInductor cannot compile (precision._VARIANTS run op by op): rows
+    independent of the call too, and within rounding of the compiled kernels."""
+    torch.manual_seed(1)
+    w, b, x = torch.randn(300, 96), torch.randn(300), torch.randn(70, 96) * 3
+    q = Int8Weight(w, b)
+    args = {"plain": (q.qweight_t, q.scale), "relu": (q.qweight_t, q.scale), "ranking": (q.qweight_t, q.scale),
+            "bias": (q.qweight_t, q.scale, b), "bias_relu": (q.qweight_t, q.scale, b)}
+    for name, fn in precision._VARIANTS.items():
+        full = fn(x, *args[name])
+        assert torch.equal(fn(x[4:5], *args[name]), full[4:5]) and torch.equal(fn(x[10:40], *args[name]), full[10:40])
+        assert torch.allclose(full, precision.kernel(name)(x, *args[name]), rtol=1e-5, atol=1e-4)
 
 
 def test_with_precision_converts_a_copy():

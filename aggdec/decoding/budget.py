@@ -12,9 +12,9 @@ so far; now and then a block tries a challenger (none, a quarter less or a quart
 one token), and its rate is compared with the mean rate of the best-length blocks just before and
 just after it. Lengths not yet compared with the current best are tried first, none (greedy
 decoding) first of all, so that a start where drafting does not pay is short. The paired comparison
-cancels what drifts during a run (sentence lengths, the machine's load); a comparison across a change of batch size is dropped, and no challenger is tried
-while a batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over.
-The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
+cancels what drifts during a run (sentence lengths, the machine's load); a comparison across a
+change of batch size is dropped, and no challenger is tried while a batch drains at the end of a
+run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
 and the first `WARM` blocks a quarter, so that a cold start is short. A budget can be kept across

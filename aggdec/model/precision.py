@@ -108,7 +108,7 @@ def kernel(name: str) -> Callable:
     The choice is made once per process, at the first call: every product of a run goes through the
     same code, which keeps each row's result independent of the call's other rows (compiled and op
     by op products round the rescaling differently). Shapes are dynamic, so each variant compiles
-    once per dtype (and once more for single rows) whatever the layer sizes and batch."""
+    once per dtype whatever the layer sizes and batch (`_run` never passes a single row)."""
     if not _KERNELS:
         _KERNELS.update(_compiled() or _VARIANTS)
     return _KERNELS[name]

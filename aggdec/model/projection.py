@@ -40,12 +40,12 @@ from aggdec.model.linear import linear, prepack
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
 REFINE_WIDTH = 16
+"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
+whole fp32 row."""
 TOP1_ROWS = 128
 """Positions per product in the plain top-1: their (n, V) logits stay in the cache, where one product
 over every position of a large batch (1,300 positions x 8,000 tokens x 4 bytes: 42 MB) is written to
 fresh pages at every call (glibc maps allocations over 32 MB anew) and read again by the argmax."""
-"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
-whole fp32 row."""
 
 Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
 """constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
