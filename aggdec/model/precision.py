@@ -36,12 +36,11 @@ class Int8Weight:
     """A weight (out, in) quantized per output channel; `__call__` is the W8A8 product above."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        w = weight.detach()
-        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(w.dtype).tiny) / 127.0
-        self.qweight_t = torch.round(w / scale[:, None]).to(torch.int8).t().contiguous()  # (in, out)
-        self.scale = scale  # (out,), in the model's float dtype
+        qweight, scale = quantize_rows(weight.detach())  # a weight row quantizes as a token does
+        self.qweight_t = qweight.t().contiguous()  # (in, out)
+        self.scale = scale[:, 0]  # (out,), in the model's float dtype
+        self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach()
-        self.out_features = w.shape[0]
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x (..., in) float -> (..., out) in x's dtype: int8 x int8 -> int32, rescaled, + bias."""
