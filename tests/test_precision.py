@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from conftest import synthetic_sentences
 from hypothesis import strategies as st
 from test_loop import GuideDrafter, RandomBudget, _decode, _requests
@@ -83,7 +83,7 @@ def test_draft_verify_is_exact_for_the_converted_verifier(seed, kind, precision,
     reqs = _requests(rng, rng.randint(1, 8), model.cfg.src_vocab, model.cfg.eos)
     rng.shuffle(reqs)
     greedy = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=1).items()}
-    assert len({tuple(t) for t in greedy.values()}) > 1 or len(greedy) == 1
+    assume(len({tuple(t) for t in greedy.values()}) > 1 or len(greedy) == 1)  # not a constant model
     guides = {i: [t if rng.random() >= corrupt else rng.randint(0, model.cfg.tgt_vocab - 1) for t in toks + [2, 5, 6]]
               for i, toks in greedy.items()}
     torch.manual_seed(seed)
