@@ -357,6 +357,7 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
         raise Failure(f"stopped; committed units are kept in {job.output.dir}, rerun to resume") from None
     finally:
         progress.end()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
         disconnect(conn)
         signal.signal(signal.SIGTERM, stop)
     click.echo(result.summary_line())
@@ -367,6 +368,9 @@ def _echo_err(msg: str) -> None:
 
 
 def _terminate(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM does not interrupt the unwinding
     raise KeyboardInterrupt  # unwinds like Ctrl-C: Ray is shut down, the message is one line
 
 

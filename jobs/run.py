@@ -19,6 +19,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -180,22 +181,24 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
             log(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} unit(s) with {plan.actors} "
                 f"actor(s) on {plan.device} ({spec.method})")
             try:
-                for row in build_pipeline(spec, plan, task, pending).iter_rows():
-                    record = json.loads(row["record"])
-                    if "failed" in record:
-                        failed[record["unit"]] = record["failed"]
-                        log(f"could not decode {record['unit']}: {record['failed']}")
-                    else:
-                        records[record["unit"]] = record
-                        run_info["committed"].append(record["unit"])
-                        decoded_rows += record["rows"]
-                        write_manifest(complete=False, force=False)
-                        log(f"committed {record['unit']} ({record['rows']} rows)")
-                    progress(Progress(rows=decoded_rows, rows_total=sum(u.rows for u in todo),
-                                      units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
-                                      errors=errors + record.get("status", {}).get("error", 0),
-                                      seconds=time.perf_counter() - t_pipe))
-                    errors += record.get("status", {}).get("error", 0)
+                # closed on any exit, so Ray Data stops its executor before Ray is shut down
+                with closing(iter(build_pipeline(spec, plan, task, pending).iter_rows())) as rows:
+                    for row in rows:
+                        record = json.loads(row["record"])
+                        if "failed" in record:
+                            failed[record["unit"]] = record["failed"]
+                            log(f"could not decode {record['unit']}: {record['failed']}")
+                        else:
+                            records[record["unit"]] = record
+                            run_info["committed"].append(record["unit"])
+                            decoded_rows += record["rows"]
+                            write_manifest(complete=False, force=False)
+                            log(f"committed {record['unit']} ({record['rows']} rows)")
+                        progress(Progress(rows=decoded_rows, rows_total=sum(u.rows for u in todo),
+                                          units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
+                                          errors=errors + record.get("status", {}).get("error", 0),
+                                          seconds=time.perf_counter() - t_pipe))
+                        errors += record.get("status", {}).get("error", 0)
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise
