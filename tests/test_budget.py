@@ -44,6 +44,7 @@ def test_none_is_tried_first_even_after_a_comparison_was_dropped():
     warm-up run drains so); greedy, still not compared, is the next challenger again, not a shorter
     draft, so a start where drafting loses stays short."""
     budget = DraftBudget(4)
+    budget.ROW_CALLS = 16 * 64  # blocks of 16 calls (4 while warm) at 64 rows
     gen = torch.Generator().manual_seed(0)
     lengths, length = [], budget.next_length(64, 4)
     for call in range(60):  # compute-bound costs, poor drafts: greedy pays
@@ -55,6 +56,21 @@ def test_none_is_tried_first_even_after_a_comparison_was_dropped():
     assert lengths[4:8] == [0] * 4 and lengths[8:16] == [4] * 8  # greedy's trial, dropped by the shrink
     assert lengths[16:20] == [0] * 4  # greedy again, not the shorter draft 3
     assert budget.choice == 0
+
+
+def test_a_wide_batch_finds_out_in_few_calls():
+    """At 128 rows a call averages over many rows: blocks are short, so a bulk run of a few hundred
+    calls where drafting does not pay drafts in few of them (16-call blocks draft in about 20)."""
+    budget = DraftBudget(4)
+    gen = torch.Generator().manual_seed(0)
+    lengths, length = [], budget.next_length(128, 4)
+    for _ in range(360):
+        lengths.append(length)
+        acc = (torch.rand(128, length, generator=gen) < 0.3).long().cumprod(1).sum(1) if length else torch.zeros(128)
+        budget.record(length, int((acc + 1).sum()), 1e-4 * 128 * (1 + length), 128)
+        length = budget.next_length(128, 4)
+    assert budget.choice == 0 and lengths[-20:] == [0] * 20
+    assert sum(length > 0 for length in lengths) <= 12
 
 
 def test_a_middle_length_when_later_positions_are_poor():

@@ -7,7 +7,7 @@ verifying, accepting, drafting, bookkeeping; not the encoding of refills, which 
 sentence whatever the draft length), and picks the draft length with the most. L = 0 is plain greedy
 decoding, chosen whenever drafting does not pay; the drafters then skip their own work.
 
-Lengths are measured in blocks of `block` consecutive calls. Most blocks run the best length found
+Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `ROW_CALLS`). Most blocks run the best length found
 so far; now and then a block tries a challenger (none, a quarter less or a quarter more, at least
 one token), and its rate is compared with the mean rate of the best-length blocks just before and
 just after it. Lengths not yet compared with the current best are tried first, none (greedy
@@ -17,7 +17,8 @@ change of batch size is dropped, and no challenger is tried while a batch drains
 run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
-and the first `WARM` blocks a quarter, so that a cold start is short. A budget can be kept across
+and all blocks a quarter until `WARM` comparisons were judged, so that a cold start is short (a
+warm-up whose batch drained judged nothing and leaves the budget cold). A budget can be kept across
 runs of the same options (`aggdec.api` does), so that later runs start from what earlier ones
 measured. Per-row acceptance statistics are the loop's (`RowStats`).
 """
@@ -43,8 +44,13 @@ class DraftBudget:
 
     LONGEST = 64
     """`max_length` for drafters without a limit of their own (IAD without a draft cap)."""
-    WARM = 6
-    """The first blocks are a quarter as long: a cold start finds out quickly what clearly does not pay."""
+    ROW_CALLS = 128
+    """A block of a wide batch ends once its calls covered this many rows: a call over many rows
+    averages over them, so fewer calls measure as well, and a run of few wide calls (a bulk batch)
+    spends fewer of them exploring."""
+    WARM = 2
+    """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
+    quickly what clearly does not pay."""
 
     def __init__(self, max_length: int = 64, *, block: int = 16, max_gap: int = 32):
         self.max_length = max_length
@@ -55,7 +61,7 @@ class DraftBudget:
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
         self._current = max_length  # the length of the block being measured
         self._tokens = self._seconds = 0.0
-        self._count = self._blocks = 0
+        self._count = self._judged = 0
         self._rows = (0, 0)  # fewest and most rows of the block's calls
         self._widest = 0  # the most rows of any call so far
         self._before: Block | None = None  # the last best-length block
@@ -80,17 +86,18 @@ class DraftBudget:
         self._widest = max(self._widest, rows)
         self._count += 1
         if self._count >= self._block_length():
-            self._blocks += 1
             block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows)
             self._tokens = self._seconds = 0.0
             self._count = 0
             self._current = self._close(self._current, block)
 
     def _block_length(self) -> int:
-        """Calls per block: a quarter while warming up, a half for challengers (most lose), else `block`."""
-        if self._blocks < self.WARM:
-            return max(1, self.block // 4)
-        return self.block if self._current == self.choice else max(1, self.block // 2)
+        """Calls per block: `block`, fewer on wide batches (at least `ROW_CALLS` row-calls and 2 calls);
+        a quarter of that while warming up, a half for challengers (most lose)."""
+        full = max(2, min(self.block, math.ceil(self.ROW_CALLS / max(self._rows[1], 1))))
+        if self._judged < self.WARM:
+            return max(1, full // 4)
+        return full if self._current == self.choice else max(1, full // 2)
 
     def _close(self, length: int, block: Block) -> int:
         """A block at `length` was measured: update the comparison, return the next block's length."""
@@ -120,6 +127,7 @@ class DraftBudget:
 
     def _judge(self, challenger: int, log_ratio: float) -> bool:
         """Update the challenger's score; True if it took over."""
+        self._judged += 1
         old = self.score.get(challenger)
         s = log_ratio if old is None else (old + log_ratio) / 2
         if s > 0:  # the challenger is ahead: it becomes the choice, compared with the old one
