@@ -47,7 +47,9 @@ def main(argv=None) -> None:
         budget.DraftBudget.next_length = lambda self, rows, limit: min(a.fixed_length, limit)
     sents = read_tsv(a.data, a.column, a.column)[0][: a.limit]
     tr = Translator.load(a.model)
-    kw = dict(method=a.method, max_batch_size=a.batch_size, **({"drafter": a.drafter} if a.method not in ("iad", "greedy") else {}))
+    kw = dict(method=a.method, max_batch_size=a.batch_size)
+    if a.method not in ("iad", "greedy"):
+        kw["drafter"] = a.drafter
     tr.translate_batch(sents[:16], **kw)
     calls.clear()
     t0 = time.perf_counter()

@@ -7,14 +7,15 @@ verifying, accepting, drafting, bookkeeping; not the encoding of refills, which 
 sentence whatever the draft length), and picks the draft length with the most. L = 0 is plain greedy
 decoding, chosen whenever drafting does not pay; the drafters then skip their own work.
 
-Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `ROW_CALLS`). Most blocks run the best length found
-so far; now and then a block tries a challenger (none, a quarter less or a quarter more, at least
-one token), and its rate is compared with the mean rate of the best-length blocks just before and
-just after it. Lengths not yet compared with the current best are tried first, none (greedy
-decoding) first of all, so that a start where drafting does not pay is short. The paired comparison
-cancels what drifts during a run (sentence lengths, the machine's load); a comparison across a
-change of batch size is dropped, and no challenger is tried while a batch drains at the end of a
-run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
+Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `ROW_CALLS`).
+Most blocks run the best length found so far; now and then a block tries a challenger (none, a
+quarter less or a quarter more, at least one token), and its rate is compared with the mean rate of
+the best-length blocks just before and just after it. Lengths not yet compared with the current best
+are tried first, none (greedy decoding) first of all, so that a start where drafting does not pay is
+short. The paired comparison cancels what drifts during a run (sentence lengths, the machine's
+load); a comparison across a change of batch size is dropped, and no challenger is tried while a
+batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
+between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
 and all blocks a quarter until `WARM` comparisons were judged, so that a cold start is short (a
