@@ -88,19 +88,18 @@ class Translator:
 
     def projection(self, verify_precision: str = "auto", precision: str = "fp32") -> OutputProjection:
         """The output projection of the verifier at `precision` for `verify_precision` (see
-        DecodeOptions), built once; a certified top-1 applies to an fp32 verifier only."""
+        DecodeOptions), built once; the certified bf16 top-1 applies to an fp32 verifier only."""
         model = self.verifier(precision)
         weight = model.output_weight
         fp32 = weight.dtype == torch.float32 and model.output_int8 is None
         if verify_precision == "auto":
-            certify = "bf16" if fp32 and certified_pays(weight.device) else None
+            certify = fp32 and certified_pays(weight.device)
         else:
-            certify = verify_precision.removesuffix("-certified") if verify_precision.endswith("-certified") and fp32 \
-                else None
+            certify = verify_precision == "bf16-certified" and fp32
         key = (precision, certify)
         if key not in self._projections:
             if certify and weight.device.type == "cuda":
-                warnings.warn(f"verify_precision={verify_precision!r} on a GPU: outputs are unchanged, but it is slower "
+                warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but it is slower "
                               "than fp32 there (docs/benchmarks.md); 'auto' uses fp32 on GPUs", stacklevel=3)
             self._projections[key] = OutputProjection(weight, certify, model.output_bias, int8=model.output_int8)
         return self._projections[key]

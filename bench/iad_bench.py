@@ -98,8 +98,7 @@ def main(argv=None) -> int:
     greedy_ref: dict[int, list[int]] = {}
     per_sentence_ms: dict[str, dict[int, float]] = {}
     caps = [c.strip() for c in args.draft_caps.split(",")]
-    projections = {p: OutputProjection(model.output_weight, certify=p.removesuffix("-certified") if p.endswith("-certified") else None,
-                                     bias=model.output_bias) for p in args.precisions.split(",")}
+    projections = {p: OutputProjection(model.output_weight, certify=p == "bf16-certified", bias=model.output_bias) for p in args.precisions.split(",")}
     # warm-up
     run_loop(model, reqs_all[:8], NoDraft(), 8)
     ct2_dir = export_ct2(save_fairseq(args.model, Path(tempfile.mkdtemp()) / "fs"), Path(tempfile.mkdtemp())) if args.ct2 else None

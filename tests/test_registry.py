@@ -97,7 +97,7 @@ def test_a_registered_drafter_is_lossless(seed, bs, ngram, width):
         rng = random.Random(seed)
         reqs = _requests(rng, rng.randint(1, 9), model.cfg.src_vocab, model.cfg.eos)
         rng.shuffle(reqs)
-        ctx = DraftContext(model, OutputProjection(model.output_weight, certify=None), False, lambda p, b: None)
+        ctx = DraftContext(model, OutputProjection(model.output_weight, certify=False), False, lambda p, b: None)
         greedy = METHODS["greedy"].decode(decode_options("greedy", max_batch_size=3), reqs, ctx)
         opts = decode_options("lookup", ngram=ngram, width=width, max_batch_size=bs)
         lookup = method.decode(opts, reqs, ctx)

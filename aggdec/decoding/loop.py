@@ -60,7 +60,7 @@ class DraftVerifyLoop:
     lengths (a row is always admitted into an empty batch). With `refill=False` the loop waits for
     the whole batch to finish before admitting more (static batching, for comparison).
     `projection` computes the verifier's top-1 and logits (default: plain fp32); one built with
-    `certify="bf16"` or `"int8"` gives a certified top-1, which leaves every output unchanged.
+    `certify=True` gives the certified bf16 top-1, which leaves every output unchanged.
     `encode_batch`: refills are encoded at least this many at a time (default max_batch_size): when a
     slot frees up, the next pending sentences are encoded with it and wait, as cross-attention K/V,
     for their own slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder
@@ -86,7 +86,7 @@ class DraftVerifyLoop:
         self.max_tokens = max_tokens
         self.refill = refill
         self.min_len = min_len
-        self.projection = projection or OutputProjection(model.output_weight, certify=None, bias=model.output_bias,
+        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
                                                          int8=model.output_int8)
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()

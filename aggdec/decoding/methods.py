@@ -194,4 +194,4 @@ def signature(opts: DecodeOptions, sha: str = "") -> str:
 def drafts_in_bf16(opts: DecodeOptions, projection: OutputProjection) -> bool:
     """bf16 drafts cannot change a lossless method's output; lossy methods keep fp32 drafters so that
     no output depends on the verify precision."""
-    return projection.certify == "bf16" and get_method(opts.method).lossless(opts)
+    return projection.certify and get_method(opts.method).lossless(opts)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from aggdec.decoding.acceptance import Acceptance, ExactMatch
 from aggdec.model.precision import PRECISIONS
 
-VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified", "int8-certified")
+VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
 
 
 class OptionError(ValueError):
@@ -71,9 +71,7 @@ class DecodeOptions:
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
-                "in bf16 too. int8-certified: the same with an int8 output projection (faster on CPUs with "
-                "int8 dot products, such as AVX512-VNNI). auto: bf16-certified for an fp32 verifier on a CPU "
-                "with AMX, else fp32.",
+                "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with AMX, else fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 
     def __post_init__(self) -> None:

@@ -26,16 +26,6 @@ the exact value, so |z_s,i - z_fp32,i| <= E = 2 g' max_i ||W_i|| ||h||, and the 
 largest z_s,c is the fp32 argmax when z_s,c - E > z_s,j + E for every other candidate j. Only the
 positions where that also fails (exact or ~1e-6 ties, or more than REFINE_WIDTH candidates) get the
 full fp32 row.
-
-The certified int8 top-1 (certify="int8") is the same scheme with int8 logits: h and every weight
-row w_i quantized symmetrically per row (aggdec.model.precision.quantize_rows), h = s_h q_h + e_h,
-w_i = s_i q_i + e_i; the integer product is exact, and
-    z_i - s_h s_i (q_h . q_i) = h . e_i + e_h . (s_i q_i),
-so |z_q,i - z_i| <= ||h|| max_i ||e_i|| + ||e_h|| max_i ||s_i q_i|| (Cauchy-Schwarz), plus the fp32
-reference's g' max_i ||w_i|| ||h|| and the three roundings of rescaling the int32 product, at most
-4 * 2^-24 |z_q,i|. A bias is quantized as one more weight column against a constant 1. Positions
-it cannot certify are refined and recomputed as above, from the fp32 weight with the bias added in
-the product, as the plain fp32 path computes them.
 """
 
 from __future__ import annotations
@@ -46,14 +36,9 @@ from collections.abc import Callable
 import torch
 
 from aggdec.model.linear import linear, prepack
-from aggdec.model.precision import quantize_rows
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
-INT8_RESCALE_ROUNDOFF = 4 * FP32_UNIT_ROUNDOFF
-"""Relative error of an int32 product rescaled to fp32 (conversion and two products, rounded up)."""
-CERTIFIED = ("bf16", "int8")
-"""What a certified top-1 computes its logits in (OutputProjection's `certify`)."""
 REFINE_WIDTH = 16
 """Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
 whole fp32 row."""
@@ -81,57 +66,44 @@ def certified_pays(device: torch.device) -> bool:
 
 
 class OutputProjection:
-    """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, and its top-1.
-
-    `certify`: None (the plain fp32 argmax), "bf16" or "int8" (the certified top-1s of the module
-    docstring). With "bf16", a bias (V,) is folded in as one more column of the weight against a
-    constant 1 appended to every hidden state, so that the bound covers it unchanged; "int8" folds it
-    into its int8 copy only; the fp32 products add it.
+    """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, plus a bf16 copy for the certified
+    top-1. With the certified top-1, a bias (V,) is folded in as one more column of the weight against
+    a constant 1 appended to every hidden state, so that the bound above covers it unchanged; the
+    plain fp32 path adds it in the product.
 
     int8: the verifier's quantized output projection (aggdec.model.precision.Int8Weight, bias
     included), which then computes the logits (no certified top-1).
 
-    Built once per set of weights: the bf16 or int8 copy and oneDNN's packed layouts
-    (`linear.prepack`) are snapshots taken here. Counters (positions, see `counts`): `certified` by
-    the bound, `refined` from their candidates' fp32 logits, `recomputed` as whole fp32 rows.
+    Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
+    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
+    see `counts`): `certified` by the bf16 bound, `refined` from their candidates' fp32 logits,
+    `recomputed` as whole fp32 rows.
     """
 
-    def __init__(self, weight: torch.Tensor, certify: str | None, bias: torch.Tensor | None = None, int8=None):
-        if certify is not None and certify not in CERTIFIED:
-            raise ValueError(f"certify must be one of {', '.join(CERTIFIED)} or None, got {certify!r}")
+    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None):
         if certify and (weight.dtype != torch.float32 or int8 is not None):
-            raise ValueError(f"certified top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
+            raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
         self.int8 = int8
-        self.with_bias = bias is not None and certify == "bf16"  # folded into the weight
-        self.bias = None if bias is None or self.with_bias else bias.detach()
+        self.with_bias = bias is not None and certify  # folded into the weight
+        self.bias = None if bias is None or certify else bias.detach()
         if self.with_bias:
             weight = torch.cat([weight.detach(), bias.detach()[:, None]], dim=1)
         self.weight = weight
         self.certify = certify
-        self.weight_bf16 = self.packed_bf16 = self.draft_weight_bf16 = self.qweight_t = self.qscale = None
+        self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = self.draft_weight_bf16 = None
         self.packed = prepack(weight) if int8 is None else None  # an int8 projection never uses the float weight
-        if certify:  # the bound's coefficients, once; over the weight rows with their bias
-            full = weight.detach() if bias is None or self.with_bias else torch.cat(
-                [weight.detach(), bias.detach()[:, None]], dim=1)
-            d = full.shape[1]
-            g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
-            max_norm = float(full.norm(dim=1).max())
-            self.ref_coef = 2 * g_ref * max_norm
-        if certify == "bf16":
+        if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
             # drafters' bf16 output weight (V, D): without the bias column, which drafters add themselves
             self.draft_weight_bf16 = self.weight_bf16[:, :-1].contiguous() if self.with_bias else self.weight_bf16
             self.packed_bf16 = prepack(self.weight_bf16)
+            d = weight.shape[1]
+            g, g_ref = d * FP32_UNIT_ROUNDOFF, (d + 1) * FP32_UNIT_ROUNDOFF
             u = BF16_UNIT_ROUNDOFF
+            max_norm = float(weight.detach().norm(dim=1).max())
             self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * max_norm
             self.rel_coef = u / (1 - u)
-        elif certify == "int8":
-            q, scale = quantize_rows(full)
-            self.qweight_t, self.qscale = q.t().contiguous(), scale[:, 0]
-            err = (full.double() - q.double() * scale.double()).norm(dim=1).max()
-            self.abs_coef = float(err) * (1 + 1e-6) + g_ref * max_norm  # times ||h||
-            self.act_coef = float((q.double() * scale.double()).norm(dim=1).max()) * (1 + 1e-6)  # times ||e_h||
-            self.rel_coef = INT8_RESCALE_ROUNDOFF
+            self.ref_coef = 2 * g_ref * max_norm
         self.reset_counts()
 
     def counts(self) -> dict[str, int]:
@@ -159,12 +131,13 @@ class OutputProjection:
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
         hidden = self._extend(hidden)
-        step = self._certified_top1 if self.certify else self._plain_top1
+        if self.certify:
+            return self._certified_top1(hidden, constrain)
         n = hidden.shape[0]
         if n <= TOP1_ROWS:
-            return step(hidden, constrain, None)
+            return self._plain_top1(hidden, constrain, None)
         at = torch.arange(n, device=hidden.device)
-        return torch.cat([step(hidden[i : i + TOP1_ROWS], constrain, at[i : i + TOP1_ROWS])
+        return torch.cat([self._plain_top1(hidden[i : i + TOP1_ROWS], constrain, at[i : i + TOP1_ROWS])
                           for i in range(0, n, TOP1_ROWS)])
 
     def _plain_top1(self, hidden: torch.Tensor, constrain: Constrain, rows: torch.Tensor | None) -> torch.Tensor:
@@ -174,28 +147,15 @@ class OutputProjection:
         constrain(z, rows)
         return z.max(dim=-1).indices
 
-    def _approximate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden (n, D) -> (logits (n, V) in the certified precision, each position's absolute error
-        bound (n,), ||h|| (n,) with the bias's constant 1): the module docstring's bounds."""
-        if self.certify == "bf16":
-            h_norm = hidden.norm(dim=1)
-            return linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16), self.abs_coef * h_norm, h_norm
-        full = hidden if self.bias is None else torch.cat([hidden, hidden.new_ones(hidden.shape[0], 1)], dim=1)
-        q, s = quantize_rows(full)
-        h_norm = full.norm(dim=1)
-        e_norm = (full - q.to(full.dtype) * s).norm(dim=1)
-        z = torch._int_mm(q, self.qweight_t).to(full.dtype) * self.qscale * s
-        # the norms themselves are fp32 sums of D squares: a relative 1e-4 covers their rounding
-        return z, (self.abs_coef * h_norm + self.act_coef * e_norm) * (1 + 1e-4), h_norm
-
-    def _certified_top1(self, hidden: torch.Tensor, constrain: Constrain, rows: torch.Tensor | None) -> torch.Tensor:
-        """The certified top-1 of `rows` (None: all), hidden the extended states of those rows."""
-        za, slack, h_norm = self._approximate(hidden)
-        constrain(za, rows)
-        top = za.topk(2, dim=-1)
+    def _certified_top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
+        zb = linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16)
+        constrain(zb, None)
+        top = zb.topk(2, dim=-1)
         best, runner = top.values.float().unbind(dim=1)
         r = self.rel_coef
-        floor = best * (1 - r * best.sign()) - slack  # L: the least fp32 value of the approximate top-1
+        h_norm = hidden.norm(dim=1)
+        slack = self.abs_coef * h_norm
+        floor = best * (1 - r * best.sign()) - slack  # L: the least fp32 value of the bf16 top-1
         ok = floor > runner * (1 + r * runner.sign()) + slack  # -inf stays -inf (a constrained runner-up)
         pred = top.indices[:, 0].clone()
         n_ok = int(ok.sum())
@@ -203,33 +163,30 @@ class OutputProjection:
         if n_ok == pred.shape[0]:
             return pred
         redo = (~ok).nonzero().squeeze(1)
-        refined, done = self._refine(hidden[redo], za[redo], floor[redo], slack[redo], h_norm[redo])
+        refined, done = self._refine(hidden[redo], zb[redo], floor[redo], h_norm[redo])
         pred[redo[done]] = refined[done]
         self.refined += int(done.sum())
         redo = redo[~done]
         if redo.numel():
             z = self._logits(hidden[redo])
-            constrain(z, redo if rows is None else rows[redo])
+            constrain(z, redo)
             pred[redo] = z.argmax(dim=-1)
             self.recomputed += redo.numel()
         return pred
 
-    def _refine(self, hidden: torch.Tensor, za: torch.Tensor, floor: torch.Tensor, slack: torch.Tensor,
+    def _refine(self, hidden: torch.Tensor, zb: torch.Tensor, floor: torch.Tensor,
                 h_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), za (n, V)
-        constrained approximate logits, floor L, their error bound and h_norm ||h|| (n,).
-        -> (argmax (n,) int64, proven (n,) bool)."""
-        width = min(REFINE_WIDTH, za.shape[1])
-        top = za.topk(width, dim=-1)
+        """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), zb (n, V)
+        constrained bf16 logits, floor L and h_norm ||h|| (n,). -> (argmax (n,) int64, proven (n,) bool)."""
+        slack = self.abs_coef * h_norm
+        width = min(REFINE_WIDTH, zb.shape[1])
+        top = zb.topk(width, dim=-1)
         v = top.values.float()
         cand = v * (1 + self.rel_coef * v.sign()) + slack[:, None] >= floor[:, None]  # a leading run
         # Every candidate is among the top `width` when the last of them is out (or that is all of V).
-        complete = ~cand[:, -1] | (width == za.shape[1])
+        complete = ~cand[:, -1] | (width == zb.shape[1])
         rows = self.weight[top.indices]  # (n, m, D) fp32
-        zs = torch.bmm(rows, hidden[:, :, None]).squeeze(2)
-        if self.bias is not None:
-            zs = zs + self.bias[top.indices]
-        zs = zs.masked_fill(~cand, -math.inf)
+        zs = torch.bmm(rows, hidden[:, :, None]).squeeze(2).masked_fill(~cand, -math.inf)
         two = zs.topk(min(2, zs.shape[1]), dim=-1)
         margin = 2 * self.ref_coef * h_norm
         runner = two.values[:, 1] if two.values.shape[1] > 1 else torch.full_like(margin, -math.inf)
