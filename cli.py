@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -326,8 +327,6 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
       aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
     """
-    import signal
-
     from cluster.connection import connect, disconnect
     from jobs.preflight import check_job
     from jobs.run import run_job
@@ -368,8 +367,6 @@ def _echo_err(msg: str) -> None:
 
 
 def _terminate(signum, frame) -> None:
-    import signal
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM does not interrupt the unwinding
     raise KeyboardInterrupt  # unwinds like Ctrl-C: Ray is shut down, the message is one line
 

@@ -43,8 +43,7 @@ def test_none_is_tried_first_even_after_a_comparison_was_dropped():
     """A batch that shrinks right after greedy's trial block drops that comparison (a kept budget's
     warm-up run drains so); greedy, still not compared, is the next challenger again, not a shorter
     draft, so a start where drafting loses stays short."""
-    budget = DraftBudget(4)
-    budget.ROW_CALLS = 16 * 64  # blocks of 16 calls (4 while warm) at 64 rows
+    budget = DraftBudget(4, row_calls=16 * 64)  # blocks of 16 calls (4 while warm) at 64 rows
     gen = torch.Generator().manual_seed(0)
     lengths, length = [], budget.next_length(64, 4)
     for call in range(60):  # compute-bound costs, poor drafts: greedy pays

@@ -7,7 +7,7 @@ verifying, accepting, drafting, bookkeeping; not the encoding of refills, which 
 sentence whatever the draft length), and picks the draft length with the most. L = 0 is plain greedy
 decoding, chosen whenever drafting does not pay; the drafters then skip their own work.
 
-Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `ROW_CALLS`).
+Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `row_calls`).
 Most blocks run the best length found so far; now and then a block tries a challenger (none, a
 quarter less or a quarter more, at least one token), and its rate is compared with the mean rate of
 the best-length blocks just before and just after it. Lengths not yet compared with the current best
@@ -40,22 +40,20 @@ class Block(NamedTuple):
 
 class DraftBudget:
     """Per-call draft lengths for the loop (see module docstring). `max_length`: the longest draft
-    considered (the drafter's own limit applies too). The loop calls `next_length` before each call
-    and `record` after it."""
+    considered (the drafter's own limit applies too). `block`: calls per block; `row_calls`: a
+    block of a wide batch ends once its calls covered this many rows (a call over many rows averages
+    over them, so fewer calls measure as well, and a run of few wide calls spends fewer of them
+    exploring). The loop calls `next_length` before each call and `record` after it."""
 
     LONGEST = 64
     """`max_length` for drafters without a limit of their own (IAD without a draft cap)."""
-    ROW_CALLS = 128
-    """A block of a wide batch ends once its calls covered this many rows: a call over many rows
-    averages over them, so fewer calls measure as well, and a run of few wide calls (a bulk batch)
-    spends fewer of them exploring."""
     WARM = 2
     """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
     quickly what clearly does not pay."""
 
-    def __init__(self, max_length: int = 64, *, block: int = 16, max_gap: int = 32):
+    def __init__(self, max_length: int = 64, *, block: int = 16, row_calls: int = 128, max_gap: int = 32):
         self.max_length = max_length
-        self.block, self.max_gap = block, max_gap
+        self.block, self.row_calls, self.max_gap = block, row_calls, max_gap
         self.choice = max_length  # the best length so far
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
         self.calls = 0
@@ -93,9 +91,9 @@ class DraftBudget:
             self._current = self._close(self._current, block)
 
     def _block_length(self) -> int:
-        """Calls per block: `block`, fewer on wide batches (at least `ROW_CALLS` row-calls and 2 calls);
+        """Calls per block: `block`, fewer on wide batches (at least `row_calls` row-calls and 2 calls);
         a quarter of that while warming up, a half for challengers (most lose)."""
-        full = max(2, min(self.block, math.ceil(self.ROW_CALLS / max(self._rows[1], 1))))
+        full = max(2, min(self.block, math.ceil(self.row_calls / max(self._rows[1], 1))))
         if self._judged < self.WARM:
             return max(1, full // 4)
         return full if self._current == self.choice else max(1, full // 2)
