@@ -9,6 +9,7 @@ import torch
 from conftest import synthetic_sentences
 
 from aggdec.api import Translator, decode_options
+from aggdec.decoding.budget import DraftBudget
 from aggdec.train import draft_head as head_train
 from aggdec.train import heads as heads_train
 from aggdec.train.seqkd import generate
@@ -52,16 +53,32 @@ def test_gad_family_is_lossless_through_the_api(tiny_model_dir, trained):
 
 
 def test_no_output_depends_on_verify_precision(tiny_model_dir, trained):
-    """Lossy methods keep fp32 drafters and fp32 logits under bf16-certified, so they match too."""
+    """Lossy methods keep fp32 drafters and fp32 logits under bf16-certified, so they match too (at
+    draft_length max: under auto their output depends on timing)."""
     tr = Translator.load(tiny_model_dir)
     src = synthetic_sentences(40, seed=11)
-    for opts in (decode_options("gad++", drafter=str(trained / "head"), top_beta=3, tau=2.0),
-                 decode_options("blockwise", drafter=str(trained / "heads"), top_k_accept=3),
-                 decode_options("gad", drafter=str(trained / "head"), block_size=4, min_block=2)):
+    for opts in (decode_options("gad++", drafter=str(trained / "head"), top_beta=3, tau=2.0, draft_length="max"),
+                 decode_options("blockwise", drafter=str(trained / "heads"), top_k_accept=3, draft_length="max"),
+                 decode_options("gad", drafter=str(trained / "head"), block_size=4, min_block=2, draft_length="max")):
         assert not opts.lossless
         runs = [[r.text for r in tr.translate_batch(src, dataclasses.replace(opts, verify_precision=p))]
                 for p in ("fp32", "bf16-certified")]
         assert runs[0] == runs[1], opts
+
+
+def test_lossy_methods_follow_the_draft_budget(tiny_model_dir, trained, monkeypatch):
+    """gad++ under draft_length auto drafts what the budget picks: where no draft pays (the budget
+    picks 0 every call) it takes plain greedy steps and gives greedy's output; max drafts in full."""
+    tr = Translator.load(tiny_model_dir)
+    src = synthetic_sentences(40, seed=12)
+    greedy = [r.tokens for r in tr.translate_batch(src, method="greedy", max_batch_size=8)]
+    opts = decode_options("gad++", drafter=str(trained / "head"), top_beta=3, tau=2.0, max_batch_size=8)
+    full = tr.translate_batch(src, dataclasses.replace(opts, draft_length="max"))
+    assert [r.tokens for r in full] != greedy, "the tolerant acceptance changes some outputs"
+    monkeypatch.setattr(DraftBudget, "next_length", lambda self, rows, limit: 0)
+    off = tr.translate_batch(src, opts)
+    assert [r.tokens for r in off] == greedy
+    assert sum(r.stats.drafted for r in off) == 0
 
 
 def test_drafter_errors_name_the_directory(tiny_model_dir, trained):

@@ -77,11 +77,10 @@ class Method:
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
     def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter) -> DraftVerifyLoop:
-        """The draft -> verify loop of `opts` around `drafter` (a draft budget where it cannot change
-        the output: lossy methods draft their full length)."""
+        """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
+        for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted)."""
         budget = None
-        if (getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
-                and self.lossless(opts)):
+        if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
             budget = context.budgets.pop(opts, None) or DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
             context.budgets[opts] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
             while len(context.budgets) > KEPT_BUDGETS:
