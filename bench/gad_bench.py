@@ -60,10 +60,11 @@ print(json.dumps({"times": times, "hyps": [r.hypotheses[0] for r in res]}))
 
 
 class Timed:
-    """Wraps a drafter, adding up the seconds spent in it (propose and observe)."""
+    """Wraps a drafter, adding up the seconds spent in it (propose and observe) and counting the
+    calls after which a draft head ran (it skips its work where the next call drafts nothing)."""
 
     def __init__(self, inner):
-        self.inner, self.seconds = inner, 0.0
+        self.inner, self.seconds, self.head_calls = inner, 0.0, 0
         self.name, self.max_draft = inner.name, getattr(inner, "max_draft", 0)
 
     def _timed(self, fn, *a):
@@ -83,7 +84,11 @@ class Timed:
         return self._timed(self.inner.propose, *a)
 
     def observe(self, *a):
-        return self._timed(self.inner.observe, *a)
+        out = self._timed(self.inner.observe, *a)
+        rows = getattr(self.inner, "rows", None)
+        if getattr(self.inner, "head", None) is not None and rows is not None and bool(rows.ready.any()):
+            self.head_calls += 1
+        return out
 
 
 def decode(tr: Translator, opts, sources: list[str]) -> tuple[list, dict]:
@@ -107,7 +112,7 @@ def decode(tr: Translator, opts, sources: list[str]) -> tuple[list, dict]:
     seconds = time.perf_counter() - t0
     out = [hyps.get(i) for i in range(len(sources))]
     return out, {"seconds": seconds, "draft_seconds": drafter.seconds, "calls": loop.counters.calls,
-                 "fed": loop.counters.fed}
+                 "head_calls": drafter.head_calls, "fed": loop.counters.fed}
 
 
 def text_of(tr: Translator, h) -> str:
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
              "gad": decode_options("gad", drafter=head, block_size=k),
              "gad-max": decode_options("gad", drafter=head, block_size=k, draft_length="max"),
              "gad++-b3-t1": decode_options("gad++", drafter=head, block_size=k, top_beta=3, tau=1.0),
+             "gad++-b3-t1-max": decode_options("gad++", drafter=head, block_size=k, top_beta=3, tau=1.0,
+                                               draft_length="max"),
              "gad++-b5-t3": decode_options("gad++", drafter=head, block_size=k, top_beta=5, tau=3.0)}
     if args.heads:
         table["blockwise-k4"] = decode_options("blockwise", drafter=args.heads, block_size=4)
@@ -174,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             if m != "beam5":
                 toks = sum(len(h.tokens) + 1 for h in out if h is not None)
                 run["tokens_per_call"] = toks / info["calls"]
-                head_calls = info["calls"] if m.startswith("gad") else 0
-                run["model_calls_per_output_token"] = (info["calls"] + head_calls) / toks
+                run["model_calls_per_output_token"] = (info["calls"] + info.get("head_calls", 0)) / toks
                 run["draft_share"] = info["draft_seconds"] / secs
                 run["identical_to_greedy"] = statistics.mean(
                     (h.tokens if h is not None else None) == g for h, g in zip(out, greedy_tok))
