@@ -10,6 +10,7 @@ The weights are random (no hub access here), so the figures are for timing only:
 decodes to the length limit (`--max-new` tokens), which makes tokens/s the comparable figure. The
 tokenizer is a sentencepiece model (up to 8,000 pieces) trained on the data's source side, padded with unused
 tokens to the Marian vocabulary size. Identical share: outputs equal to transformers' token for token.
+`aggdec-int8` and `aggdec-bf16` run our greedy at that verifier `precision` (not exact).
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ def worker(system: str, model_dir: Path, texts: list[str], bs: int, max_new: int
     import torch
 
     torch.set_num_threads(threads)
-    if system == "aggdec":
+    if system.startswith("aggdec"):
         from aggdec.api import Translator
 
+        kw = dict(method="greedy", precision=system.split("-", 1)[1] if "-" in system else "fp32")
         tr = Translator.load(model_dir)
-        tr.translate_batch(texts[:2], method="greedy")  # warm-up
+        tr.translate_batch(texts[:2], **kw)  # warm-up
         t0 = time.perf_counter()
-        res = tr.translate_batch(texts, method="greedy", max_batch_size=bs, max_len_a=0, max_len_b=max_new - 1)
+        res = tr.translate_batch(texts, max_batch_size=bs, max_len_a=0, max_len_b=max_new - 1, **kw)
         return {"seconds": time.perf_counter() - t0, "outputs": [r.tokens for r in res]}
     from transformers import MarianTokenizer
 

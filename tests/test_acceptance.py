@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggdec.decoding.acceptance import ExactMatch, TopKTolerance, VerifierScores, constrain_logits
+from aggdec.model.projection import OutputProjection
 
 
 def _case(seed, bsz, k, vocab):
@@ -57,6 +58,23 @@ def test_topk_tolerance(seed, bsz, k, vocab, tau):
             ref += 1
         assert int(m[b]) == ref >= int(exact[0][b])
         assert int(bonus[b]) == int(logits[b, ref].argmax())
+
+
+def test_topk_tolerance_reads_the_top1_alone_where_nothing_was_drafted():
+    """A call without drafts (a greedy step under a draft budget) gets its bonus from the top-1, as
+    ExactMatch does, without the full log-softmax; a call with a draft reads the full logits."""
+    g = torch.Generator().manual_seed(0)
+    projection = OutputProjection(torch.randn(11, 8, generator=g), certify=False)
+    hidden = torch.randn(3, 8, generator=g)
+    draft, valid = torch.zeros(3, 2, dtype=torch.long), torch.tensor([[True, False, False]] * 3)
+    scores = VerifierScores(projection, hidden, lambda z, rows: None)
+    m, bonus = TopKTolerance(beta=3, tau=1.0).accept(draft, torch.zeros(3, dtype=torch.long), scores, valid)
+    assert "logits" not in scores.__dict__
+    assert m.tolist() == [0, 0, 0] and bonus.tolist() == (hidden @ projection.weight.T).argmax(-1).tolist()
+    valid[0, 1] = True
+    scores = VerifierScores(projection, torch.randn(4, 8, generator=g), lambda z, rows: None)
+    TopKTolerance(beta=3, tau=1.0).accept(draft, torch.tensor([1, 0, 0]), scores, valid)
+    assert "logits" in scores.__dict__
 
 
 def test_constrain_logits_rules():

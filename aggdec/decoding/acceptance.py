@@ -131,7 +131,9 @@ class ExactMatch:
 class TopKTolerance:
     """GAD++: accept d_t if it is in the verifier's top-`beta` and log p(top1) - log p(d_t) <= `tau`.
 
-    With beta=1 this is ExactMatch. The bonus token is the verifier's top-1.
+    With beta=1 this is ExactMatch. The bonus token is the verifier's top-1. A call in which no row
+    drafted reads the top-1 alone, as ExactMatch does (greedy steps under a draft budget cost what
+    greedy's do).
     """
 
     name = "topk"
@@ -147,6 +149,8 @@ class TopKTolerance:
         return f"top{self.beta}-tau{self.tau}"
 
     def accept(self, draft, num_draft, scores, valid):
+        if not bool((num_draft > 0).any()):  # nothing to check (a plain greedy step): top-1 without full logits
+            return ExactMatch().accept(draft, num_draft, scores, valid)
         logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
         top = logp.topk(self.beta, dim=-1)  # (N, beta)
         # the token each valid position would be checked against: the next draft token (or none)
