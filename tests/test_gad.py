@@ -83,6 +83,13 @@ def test_blockwise_equals_greedy(k, kind):
         heads.fc2.normal_(std=0.3)
     for bs in (1, 4):
         assert _tokens(DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs), reqs) == greedy
+        # draft lengths below k - 1 run only the first heads
+        ran, forward = [], heads.forward
+        heads.forward = lambda h, num=None: (ran.append(num), forward(h, num))[1]
+        loop = DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs, budget=RandomBudget(bs, k - 1))
+        assert _tokens(loop, reqs) == greedy
+        del heads.forward
+        assert set(ran) == set(range(1, k)), ran
 
 
 def test_blockwise_block_size_uses_the_first_heads():

@@ -85,10 +85,12 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        if not bool((state.budget > 0).any()):  # the next call drafts nothing
+        k = min(self.k1, int(state.budget.max()))  # the next call's draft length: only its heads run
+        if k == 0:
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return
-        logits = linear(self.heads(hidden.to(self.out_weight.dtype), self.k1), self.out_weight, self.out_bias)  # (B, k-1, V)
+        logits = linear(self.heads(hidden.to(self.out_weight.dtype), k), self.out_weight, self.out_bias)  # (B, k, V)
         logits[..., state.pad] = -float("inf")
-        self.rows.pending = draft_argmax(logits)
+        ids = draft_argmax(logits)  # the loop cuts drafts to the budget, so columns past k are never read
+        self.rows.pending = ids if k == self.k1 else torch.nn.functional.pad(ids, (0, self.k1 - k), value=state.pad)
         self.rows.ready = torch.ones_like(self.rows.ready)
