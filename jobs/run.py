@@ -185,6 +185,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                 with closing(iter(build_pipeline(spec, plan, task, pending).iter_rows())) as rows:
                     for row in rows:
                         record = json.loads(row["record"])
+                        errors += record.get("status", {}).get("error", 0)
                         if "failed" in record:
                             failed[record["unit"]] = record["failed"]
                             log(f"could not decode {record['unit']}: {record['failed']}")
@@ -196,9 +197,7 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                             log(f"committed {record['unit']} ({record['rows']} rows)")
                         progress(Progress(rows=decoded_rows, rows_total=sum(u.rows for u in todo),
                                           units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
-                                          errors=errors + record.get("status", {}).get("error", 0),
-                                          seconds=time.perf_counter() - t_pipe))
-                        errors += record.get("status", {}).get("error", 0)
+                                          errors=errors, seconds=time.perf_counter() - t_pipe))
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise

@@ -85,7 +85,7 @@ class BlockwiseHeads:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        k = min(self.k1, int(state.budget.max()))  # the next call's draft length: only its heads run
+        k = state.next_draft(self.k1)  # only the heads of the next call's draft run
         if k == 0:
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return

@@ -123,7 +123,7 @@ class DraftHeadDrafter:
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
-        k = min(self.k, int(state.budget.max()))
+        k = state.next_draft(self.k)
         if k == 0:  # the next call drafts nothing
             self.rows.ready = torch.zeros_like(self.rows.ready)
             return

@@ -133,7 +133,7 @@ class InputCopy:
         bsz = state.batch_size
         dev = state.out.device
         rows = self.rows
-        if not bool((state.budget > 0).any()):
+        if state.next_draft(1) == 0:
             rows.start = torch.full_like(rows.start, -1)
             return DraftBatch.empty(bsz, dev, state.pad)
         pos = self.match(state, rows.resume if self.nearest_match else None)

@@ -58,6 +58,11 @@ class DecodeState:
         """(B,) number of generated tokens per row."""
         return self.out_len - self.stride
 
+    def next_draft(self, most: int) -> int:
+        """The longest draft any row's next call verifies, at most `most` (0: the next call drafts
+        nothing, so a drafter can skip its work)."""
+        return min(most, int(self.budget.max())) if self.batch_size else 0
+
     def last_tokens(self) -> torch.Tensor:
         """(B,) the last decoder input of each row (not yet fed to the verifier)."""
         return self.out.gather(1, (self.out_len - 1)[:, None]).squeeze(1)
