@@ -63,7 +63,7 @@ class BlockwiseHeads:
         self.out_bias = None if bias is None else bias.detach().to(self.out_weight.dtype)
         self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
         self.max_draft = self.k1
-        self.rows = RowState()  # pending (B, k-1): proposals for the next call; ready (B,): has proposals
+        self.rows = RowState()  # pending (B, <= k-1): proposals for the next call; ready (B,): has proposals
 
     @classmethod
     def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
@@ -72,7 +72,8 @@ class BlockwiseHeads:
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        self.rows.admit(state, slots, pending=torch.full((self.k1,), state.pad), ready=False)
+        if self.rows.admit(state, slots, ready=False):  # a new batch; refilled rows keep stale proposals, not ready
+            self.rows.pending = torch.full((state.batch_size, self.k1), state.pad, device=state.out.device)
 
     def select(self, rows: torch.Tensor) -> None:
         self.rows.select(rows)
@@ -81,7 +82,8 @@ class BlockwiseHeads:
         ready = self.rows.ready
         if not bool(ready.any()):
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        return DraftBatch(tokens=self.rows.pending.clone(), num_draft=torch.where(ready, self.k1, 0))
+        pending = self.rows.pending
+        return DraftBatch(tokens=pending.clone(), num_draft=torch.where(ready, pending.shape[1], 0))
 
     @torch.no_grad()
     def observe(self, state, draft, accepted, hidden):
@@ -91,6 +93,5 @@ class BlockwiseHeads:
             return
         logits = linear(self.heads(hidden.to(self.out_weight.dtype), k), self.out_weight, self.out_bias)  # (B, k, V)
         logits[..., state.pad] = -float("inf")
-        ids = draft_argmax(logits)  # the loop cuts drafts to the budget, so columns past k are never read
-        self.rows.pending = ids if k == self.k1 else torch.nn.functional.pad(ids, (0, self.k1 - k), value=state.pad)
+        self.rows.pending = draft_argmax(logits)
         self.rows.ready = torch.ones_like(self.rows.ready)
