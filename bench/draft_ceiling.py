@@ -25,12 +25,10 @@ checked identical to greedy (the oracle at q < 1 exercises rejection). Not a tes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,12 +38,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from baseline_bench import machine
-from gad_bench import Timed
+from gad_bench import decode
 
 from aggdec.api import Translator, decode_options
-from aggdec.decoding.limits import max_len_for
-from aggdec.decoding.metadata import DraftBatch, Request
-from aggdec.decoding.methods import get_method
+from aggdec.decoding.metadata import DraftBatch
 from aggdec.train.ar import read_tsv
 
 
@@ -61,7 +57,6 @@ class OracleDrafter:
         self.eos, self.pad, self.vocab = eos, pad, vocab
         self.max_draft = k
         self.rng = random.Random(seed)
-        self.seconds = 0.0
 
     def admit(self, state, slots) -> None:
         pass
@@ -74,7 +69,6 @@ class OracleDrafter:
         return other if other != self.pad else (other + 1) % self.vocab
 
     def propose(self, state) -> DraftBatch:
-        t0 = time.perf_counter()
         generated = state.generated.tolist()
         rows, counts = [], []
         for req, g in zip(state.requests, generated):
@@ -86,35 +80,10 @@ class OracleDrafter:
                     break
             rows.append(draft + [self.pad] * (self.k - len(draft)))
             counts.append(len(draft))
-        batch = DraftBatch(tokens=torch.tensor(rows, dtype=torch.long), num_draft=torch.tensor(counts))
-        self.seconds += time.perf_counter() - t0
-        return batch
+        return DraftBatch(tokens=torch.tensor(rows, dtype=torch.long), num_draft=torch.tensor(counts))
 
     def observe(self, state, draft, accepted, hidden) -> None:
         pass
-
-
-def requests(tr: Translator, sources: list[str], opts) -> list[Request]:
-    out = []
-    for i, s in enumerate(sources):
-        ids, _, _ = tr.prepare(s)
-        out.append(Request(i, ids, max(1, max_len_for(len(ids), opts.max_len_a, opts.max_len_b,
-                                                      tr.cfg.max_target_positions))))
-    return out
-
-
-def run(tr: Translator, opts, reqs: list[Request], drafter) -> tuple[dict[int, list[int]], dict]:
-    """Decode `reqs` with `drafter` (None: the method's own) in the method's loop."""
-    method = get_method(opts.method)
-    ctx = tr._context(opts)
-    drafter = drafter if drafter is not None else Timed(method.drafter(opts, ctx))
-    loop = method.loop(opts, ctx, drafter)
-    t0 = time.perf_counter()
-    hyps = list(loop.run(reqs))
-    seconds = time.perf_counter() - t0
-    return {h.index: h.tokens for h in hyps}, {
-        "seconds": seconds, "drafter_seconds": drafter.seconds, "calls": loop.counters.calls,
-        "row_calls": sum(h.stats.iterations for h in hyps), "tokens": sum(len(h.tokens) + 1 for h in hyps)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                "threads": args.threads, "torch": torch.__version__, "runs": []}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         greedy = decode_options("greedy", max_batch_size=bs)
-        reqs = requests(tr, sources[: args.bs1_limit if bs == 1 else args.limit], greedy)
-        reference, _ = run(tr, greedy, reqs, None)
+        src = sources[: args.bs1_limit if bs == 1 else args.limit]
+        reference = {i: h.tokens for i, h in enumerate(decode(tr, greedy, src)[0])}
         configs = {"greedy": (greedy, None)}
         for k in lengths:
             configs[f"head-k{k}"] = (decode_options("gad", drafter=args.draft_head, block_size=k, draft_length="max",
@@ -156,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, (opts, oracle) in configs.items():
                 drafter = None if oracle is None else OracleDrafter(reference, *oracle, cfg.eos, cfg.pad,
                                                                     cfg.tgt_vocab, seed=rep)
-                out, info = run(tr, opts, reqs, drafter)
-                info["identical"] = statistics.mean(out[i] == reference[i] for i in reference)
-                measured[name].append(info)
+                out, info = decode(tr, opts, src, drafter)
+                measured[name].append({
+                    "seconds": info["seconds"], "drafter_seconds": info["draft_seconds"], "calls": info["calls"],
+                    "row_calls": info["row_calls"], "tokens": sum(len(h.tokens) + 1 for h in out),
+                    "identical": statistics.mean(h.tokens == reference[i] for i, h in enumerate(out))})
         # greedy's loop time per output token, ms
         g_tok = statistics.median(1e3 * m["seconds"] / m["tokens"] for m in measured["greedy"])
         for name, infos in measured.items():
@@ -168,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             v = statistics.median(1e3 * (m["seconds"] - m["drafter_seconds"]) / m["calls"] for m in infos)
             d = statistics.median(1e3 * m["drafter_seconds"] / m["calls"] for m in infos)
             per_call = tokens / calls * g_tok  # greedy's time for one call's output tokens
-            row = {"config": name, "batch_size": bs, "sentences": len(reqs), "sentences_per_s": len(reqs) / secs,
+            row = {"config": name, "batch_size": bs, "sentences": len(src), "sentences_per_s": len(src) / secs,
                    "x_greedy": statistics.median(measured["greedy"][i]["seconds"] / m["seconds"]
                                                  for i, m in enumerate(infos)),
                    "tokens_per_call": tokens / statistics.median(m["row_calls"] for m in infos),

@@ -91,15 +91,16 @@ class Timed:
         return out
 
 
-def decode(tr: Translator, opts, sources: list[str]) -> tuple[list, dict]:
-    """translate_batch's work for `opts`, with the loop's counters and the drafter's time."""
+def decode(tr: Translator, opts, sources: list[str], drafter=None) -> tuple[list, dict]:
+    """translate_batch's work for `opts`, with the loop's counters and the drafter's time; `drafter`
+    replaces the method's own."""
     method = get_method(opts.method)
     if method.drafter is None:
         t0 = time.perf_counter()
         out = tr.translate_batch(sources, opts)
         return out, {"seconds": time.perf_counter() - t0}
     ctx = tr._context(opts)
-    drafter = Timed(method.drafter(opts, ctx))
+    drafter = Timed(drafter if drafter is not None else method.drafter(opts, ctx))
     reqs, cfg = [], tr.cfg
     for i, s in enumerate(sources):
         ids, _, _ = tr.prepare(s)
@@ -112,7 +113,8 @@ def decode(tr: Translator, opts, sources: list[str]) -> tuple[list, dict]:
     seconds = time.perf_counter() - t0
     out = [hyps.get(i) for i in range(len(sources))]
     return out, {"seconds": seconds, "draft_seconds": drafter.seconds, "calls": loop.counters.calls,
-                 "head_calls": drafter.head_calls, "fed": loop.counters.fed}
+                 "head_calls": drafter.head_calls, "fed": loop.counters.fed,
+                 "row_calls": sum(h.stats.iterations for h in hyps.values())}
 
 
 def text_of(tr: Translator, h) -> str:
