@@ -43,8 +43,9 @@ class Drafter(Protocol):
 class RowState:
     """Named per-row tensors of a drafter, kept aligned with the loop's rows.
 
-    `admit(state, slots, name=fill, ...)` starts fresh tensors when a new batch starts (every slot
-    admitted, or the batch size changed) and otherwise sets the refilled slots to their fill; a fill
+    `admit(state, slots, name=fill, ...)` starts fresh tensors when a new batch starts (the batch
+    size changed, or every slot was admitted and the tensors are not exactly the fills) and otherwise
+    sets the refilled slots to their fill in place (the tensors keep their storage); a fill
     is a scalar (a (B,) tensor of its type) or a tensor (rows of that shape). `select(rows)` keeps
     `rows`. The tensors are attributes: `rows.cap`, `rows.cap = ...`.
     """
@@ -64,7 +65,9 @@ class RowState:
     def admit(self, state: DecodeState, slots: torch.Tensor, **fills: Any) -> bool:
         """-> True when this started a new batch (all tensors fresh)."""
         b = state.batch_size
-        fresh = slots.numel() == b or any(t.shape[0] != b for t in self._tensors.values())
+        fresh = any(t.shape[0] != b for t in self._tensors.values()) or (
+            slots.numel() == b and set(self._tensors) != set(fills))
+        fresh |= not self._tensors
         if fresh:
             self._tensors.clear()
         for name, fill in fills.items():

@@ -38,6 +38,7 @@ class IADOptions(Drafting, AdaptiveDraft, DecodeOptions):
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
+_NO_MATCH = -3  # before the output's start, matches nothing
 
 
 class InputCopy:
@@ -128,6 +129,64 @@ class InputCopy:
             near = dist.masked_fill(~last, x.shape[1] * 4).argmin(dim=1)
             pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), near, pos)
         return pos
+
+    def match_fixed(self, state: DecodeState, depth: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """`match` as one fixed-shape tensor program (no host reads): suffixes of at most `depth`
+        tokens are tried at once. Equal to `match` wherever the unique suffix (or, with an anchor, the
+        last suffix that occurs several times) is at most `depth` tokens long; longer ones count as no
+        match (a shorter draft, never another output)."""
+        bsz = state.batch_size
+        dev = state.out.device
+        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
+        width = x.shape[1]
+        x = x.masked_fill(torch.arange(width, device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
+        at = state.out_len[:, None] - 1 - torch.arange(depth, device=dev)  # (B, Q): o's last tokens, newest first
+        tok = state.out.gather(1, at.clamp(min=0))
+        tok = torch.where(at == 0, _BOS_MARK, torch.where(at < 0, _NO_MATCH, tok))
+        # windows[b, i, r] = x[b, i - r]: the input token r places before each end position i
+        windows = F.pad(x, (depth - 1, 0), value=_NO_TOKEN).unfold(1, depth, 1).flip(-1)  # (B, S, Q)
+        cand = torch.cumprod((windows == tok[:, None, :]).to(torch.uint8), dim=2).bool()  # suffix of r+1 tokens ends at i
+        count = cand.sum(dim=1)  # (B, Q), non-increasing in r
+        unique = count == 1
+        first = unique.to(torch.uint8).argmax(dim=1)
+        ends = cand.gather(2, first[:, None, None].expand(bsz, width, 1)).squeeze(2)  # (B, S)
+        pos = torch.where(unique.any(dim=1), ends.to(torch.uint8).argmax(dim=1), -1)
+        if anchor is not None:
+            several = (count > 1).sum(dim=1)  # the longest suffix that occurs more than once has this many tokens
+            last = cand.gather(2, (several - 1).clamp(min=0)[:, None, None].expand(bsz, width, 1)).squeeze(2)
+            last &= (several > 0)[:, None]
+            i = torch.arange(width, device=dev)[None]
+            dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
+            near = dist.masked_fill(~last, width * 4).argmin(dim=1)
+            pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), near, pos)
+        return pos
+
+    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> DraftBatch:
+        """`propose` as a fixed-shape tensor program: drafts (B, width) from suffixes of at most
+        `depth` tokens (`match_fixed`), with no host reads, for the slot loop."""
+        rows = self.rows
+        pos = self.match_fixed(state, depth, rows.resume if self.nearest_match else None)
+        if self.substitution:
+            pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)
+        start = pos + 1
+        rows.start.copy_(torch.where(pos >= 0, start, -1))
+        num = torch.where(pos >= 0, state.src_len + 1 - start, 0).clamp(min=0, max=width)
+        if self.adaptive:
+            num = torch.minimum(num, rows.cap)
+        elif self.max_draft is not None:
+            num = num.clamp(max=self.max_draft)
+        offs = torch.arange(width, device=state.out.device)[None]
+        tokens = state.src.gather(1, (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1))
+        return DraftBatch(tokens=tokens.masked_fill(offs >= num[:, None], state.pad), num_draft=num)
+
+    def observe_fixed(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor) -> None:
+        """`observe`, updating the row tensors in place (their storage stays put for CUDA graphs)."""
+        rows = self.rows
+        if self.substitution or self.nearest_match:
+            rejected = (accepted < num_draft) & (rows.start >= 0)
+            rows.resume.copy_(torch.where(rejected, rows.start + accepted + 1, -1))
+        if self.adaptive:
+            rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
     def propose(self, state):
         bsz = state.batch_size

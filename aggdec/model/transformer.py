@@ -17,6 +17,7 @@ from aggdec.double_token import pair_limit
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import Linear, linear
+from aggdec.model.slots import SlotCache
 
 
 def sinusoidal_table(num: int, dim: int, padding_idx: int | None, layout: str = "fairseq") -> torch.Tensor:
@@ -340,6 +341,42 @@ class Transformer(nn.Module):
 
             def cross_attn(h, i=i, ca=ca):
                 return ca.out_proj(pack(ca.core(unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i], cross_keep)))
+
+            x = layer(x, self_attn, cross_attn)
+        if self.decoder.layer_norm is not None:
+            x = self.decoder.layer_norm(x)
+        return x
+
+    def decode_slots(self, tokens: torch.Tensor, cache: SlotCache, start: torch.Tensor, span: int,
+                     width: int) -> torch.Tensor:
+        """Score a block of T tokens per slot on top of each slot's prefix: a fixed-shape program.
+
+        tokens (B,T) int64 go to positions start[b] + t of slot b (start (B,) int64); they are written
+        to the cache (positions past the cache's length are dropped into its last position, which no
+        live row reaches). Query [b, t] attends to the slot's keys at positions <= its own (a
+        double-token model: the end of its pair) within the first `span` positions, and to the first
+        `width` source positions where `cache.src_keep`. Returns the final states (B,T,D). Nothing
+        here reads a tensor to the host, and the shapes depend only on (B, T, span, width).
+        """
+        cfg = self.cfg
+        bsz, t = tokens.shape
+        pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
+        keys = torch.arange(span, device=tokens.device)
+        self_keep = (keys[None, None, :] <= self._default_limit(pos)[:, :, None])[:, None]  # (B,1,T,span)
+        cross_keep = cache.src_keep[:, None, None, :width]  # (B,1,1,width)
+        x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
+        at = pos.clamp(max=cache.length - 1)[:, :, None].expand(bsz, t, cfg.d_model)
+        for i, layer in enumerate(self.decoder.layers):
+            sa, ca = layer.self_attn, layer.encoder_attn
+
+            def self_attn(h, i=i, sa=sa):
+                cache.k[i].scatter_(1, at, sa.k_proj(h).to(cache.k[i].dtype))
+                cache.v[i].scatter_(1, at, sa.v_proj(h).to(cache.v[i].dtype))
+                return sa.out_proj(sa.core(sa.q_proj(h), cache.k[i][:, :span], cache.v[i][:, :span], self_keep))
+
+            def cross_attn(h, i=i, ca=ca):
+                return ca.out_proj(ca.core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
+                                           cross_keep))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:

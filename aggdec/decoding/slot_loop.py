@@ -1,0 +1,325 @@
+"""The draft -> verify loop on fixed batch slots, with its bookkeeping on the device.
+
+The same six steps as `aggdec.decoding.loop` (propose, verify, accept, commit, observe, retire and
+refill), arranged so that the per-iteration work is one fixed-shape tensor program:
+
+- **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two, fewer for a
+  short run) and a `SlotCache` allocated once per run: self-attention K/V up to the longest output
+  any request may reach, cross K/V up to the widest source. Rows never move; a finished row's slot
+  is overwritten by a refill. Empty slots compute masked garbage.
+- **Fixed shapes.** A call feeds every slot `[last token ; width draft tokens]`; rows that draft fewer
+  are masked by their own counts. Attention reads a bucketed prefix of the cache (`slots.bucket`)
+  and a bucketed source width, so one (width, span, source width) is one program.
+- **Device-side bookkeeping.** Acceptance, the commit of accepted tokens and the bonus token, eos and
+  length rules, and every row statistic (iterations, drafted, accepted, accepted per call, decode
+  time share) are batched tensor updates in place. After the step the host reads one small tensor:
+  which slots finished, the output lengths (for the next span) and the call's token counts (for the
+  draft budget). Rows that finished are then read once, when they retire.
+- **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
+  graph and replayed (`graphs=True`, the default there); elsewhere it runs eagerly.
+
+Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
+that draft as tensor programs (`draft_fixed` / `observe_fixed`: greedy's empty draft, IAD). The
+other methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from aggdec.decoding.budget import DraftBudget
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.loop import LoopCounters, pad_batch
+from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.state import DecodeState
+from aggdec.model.cache import CrossKV
+from aggdec.model.slots import SlotCache, bucket
+from aggdec.model.transformer import Transformer
+
+MATCH_DEPTH = 16
+"""Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
+
+
+def slot_count(max_batch_size: int, requests: int) -> int:
+    """Slots for a run: the power of two at or above min(max_batch_size, requests)."""
+    n = max(1, min(max_batch_size, requests))
+    return 1 << (n - 1).bit_length()
+
+
+def supports(model: Transformer, drafter, acceptance) -> bool:
+    """Whether the slot loop runs this combination (see the module docstring's scope)."""
+    from aggdec.decoding.acceptance import ExactMatch
+
+    fixed = isinstance(drafter, NoDraft) or hasattr(drafter, "draft_fixed")
+    return fixed and isinstance(acceptance, ExactMatch) and not model.cfg.double_token
+
+
+class SlotLoop:
+    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
+    `graphs`: capture steps as CUDA graphs (default: on a CUDA device)."""
+
+    def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
+                 min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
+                 prompt: tuple[int, ...] | None = None, graphs: bool | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if model.cfg.double_token:
+            raise ValueError("the slot loop takes single-token verifiers")
+        self.model = model
+        self.drafter = drafter or NoDraft()
+        self.max_batch_size, self.max_tokens, self.min_len = max_batch_size, max_tokens, min_len
+        self.encode_batch = max_batch_size if encode_batch is None else encode_batch
+        self.budget = budget
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        cfg = model.cfg
+        self.start = prompt[0] if prompt else cfg.eos
+        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
+        self.counters = LoopCounters()
+        self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
+        self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # -- the step: one fixed-shape program -------------------------------------------------------
+
+    def _step(self, width: int, span: int, src_width: int) -> None:
+        """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
+        committed tokens, fed tokens)."""
+        st, cfg = self.state, self.model.cfg
+        active = self.active
+        if width:
+            draft = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
+            tokens = draft.tokens
+            room = (st.max_len - st.generated).clamp(min=0)
+            num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
+        else:
+            tokens = st.out.new_zeros(st.out.shape[0], 0)
+            num = torch.zeros_like(st.out_len)
+        # 2. Verify [last token ; draft] for every slot.
+        block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
+        t = block.shape[1]
+        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width)
+        logits = self.model.output_logits(hidden)  # (B, T, V)
+        offs = torch.arange(t, device=self.device)[None]
+        pred = self._top1(logits, st.generated[:, None] + offs, st.max_len[:, None])
+        # 3. Accept: the longest prefix of the draft equal to the verifier's top-1, then its bonus.
+        ok = (pred[:, :width] == tokens) & (offs[:, :width] < num[:, None])
+        accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
+        bonus = pred.gather(1, accepted[:, None])
+        # 4. Commit d_1..d_m + bonus; cut after an eos.
+        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad), bonus)
+        is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
+        ended = is_eos.any(dim=1)
+        n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
+        at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
+        st.out.scatter_(1, at, torch.where(active[:, None], new, st.out.gather(1, at)))
+        st.out_len.add_(n_new)
+        # Statistics: drafts accepted past an accepted eos are not counted.
+        kept = torch.minimum(accepted, n_new)
+        fed = (num + 1) * active
+        self.ms.add_(self.fed_before * self.ms_per_fed)
+        self.fed_before.copy_(fed)
+        self.hist.scatter_(1, self.iterations.clamp(max=self.hist.shape[1] - 1)[:, None], kept[:, None].int())
+        self.iterations.add_(active.long())
+        self.drafted.add_(num)
+        self.accepted.add_(kept)
+        done = ended & active
+        active &= ~done
+        # 5. Observe.
+        if width:
+            self.drafter.observe_fixed(st, num, accepted)
+        self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None]]))
+
+    def _top1(self, logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
+        """The argmax of the logits under fairseq-generate's rules (`acceptance.constrain_logits`):
+        never pad, no eos before min_len, eos at index max_len, the forced first tokens."""
+        cfg = self.model.cfg
+        logits[..., cfg.pad] = float("-inf")
+        if self.min_len > 0:
+            logits[..., cfg.eos].masked_fill_(out_index < self.min_len, float("-inf"))
+        pred = torch.where(out_index >= max_len, cfg.eos, logits.argmax(dim=-1))
+        if self.forced.numel():
+            forced = self.forced[out_index.clamp(max=self.forced.numel() - 1)]
+            pred = torch.where(out_index < self.forced.numel(), forced, pred)
+        return pred
+
+    def _run_step(self, width: int, span: int, src_width: int) -> None:
+        if not self.graphs:
+            self._step(width, span, src_width)
+            return
+        key = (width, span, src_width)
+        graph = self._captured.get(key)
+        if graph is None:
+            graph = self._capture(key)
+        graph.replay()
+
+    def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
+        """Capture the step for `key` after one warm-up run whose effects are undone."""
+        mutable = [self.state.out, self.state.out_len, self.active, self.ms, self.fed_before, self.hist,
+                   self.iterations, self.drafted, self.accepted, *self._drafter_tensors()]
+        saved = [t.clone() for t in mutable]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(mutable, saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(*key)
+        self._pool = graph.pool()
+        self._captured[key] = graph
+        return graph
+
+    def _drafter_tensors(self) -> list[torch.Tensor]:
+        rows = getattr(self.drafter, "rows", None)
+        return list(rows._tensors.values()) if rows is not None else []
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def _allocate(self, requests: list[Request]) -> None:
+        cfg = self.model.cfg
+        b = slot_count(self.max_batch_size, len(requests))
+        longest = max(r.max_len for r in requests) + self.max_draft + 3
+        length = bucket(longest)
+        src_width = max(len(r.src) for r in requests)
+        dev = self.device
+        self.cache = SlotCache(cfg.dec_layers, cfg.d_model, b, length, src_width, self.dtype, dev)
+        out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
+        out[:, 0] = self.start
+        self.state = DecodeState(
+            src=torch.full((b, src_width), cfg.pad, dtype=torch.long, device=dev),
+            src_len=torch.ones(b, dtype=torch.long, device=dev), out=out,
+            out_len=torch.ones(b, dtype=torch.long, device=dev),
+            max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
+            requests=[None] * b, stats=[None] * b, pad=cfg.pad, eos=cfg.eos)
+        self.active = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.iterations = torch.zeros(b, dtype=torch.long, device=dev)
+        self.drafted = torch.zeros_like(self.iterations)
+        self.accepted = torch.zeros_like(self.iterations)
+        self.hist = torch.zeros(b, length, dtype=torch.int32, device=dev)
+        self.ms = torch.zeros(b, dtype=torch.float64, device=dev)
+        self.fed_before = torch.zeros(b, dtype=torch.long, device=dev)
+        self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
+        self._summary = torch.zeros(2 * b + 2, dtype=torch.long, device=dev)
+        self._captured, self._pool = {}, None
+        if not isinstance(self.drafter, NoDraft):
+            self.drafter.admit(self.state, torch.arange(b, device=dev))
+
+    def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
+        """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
+        next `encode_batch` pending requests (as `DraftVerifyLoop._fill`), fresh rows in place."""
+        cfg, st, dev = self.model.cfg, self.state, self.device
+        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        hit = [i for i, r in enumerate(reqs) if id(r) in self._ahead_rows]
+        miss = [i for i, r in enumerate(reqs) if id(r) not in self._ahead_rows]
+        if hit:
+            rows = torch.tensor([self._ahead_rows.pop(id(reqs[i])) for i in hit], device=dev)
+            self.cache.place(idx[hit], self._ahead.take(rows, trim=True))
+        if miss:
+            ahead = queue[-1: -1 - max(0, self.encode_batch - len(miss)): -1]
+            batch = [reqs[i] for i in miss] + ahead
+            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], cfg.pad, dev))
+            self.counters.encoded_rows += len(batch)
+            cross = self.model.cross_kv(memory, src_pad)
+            self.cache.place(idx[miss], cross.take(torch.arange(len(miss), device=dev), trim=True))
+            self._ahead, self._ahead_rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
+        src = pad_batch([r.src for r in reqs], cfg.pad)
+        st.src[idx] = torch.nn.functional.pad(src, (0, st.src.shape[1] - src.shape[1]), value=cfg.pad).to(dev)
+        for s, r in zip(slots, reqs):
+            st.requests[s] = r
+        st.src_len[idx] = torch.tensor([len(r.src) for r in reqs], device=dev)
+        st.max_len[idx] = torch.tensor([r.max_len for r in reqs], device=dev)
+        st.out[idx, 1:] = cfg.pad
+        st.out_len[idx] = 1
+        for t in (self.iterations, self.drafted, self.accepted, self.ms, self.fed_before):
+            t[idx] = 0
+        self.active[idx] = True
+        if not isinstance(self.drafter, NoDraft):
+            self.drafter.admit(st, idx)
+
+    def _retire(self, slots: list[int], out_len: list[int]) -> Iterator[Hypothesis]:
+        """Read the finished rows once and yield their hypotheses."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        width = max(out_len[s] for s in slots)
+        out = self.state.out[idx, 1:width].tolist()
+        iters, drafted, accepted = (t[idx].tolist() for t in (self.iterations, self.drafted, self.accepted))
+        # the last call's time share is added here (the step adds each call's share at the next one)
+        ms = (self.ms[idx] + self.fed_before[idx] * self.ms_per_fed).tolist()
+        hist = self.hist[idx, : max(iters)].tolist()
+        for j, s in enumerate(slots):
+            stats = RowStats(iterations=iters[j], drafted=drafted[j], accepted=accepted[j],
+                             accepted_per_iter=hist[j][: iters[j]], decode_ms=ms[j])
+            yield Hypothesis(index=self.state.requests[s].index, tokens=out[j][: out_len[s] - 2], stats=stats)
+            self.state.requests[s] = None
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, requests: Iterable[Request]) -> Iterator[Hypothesis]:
+        """Yield one Hypothesis per request, in completion order (use `.index` to restore order);
+        pending requests are admitted longest first."""
+        cfg = self.model.cfg
+        queue = sorted(requests, key=lambda r: len(r.src))
+        for r in queue:
+            if not 1 <= r.max_len < cfg.max_target_positions:
+                raise ValueError(f"request {r.index}: max_len={r.max_len} outside [1, {cfg.max_target_positions - 1}]")
+            if not 1 <= len(r.src) <= cfg.max_source_positions:
+                raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
+        if not queue:
+            return
+        self._allocate(queue)
+        self._ahead, self._ahead_rows = None, {}
+        b = self.state.batch_size
+        free = list(range(b))
+        src_len = [0] * b  # host copy of each occupied slot's source length
+        out_len = [1] * b
+        length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
+                                                else self.budget.next_length(1, self.max_draft))
+        while queue or len(free) < b:
+            if free and queue:
+                reqs = self._take(queue, len(free), sum(src_len))
+                if reqs:
+                    slots, free = free[: len(reqs)], free[len(reqs):]
+                    self._fill(slots, reqs, queue)
+                    for s, r in zip(slots, reqs):
+                        src_len[s], out_len[s] = len(r.src), 1
+            t0 = time.perf_counter()
+            live = [s for s in range(b) if src_len[s]]
+            src_width = bucket(max(src_len), self.cache.src_width)
+            width = min(length, src_width)  # no draft is longer than its source
+            span = bucket(max(out_len[s] for s in live) + width, self.cache.length)
+            self._run_step(width, span, src_width)
+            summary = self._summary.tolist()  # the one host read of the iteration
+            done, out_len = summary[:b], summary[b: 2 * b]
+            tokens, fed = summary[2 * b], summary[2 * b + 1]
+            seconds = time.perf_counter() - t0
+            self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
+            self.counters.calls += 1
+            self.counters.fed += fed
+            self.counters.padded += b * (width + 1)
+            if self.budget is not None and self.max_draft:
+                self.budget.record(length, tokens, seconds, len(live))
+                length = self.budget.next_length(len(live), self.max_draft)
+            finished = [s for s in range(b) if done[s]]
+            if finished:
+                yield from self._retire(finished, out_len)
+                for s in finished:
+                    src_len[s] = 0
+                free = sorted(free + finished)
+        self._ahead = None
+
+    def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
+        taken = []
+        while queue and len(taken) < free_slots:
+            n = len(queue[-1].src)
+            if self.max_tokens is not None and used_tokens + n > self.max_tokens and (used_tokens or taken):
+                break
+            taken.append(queue.pop())
+            used_tokens += n
+        return taken

@@ -1,0 +1,63 @@
+"""Fixed-shape decoder state: a set of batch slots whose buffers never change shape during a run.
+
+`SlotCache` holds, for `slots` rows, the self-attention keys/values of every decoder layer up to
+`length` positions and the cross-attention keys/values up to `src_width` source positions, all
+allocated once. A decoder call writes its block at each row's own positions (`positions`), reads a
+prefix of `span` key positions (a bucket above the longest row) and `width` source positions, and
+masks the rest per row, so the call is one fixed-shape tensor program for a given
+(slots, block width, span, width): capturable as a CUDA graph, compilable, and free of host reads.
+Finished rows are overwritten in place by refills (`place`); no row selection or concatenation of the
+cache ever happens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aggdec.model.cache import CrossKV
+
+SPANS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+"""Bucket sizes for key spans and source widths: few distinct shapes (one CUDA graph each), at most
+half again the length they cover."""
+
+
+def bucket(n: int, limit: int | None = None) -> int:
+    """The smallest bucket >= n (n itself beyond the largest), at most `limit`."""
+    b = next((s for s in SPANS if s >= n), n)
+    return b if limit is None else max(min(b, limit), min(n, limit))
+
+
+class SlotCache:
+    """Self- and cross-attention buffers of `slots` rows (see module docstring).
+
+    k, v: per decoder layer (slots, length, D); cross_k, cross_v: per layer (slots, src_width, D);
+    src_keep: (slots, src_width) bool, True at a row's real source positions. A slot that holds no
+    sentence keeps its last sentence's (or a dummy) cross K/V, so its garbage rows stay finite.
+    """
+
+    def __init__(self, n_layers: int, d_model: int, slots: int, length: int, src_width: int,
+                 dtype: torch.dtype, device: torch.device):
+        def zeros(w: int) -> list[torch.Tensor]:
+            return [torch.zeros(slots, w, d_model, dtype=dtype, device=device) for _ in range(n_layers)]
+
+        self.k, self.v = zeros(length), zeros(length)
+        self.cross_k, self.cross_v = zeros(src_width), zeros(src_width)
+        self.src_keep = torch.zeros(slots, src_width, dtype=torch.bool, device=device)
+        self.src_keep[:, 0] = True  # empty slots attend to one zero key: finite garbage
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def src_width(self) -> int:
+        return self.src_keep.shape[1]
+
+    def place(self, slots: torch.Tensor, cross: CrossKV) -> None:
+        """Put the cross K/V of new sentences (len(slots) rows, width <= src_width) into `slots`."""
+        w = cross.src_pad.shape[1]
+        for dst, src in zip(self.cross_k + self.cross_v, cross.k + cross.v):
+            dst[slots, :w] = src.to(dst.dtype)
+        keep = torch.zeros(slots.numel(), self.src_width, dtype=torch.bool, device=self.src_keep.device)
+        keep[:, :w] = ~cross.src_pad
+        self.src_keep[slots] = keep
