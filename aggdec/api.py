@@ -79,6 +79,7 @@ class Translator:
         self._models: dict[str, Transformer] = {"fp32": bundle.model}
         self._projections: dict[tuple[str, bool], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by options, kept across calls
+        self._slot_loops: dict = {}  # the last slot loop (aggdec.decoding.slot_loop), with its captured steps
 
     def verifier(self, precision: str = "fp32") -> Transformer:
         """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once."""
@@ -120,7 +121,7 @@ class Translator:
         dtype = next(model.parameters()).dtype
         return DraftContext(model, projection, drafts_in_bf16(opts, projection),
                             lambda path, bf16: self._drafter_model(path, bf16, dtype),
-                            self._budgets, self.framing(opts).prompt)
+                            self._budgets, self.framing(opts).prompt, self._slot_loops)
 
     def framing(self, opts: DecodeOptions | None = None) -> Framing:
         """The model's special-token framing for the languages of `opts` (aggdec.conventions); raises

@@ -22,6 +22,8 @@ from aggdec.decoding.drafters import Drafter, GreedyOptions, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter, GADOptions, GADPlusOptions
 from aggdec.decoding.iad import IADOptions, InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.slot_loop import SlotLoop
+from aggdec.decoding.slot_loop import supports as slots_support
 from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.decoding.options import (
     DecodeOptions,
@@ -51,6 +53,7 @@ class DraftContext:
     bf16: bool
     load: Callable[[str, bool], Any]
     budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
+    slot_loops: dict = field(default_factory=dict)  # the last SlotLoop, by options, kept across runs
     prompt: tuple[int, ...] | None = None
 
     def drafter_model(self, path: str) -> Any:
@@ -76,7 +79,7 @@ class Method:
         """Greedy's output token for token: a draft -> verify method with exact top-1 acceptance."""
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
-    def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter) -> DraftVerifyLoop:
+    def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter) -> DraftVerifyLoop | SlotLoop:
         """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
         for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted)."""
         budget = None
@@ -85,7 +88,17 @@ class Method:
             context.budgets[opts] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
-        return DraftVerifyLoop(context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size,
+        acceptance = opts.acceptance()
+        if use_slots(context, drafter, acceptance):  # kept across runs: its buffers and captured steps
+            loop = context.slot_loops.get(opts)
+            if loop is None:
+                loop = SlotLoop(context.model, drafter, max_batch_size=opts.max_batch_size,
+                                max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt)
+                context.slot_loops.clear()  # one at a time: each holds a cache of max_batch_size rows
+                context.slot_loops[opts] = loop
+            loop.budget = budget
+            return loop
+        return DraftVerifyLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                                max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
                                prompt=context.prompt)
 
@@ -93,6 +106,13 @@ class Method:
         if self.drafter is None:
             return opts.run(context.model, requests, context.prompt)
         return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
+
+
+def use_slots(context: DraftContext, drafter: Drafter, acceptance) -> bool:
+    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop): where the slot loop takes the
+    method, on a GPU (its steps are CUDA graphs there), with the plain fp32 top-1 or int8 logits."""
+    device = next(context.model.parameters()).device
+    return device.type == "cuda" and not context.projection.certify and slots_support(context.model, drafter, acceptance)
 
 
 METHODS: dict[str, Method] = {}

@@ -183,11 +183,16 @@ class SlotLoop:
     # -- slots -----------------------------------------------------------------------------------
 
     def _allocate(self, requests: list[Request]) -> None:
+        """Slots for a run: the last run's buffers (and captured steps) where they are large enough,
+        reset in place; else new ones."""
         cfg = self.model.cfg
         b = slot_count(self.max_batch_size, len(requests))
-        longest = max(r.max_len for r in requests) + self.max_draft + 3
-        length = bucket(longest)
-        src_width = max(len(r.src) for r in requests)
+        length = bucket(max(r.max_len for r in requests) + self.max_draft + 3)
+        src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions)
+        cache = getattr(self, "cache", None)
+        if cache is not None and self.state.batch_size == b and cache.length >= length and cache.src_width >= src_width:
+            self._reset()
+            return
         dev = self.device
         self.cache = SlotCache(cfg.dec_layers, cfg.d_model, b, length, src_width, self.dtype, dev)
         out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
@@ -208,8 +213,19 @@ class SlotLoop:
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
         self._summary = torch.zeros(2 * b + 2, dtype=torch.long, device=dev)
         self._captured, self._pool = {}, None
+        self._reset()
+
+    def _reset(self) -> None:
+        """Every slot empty; tensors keep their storage (captured steps stay valid)."""
+        st = self.state
+        st.out.fill_(st.pad)
+        st.out[:, 0] = self.start
+        for t in (st.out_len, st.src_len, st.max_len):
+            t.fill_(1)
+        for t in (self.active, self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
+            t.zero_()
         if not isinstance(self.drafter, NoDraft):
-            self.drafter.admit(self.state, torch.arange(b, device=dev))
+            self.drafter.admit(st, torch.arange(st.batch_size, device=self.device))
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
         """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
