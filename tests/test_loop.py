@@ -210,6 +210,9 @@ def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
     anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
     got = InputCopy().match(state, torch.tensor(anchors)).tolist()
     assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
+    # the fixed-shape version (slot loop) is the same wherever its depth covers the whole output
+    assert InputCopy().match_fixed(state, width + 1).tolist() == want
+    assert InputCopy().match_fixed(state, width + 1, torch.tensor(anchors)).tolist() == got
 
 
 def test_cross_kv_drops_padding_every_row_has():

@@ -1,0 +1,136 @@
+"""Host work per decoder call: the row loop (aggdec.decoding.loop) against the slot loop
+(aggdec.decoding.slot_loop) on a tiny random model whose arithmetic is negligible, one run.
+
+    python bench/host_bench.py --batch-sizes 1,64,256 --out bench/results/host.json
+
+The model: d_model 32, 1 encoder and 1 decoder layer, vocabulary 64, fp32, random weights; sources
+of 12-20 random tokens, outputs up to 24 tokens. Per loop and batch size: wall microseconds per
+decoder call (medians over `--repeat` interleaved runs; with negligible arithmetic this is host
+work), aten operators dispatched per call (TorchDispatchMode), and host reads per iteration: calls of
+item/tolist/__bool__/__int__/__float__/any/all/nonzero/cpu on tensors (TorchFunctionMode), each a
+device -> host synchronization on a GPU. Greedy and IAD (draft cap 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from aggdec.decoding.drafters import NoDraft  # noqa: E402
+from aggdec.decoding.iad import InputCopy  # noqa: E402
+from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
+from aggdec.decoding.metadata import Request  # noqa: E402
+from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
+from aggdec.model.config import ModelConfig  # noqa: E402
+from aggdec.model.transformer import Transformer  # noqa: E402
+
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "any", "all", "nonzero", "cpu"}
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountReads(TorchFunctionMode):
+    """Host reads of tensor values. any/all count only when their result is read (bool/item/...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS - {"any", "all", "nonzero"}:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab=64, tgt_vocab=64, d_model=32, enc_layers=1, dec_layers=1, enc_heads=2, dec_heads=2,
+                      enc_ffn=64, dec_ffn=64, max_source_positions=64, max_target_positions=64,
+                      share_all_embeddings=True)
+    return Transformer(cfg).eval()
+
+
+def requests(n: int, eos: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(index=i, src=[rng.randrange(4, 64) for _ in range(rng.randint(12, 20))] + [eos], max_len=24)
+            for i in range(n)]
+
+
+def make(kind: str, method: str, model: Transformer, bs: int):
+    drafter = NoDraft() if method == "greedy" else InputCopy(max_draft=8)
+    cls = DraftVerifyLoop if kind == "rows" else SlotLoop
+    return cls(model, drafter, max_batch_size=bs)
+
+
+def measure(loop, reqs) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    list(loop.run(reqs))
+    return time.perf_counter() - t0, loop.counters.calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model = tiny()
+    eos = model.cfg.eos
+    rows = []
+    with torch.no_grad():
+        for bs in [int(x) for x in a.batch_sizes.split(",")]:
+            reqs = requests(max(bs, 4) if bs > 1 else 8, eos)
+            for method in ("greedy", "iad"):
+                loops = {kind: make(kind, method, model, bs) for kind in ("rows", "slots")}
+                times: dict[str, list[float]] = {k: [] for k in loops}
+                for _ in range(a.repeat):  # interleaved
+                    for kind, loop in loops.items():
+                        loop.counters.calls = 0
+                        seconds, calls = measure(loop, reqs)
+                        times[kind].append(1e6 * seconds / calls)
+                result = {"batch_size": bs, "method": method}
+                for kind, loop in loops.items():
+                    loop.counters.calls = 0
+                    ops, reads = CountOps(), CountReads()
+                    with ops, reads:
+                        list(loop.run(reqs))
+                    calls = loop.counters.calls
+                    result[kind] = {"us_per_call": round(statistics.median(times[kind]), 1),
+                                    "ops_per_call": round(ops.n / calls, 1), "host_reads_per_call": round(reads.n / calls, 2),
+                                    "calls": calls}
+                result["host_time_ratio"] = round(result["rows"]["us_per_call"] / result["slots"]["us_per_call"], 2)
+                print(json.dumps(result), flush=True)
+                rows.append(result)
+    if a.out:
+        a.out.write_text(json.dumps({"command": "python bench/host_bench.py " + " ".join(argv or sys.argv[1:]),
+                                     "cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                                     "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

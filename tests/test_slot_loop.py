@@ -1,0 +1,124 @@
+"""The slot loop (fixed slots, device-side bookkeeping) is lossless and reads the host once per
+iteration: greedy and IAD give naive greedy's output on random float64 models, for any slot count,
+token budget, draft length, refill order and reuse of the loop across runs."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_loop import RandomBudget, _requests
+from tiny_models import naive_greedy, tiny_model
+
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.iad import InputCopy
+from aggdec.decoding.metadata import Request
+from aggdec.decoding.slot_loop import SlotLoop, slot_count
+
+KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
+         "bart-like"]
+
+
+def _run(loop, reqs):
+    hyps = list(loop.run(reqs))
+    assert sorted(h.index for h in hyps) == sorted(r.index for r in reqs), "every request yields exactly one output"
+    return {h.index: h for h in hyps}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_slot_greedy_equals_naive_recompute(kind):
+    model = tiny_model(kind)
+    reqs = _requests(random.Random(1), 10, model.cfg.src_vocab, model.cfg.eos)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    for bs in (1, 3):
+        got = _run(SlotLoop(model, NoDraft(), max_batch_size=bs), reqs)
+        assert {i: h.tokens for i, h in got.items()} == ref
+        for h in got.values():
+            assert h.stats.iterations == len(h.tokens) + 1 == len(h.stats.accepted_per_iter)
+            assert h.stats.drafted == h.stats.accepted == 0 and h.stats.decode_ms > 0
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(KINDS), bs=st.integers(1, 9),
+       cap=st.one_of(st.none(), st.integers(1, 6)), adaptive=st.booleans(), substitution=st.booleans(),
+       nearest_match=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
+       budget=st.booleans(), forced=st.integers(0, 2), encode_batch=st.integers(0, 5))
+def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nearest_match, max_tokens, budget,
+                                forced, encode_batch):
+    model = tiny_model(kind, seed=seed % 5, vocab=9)
+    rng = random.Random(seed)
+    prompt = tuple(rng.randint(3, model.cfg.tgt_vocab - 1) for _ in range(1 + forced))
+    reqs = [r for r in _requests(rng, rng.randint(1, 12), model.cfg.src_vocab, model.cfg.eos, repeat=True)
+            if r.max_len > forced]
+    rng.shuffle(reqs)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len, prompt) for r in reqs}
+    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, substitution=substitution,
+                         nearest_match=nearest_match) if adaptive
+               else InputCopy(max_draft=cap, substitution=substitution, nearest_match=nearest_match))
+    loop = SlotLoop(model, drafter, max_batch_size=bs, max_tokens=max_tokens, prompt=prompt,
+                    encode_batch=encode_batch, budget=RandomBudget(seed, cap or 6) if budget else None)
+    for _ in range(2):  # a second run reuses the slots, reset in place
+        got = _run(loop, reqs)
+        assert {i: h.tokens for i, h in got.items()} == ref
+        for h in got.values():
+            st_ = h.stats
+            assert st_.iterations == len(st_.accepted_per_iter)
+            assert st_.accepted == sum(st_.accepted_per_iter) <= st_.drafted
+            assert 0 <= st_.iterations + st_.accepted - (len(h.tokens) + 1) <= 1
+
+
+def test_slots_are_reused_and_grown():
+    """A run that fits the last run's slots keeps their storage; a longer one gets larger buffers;
+    refills of every slot at once (one slot) keep the drafter's row tensors in place."""
+    model = tiny_model()
+    eos = model.cfg.eos
+    loop = SlotLoop(model, InputCopy(max_draft=3), max_batch_size=1)
+    short = [Request(index=i, src=[4 + i, 5, 6, eos], max_len=5) for i in range(3)]
+    _run(loop, short)
+    ptrs = (loop.cache.k[0].data_ptr(), loop.state.out.data_ptr(), loop.drafter.rows.resume.data_ptr())
+    _run(loop, short[:2])
+    assert (loop.cache.k[0].data_ptr(), loop.state.out.data_ptr(), loop.drafter.rows.resume.data_ptr()) == ptrs
+    long = [Request(index=0, src=[4] * 40 + [eos], max_len=60)]
+    got = _run(loop, long)
+    assert loop.cache.length >= 60 and got[0].tokens == naive_greedy(model, long[0].src, 60)
+
+
+def test_one_host_read_per_iteration(monkeypatch):
+    """Outside retiring finished rows and encoding refills, an iteration reads one tensor to the host."""
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        n, paused = 0, 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not Reads.paused and getattr(func, "__name__", "") in {"item", "tolist", "__bool__", "__int__",
+                                                                      "__float__", "__index__"}:
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def paused(method):
+        def run(*args, **kwargs):
+            Reads.paused += 1
+            try:
+                out = method(*args, **kwargs)
+                return list(out) if method.__name__ == "_retire" else out
+            finally:
+                Reads.paused -= 1
+        return run
+
+    monkeypatch.setattr(SlotLoop, "_retire", paused(SlotLoop._retire))
+    monkeypatch.setattr(SlotLoop, "_fill", paused(SlotLoop._fill))
+    model = tiny_model()
+    reqs = _requests(random.Random(3), 12, model.cfg.src_vocab, model.cfg.eos)
+    for drafter in (NoDraft(), InputCopy(max_draft=4, substitution=True, nearest_match=True)):
+        loop = SlotLoop(model, drafter, max_batch_size=4)
+        Reads.n = 0
+        with Reads():
+            list(loop.run(reqs))
+        assert Reads.n == loop.counters.calls
+
+
+def test_slot_count():
+    assert [slot_count(64, n) for n in (1, 2, 3, 63, 64, 500)] == [1, 2, 4, 64, 64, 64]
+    assert slot_count(48, 100) == 64
