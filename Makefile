@@ -4,7 +4,8 @@ PIP ?= $(PYTHON) -m pip
 
 .PHONY: run test setup setup-dev
 
-## Set up and run the embedded default job (examples/correct.toml on a local Ray).
+## Set up and run the embedded default job (examples/correct.toml on a local Ray). The setup
+## includes the extras the README's tour uses: gec (aggdec eval --task gec) and report (aggdec report).
 run: setup
 	aggdec run
 
@@ -14,7 +15,7 @@ test: setup-dev
 
 setup:
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e .
+	$(PIP) install -e '.[gec,report]'
 
 # fairseq (for the parity tests) builds against the installed torch; it pulls a torchaudio that
 # cannot load with torch 2.13 and is not needed, so it is removed again (with it installed,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -30,7 +32,10 @@ def main(debug: bool) -> None:
 
 
 def run() -> None:
-    """The `aggdec` entry point: `main`, with any unexpected error as one line unless --debug."""
+    """The `aggdec` entry point: `main`, with any unexpected error and every warning as one line
+    unless --debug."""
+    if "--debug" not in sys.argv[1:]:
+        warnings.showwarning = _one_line_warning
     try:
         main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
@@ -47,6 +52,10 @@ def run() -> None:
         click.echo(f"aggdec: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                    "(rerun with --debug for the traceback)", err=True)
         sys.exit(1)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    click.echo(f"aggdec: warning: {message}", err=True)
 
 
 def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, bpe: str | None, bpe_model: str | None,
@@ -172,8 +181,11 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
                 f.write(json.dumps({"line": i + 1, **{k: v[i] for k, v in columns.items()}}) + "\n")
     summary = summarize(results, seconds)
     bad = {k: v for k, v in summary["status"].items() if k != "ok"}
+    per_call = "decoder call" if method == "beam" else "verifier call"  # beam has no verifier
     click.echo(f"{summary['rows']} sentences in {seconds:.2f}s ({summary['sentences_per_s']:.1f}/s), "
-               f"{summary['tokens_per_iter']:.2f} tokens per verifier call"
+               f"{summary['tokens_per_iter']:.2f} tokens per {per_call}"
+               + (f", mean accepted draft tokens per verifier call {summary['mean_accepted_per_iter']:.2f}"
+                  if summary["drafted"] else "")
                + (f", status {bad}" if bad else ""), err=True)
 
 
@@ -327,14 +339,15 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
       aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
     """
+    from aggdec.model.precision import cpu_isa, cpu_warning
     from cluster.connection import connect, disconnect
     from jobs.preflight import check_job
     from jobs.run import run_job
     from jobs.spec import SpecError
 
-    job = _load_spec(spec or DEFAULT_SPEC, _overrides(sets, input_path=input_path, output=output, model=model,
-                                                      method=method, drafter=drafter, actors=actors,
-                                                      gpus_per_actor=gpus_per_actor))
+    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
+                           actors=actors, gpus_per_actor=gpus_per_actor)
+    job = _load_spec(spec or DEFAULT_SPEC, overrides)
     say = _echo_err
     try:
         shards = check_job(job, warn=say)  # inputs, output, model: before Ray starts
@@ -342,8 +355,13 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
         raise Failure(str(e)) from e
     say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
         f"output {job.output.dir}")
-    if job.unused_options:
-        say(f"note: not options of method {job.method}, ignored: {', '.join(job.unused_options)}")
+    if job.resources.gpus_per_actor == 0 and not (address or os.environ.get("RAY_ADDRESS")):
+        slow = cpu_warning(job.decode.precision, cpu_isa())  # the actors run on this machine's CPU
+        if slow:
+            say(f"aggdec: warning: {slow}")
+    ignored = _ignored_options(job, spec is not None, overrides)
+    if ignored:
+        say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
     progress = _ProgressLine()
     conn = connect(address, num_cpus=num_cpus, quiet=not verbose)
     stop = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs its own handler
@@ -360,6 +378,16 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
         disconnect(conn)
         signal.signal(signal.SIGTERM, stop)
     click.echo(result.summary_line())
+
+
+def _ignored_options(job, own_spec: bool, overrides: list[str]) -> list[str]:
+    """The options of other methods than the job's that the user set: every one in their own spec
+    (`own_spec`) and on the command line; not those of the embedded default spec's [decode] table
+    (IAD's options), which `--set decode.method=greedy` leaves behind without the user having set them."""
+    from jobs.spec import parse_override
+
+    given = {key.removeprefix("decode.") for key, _ in map(parse_override, overrides) if key.startswith("decode.")}
+    return [name for name in job.unused_options if own_spec or name in given]
 
 
 def _echo_err(msg: str) -> None:

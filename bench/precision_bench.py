@@ -1,11 +1,19 @@
-"""fp32 against the certified bf16 top-1 (`verify_precision`) on the shipped models, interleaved.
+"""Precisions on the shipped models, interleaved in one process. Not a test.
 
     python bench/precision_bench.py --repeat 3 --out bench/results/precision.json
+    python bench/precision_bench.py --verifier --sentences 200 --batch-size 32 --out bench/results/precision-avx2.json
 
-Per case (model, method, batch size): sentences/s with `fp32` and with `bf16-certified` (medians of
-`--repeat` interleaved runs in one process), their ratio, and whether the outputs are identical
-(they must be). What `verify_precision = "auto"` picks on a CPU follows from such runs
-(aggdec.model.projection.certified_pays). Not a test.
+Default: fp32 against the certified bf16 top-1 (`verify_precision`). Per case (model, method, batch
+size): sentences/s with `fp32` and with `bf16-certified` (medians of `--repeat` interleaved runs),
+their ratio, and whether the outputs are identical (they must be). What `verify_precision = "auto"`
+picks on a CPU follows from such runs (aggdec.model.projection.certified_pays).
+
+`--verifier`: the verifier's `precision` (fp32, bf16, int8) for gec-base greedy and IAD on the
+shipped sample corpus (examples/data/gec-sample, no ../shared needed): sentences/s, the share of
+sentences identical to fp32 greedy (how close bf16 and int8 stay; it depends on the instruction
+set, so it is measured here and not asserted in the tests) and whether IAD equals greedy at the
+same precision. The CPU's class (aggdec.model.precision.cpu_isa) is recorded with the figures;
+what `cpu_warning` says per class follows from such runs.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from baseline_bench import machine
 
+import pyarrow.parquet as pq
+
 from aggdec.api import Translator, decode_options
+from aggdec.model.precision import PRECISIONS, cpu_isa
 from aggdec.train.ar import read_tsv
 
 DATA = REPO.parent / "shared" / "data"
@@ -43,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "precision.json"))
+    ap.add_argument("--verifier", action="store_true", help="compare the verifier's precision (fp32, bf16, int8)")
+    ap.add_argument("--sentences", type=int, default=300, help="--verifier: first N sentences of the sample corpus")
+    ap.add_argument("--batch-size", type=int, default=32, help="--verifier: max_batch_size")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.verifier:
+        return verifier_precisions(a)
     rows = []
     for model, data, column, method, bs, n in CASES:
         src, _ = read_tsv(DATA / data / "test.tsv", column, column)
@@ -66,6 +82,37 @@ def main(argv: list[str] | None = None) -> int:
     cpu = {"avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
     Path(a.out).write_text(json.dumps({"machine": machine("cpu"), "cpu": cpu, "threads": a.threads,
                                        "repeat": a.repeat, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def verifier_precisions(a: argparse.Namespace) -> int:
+    """gec-base greedy and IAD at every `precision` on the sample corpus; see the module docstring."""
+    files = sorted((REPO / "examples" / "data" / "gec-sample").glob("*.parquet"))
+    src = [s for f in files for s in pq.read_table(f, columns=["src"]).column("src").to_pylist()][:a.sentences]
+    tr = Translator.load(REPO / "models" / "gec-base")
+    for precision in PRECISIONS:  # convert and compile (int8: TorchInductor) before any timing
+        tr.translate_batch(src[:4], decode_options("iad", precision=precision))
+    times: dict[tuple[str, str], list[float]] = {}
+    outputs = {}
+    for _ in range(a.repeat):
+        for method in ("greedy", "iad"):
+            for precision in PRECISIONS:
+                t0 = time.perf_counter()
+                res = tr.translate_batch(src, decode_options(method, precision=precision, max_batch_size=a.batch_size))
+                times.setdefault((method, precision), []).append(time.perf_counter() - t0)
+                outputs[method, precision] = [r.tokens for r in res]
+    reference = outputs["greedy", "fp32"]
+    rows = []
+    for (method, precision), ts in times.items():
+        out = outputs[method, precision]
+        rows.append({"method": method, "precision": precision, "batch_size": a.batch_size, "sentences": len(src),
+                     "sentences_per_s": round(len(src) / statistics.median(ts), 1),
+                     "identical_to_fp32_greedy": round(sum(x == y for x, y in zip(out, reference)) / len(src), 4),
+                     "identical_to_greedy_same_precision": out == outputs["greedy", precision]})
+        print(json.dumps(rows[-1]), flush=True)
+    Path(a.out).write_text(json.dumps({"machine": machine("cpu"), "cpu_isa": cpu_isa(), "model": "gec-base",
+                                       "data": "examples/data/gec-sample", "threads": a.threads, "repeat": a.repeat,
+                                       "rows": rows}, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Connecting to Ray. The only place (with cli.py) that calls ray.init; nothing here runs at import.
 
-`connect(None)` starts an embedded local Ray (no dashboard) unless RAY_ADDRESS is set, which is the
-case inside a job submitted with the Jobs API: then it joins that cluster. `connect("HOST:6379")`
+`connect(None)` starts an embedded local Ray (no dashboard; a new one even where another Ray runs on
+the machine) unless RAY_ADDRESS is set, which is the case inside a job submitted with the Jobs API:
+then it joins that cluster. `connect("HOST:6379")`
 or `connect("auto")` joins a running cluster.
 """
 
@@ -11,6 +12,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+
+RAY_AUTH_LOGGER = "ray._private.authentication"
 
 
 def quiet_ray() -> None:
@@ -46,7 +49,13 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        # Ray turns token authentication on for a local cluster it starts and warns about it at every
+        # start; for an embedded Ray that only this process uses that warning is noise (its choice
+        # stands: RAY_AUTH_MODE still decides).
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+        # "local": a new instance, never a cluster another process started on this machine (which
+        # ray.init() without an address would join, recorded in Ray's temp directory)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
     return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
                       started=True)
 

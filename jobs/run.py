@@ -79,6 +79,9 @@ class JobResult:
     skipped: list[str] = field(default_factory=list)  # units already committed, left alone
     pipeline_seconds: float = 0.0  # decoding and committing of this run
     wall_seconds: float = 0.0
+    decoder_seconds: float = 0.0  # the decoded rows' summed decode_ms (every actor, every run), in seconds
+    decoder_sentences: int = 0  # the rows decoder_seconds counts (status ok or truncated)
+    drafted: int = 0  # draft tokens of all units (0 for methods without drafts)
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
     attempts: int = 0  # pipeline runs (more than 1 after lost actors or nodes)
@@ -94,17 +97,25 @@ class JobResult:
 
     @property
     def sentences_per_s(self) -> float:
+        """Rows decoded by this run per second of wall-clock time (decoding and committing)."""
         return self.decoded_rows / self.pipeline_seconds if self.pipeline_seconds > 0 else 0.0
 
     def summary_line(self) -> str:
+        """One line: rows by status; this run's rows and wall-clock time ("wall"); the decoder time
+        of all rows (summed over actors, so it can exceed the wall time; aggdec report uses the same
+        names); acceptance where the method drafted; the output."""
         other = {k: v for k, v in self.status.items() if k not in ("ok", "error")}
+        per_decoder_s = self.decoder_sentences / self.decoder_seconds if self.decoder_seconds > 0 else 0.0
         return (f"{self.rows} rows ({self.ok} ok, {self.errors} error"
                 + "".join(f", {v} {k}" for k, v in sorted(other.items())) + ")"
-                + f"; decoded {self.decoded_rows} in {self.pipeline_seconds:.1f}s ({self.sentences_per_s:.1f} sentences/s)"
+                + f"; decoded {self.decoded_rows}: wall {self.pipeline_seconds:.1f} s, {self.sentences_per_s:.1f} "
+                  "sentences/s"
                 + (f", skipped {len(self.skipped)} committed unit(s)" if self.skipped else "")
+                + f"; decoder time {self.decoder_seconds:.2f} s ({per_decoder_s:.1f} sentences/s of decoder time)"
                 + (f"; kept {self.distill['kept']} pairs" + "".join(
                     f", {n} {r}" for r, n in self.distill["filtered"].items()) if self.distill else "")
-                + f"; mean accepted tokens/iter {self.mean_accepted_per_iter:.2f}"
+                + (f"; mean accepted draft tokens per verifier call {self.mean_accepted_per_iter:.2f}"
+                   if self.drafted else "")
                 + f"; output {self.output_dir}")
 
 
@@ -228,6 +239,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     return JobResult(output_dir=out.uri, manifest=out.loc.uri_of("_manifest.json"), rows=tot["rows"],
                      status=tot["status"], decoded_rows=decoded_rows, committed=list(run_info["committed"]),
                      skipped=skipped, pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
+                     decoder_seconds=speed["decode_ms"] / 1000.0, decoder_sentences=speed["sentences"],
+                     drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
                      attempts=attempts, distill=tot.get("distill"))
 

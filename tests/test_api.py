@@ -80,6 +80,27 @@ def test_cli_decode_runs_in_process_and_names_a_bad_device(tiny_model_dir, monke
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--method", "iad", "--device", "cpu"], input=src)
     assert res.exit_code == 0, res.output
     assert res.output.splitlines()[:5] == ref
+    assert "tokens per verifier call" in res.output.splitlines()[-1]
+    res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--method", "beam"], input=src)
+    summary = res.output.splitlines()[-1]
+    assert res.exit_code == 0 and "tokens per decoder call" in summary and "verifier" not in summary
+    assert "accepted" not in summary  # no drafts, no acceptance figure
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--device", "cuda"], input=src)
     assert res.exit_code == 2 and "--device" in res.output and "no CUDA device" in res.output
+
+
+def test_an_exported_fairseq_checkpoint_segments_raw_text_with_its_model(tiny_model_dir, tmp_path):
+    """`aggdec convert --to fairseq` of a sentencepiece model: decoding the checkpoint without --bpe
+    segments raw text with the copied sentencepiece model (the project model's outputs), and refuses
+    in one line naming the file when that model is gone."""
+    from aggdec.fairseq_io import load_fairseq, save_fairseq
+
+    sents = synthetic_sentences(6, seed=5)
+    ref = [r.text for r in Translator.load(tiny_model_dir).translate_batch(sents)]
+    exp = save_fairseq(tiny_model_dir, tmp_path / "fs")
+    got = Translator(load_fairseq(exp / "checkpoint.pt", exp, trust=True)).translate_batch(sents)
+    assert [r.text for r in got] == ref and {r.status for r in got} == {"ok"}
+    (exp / "spm.model").unlink()
+    with pytest.raises(FileNotFoundError, match=r"spm.model: .* pass --bpe sentencepiece --bpe-model PATH$"):
+        load_fairseq(exp / "checkpoint.pt", exp, trust=True)

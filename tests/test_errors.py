@@ -143,3 +143,48 @@ def test_sigterm_stops_a_job_cleanly(tiny_model_dir, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline()[:3] for p in alive]
     assert 1 <= len(list(out.glob("_SUCCESS.*"))) < 200
+
+
+def test_only_options_the_user_set_are_noted_as_ignored(tmp_path):
+    """`aggdec run --set decode.method=greedy` on the embedded default spec notes nothing (IAD's
+    options there are the spec's, not the user's); options the user set on the command line or in
+    their own spec are noted."""
+    from cli import DEFAULT_SPEC, _ignored_options, _overrides
+
+    overrides = _overrides(("decode.method=greedy",))
+    job = load_spec(DEFAULT_SPEC, overrides)
+    assert "draft_cap" in job.unused_options and _ignored_options(job, False, overrides) == []
+    overrides = _overrides(("decode.draft_cap=8",), method="greedy")
+    assert _ignored_options(load_spec(DEFAULT_SPEC, overrides), False, overrides) == ["draft_cap"]
+    own = tmp_path / "job.toml"
+    own.write_text(f'model = "{REPO / "models" / "gec-base"}"\n[input]\npath = "in"\n[output]\ndir = "out"\n'
+                   '[decode]\nmethod = "iad"\ndraft_cap = 8\nsubstitution = true\n', encoding="utf-8")
+    overrides = _overrides((), method="greedy")
+    assert _ignored_options(load_spec(own, overrides), True, overrides) == ["draft_cap", "substitution"]
+
+
+def test_missing_extras_name_the_install_command_for_this_copy(tmp_path, monkeypatch):
+    """From a source tree the hint is an editable install of that tree ("." when it is the current
+    directory); from an installed package, the package's extra."""
+    from aggdec import extras
+
+    monkeypatch.chdir(REPO)
+    assert extras.install_hint("gec") == "pip install -e '.[gec]'"
+    monkeypatch.chdir(tmp_path)
+    assert extras.install_hint("report") == f"pip install -e '{REPO}[report]'"
+    monkeypatch.setattr(extras, "SOURCE_TREE", tmp_path / "site-packages")
+    assert extras.install_hint("gec") == "pip install 'aggdec[gec]'"
+
+
+def test_the_job_summary_names_each_figure_once_wall_clock_first():
+    """Wall-clock time and rate of this run first, then the decoder time under its own name; the
+    acceptance figure only where the method drafted."""
+    from jobs.run import JobResult
+
+    result = JobResult(output_dir="out", manifest="out/_manifest.json", rows=300, status={"ok": 300},
+                       decoded_rows=300, pipeline_seconds=17.6, decoder_seconds=4.3, decoder_sentences=300)
+    line = result.summary_line()
+    assert "; decoded 300: wall 17.6 s, 17.0 sentences/s; decoder time 4.30 s (69.8 sentences/s of decoder time)" in line
+    assert "accepted" not in line
+    result.drafted, result.mean_accepted_per_iter = 900, 2.5
+    assert "; mean accepted draft tokens per verifier call 2.50;" in result.summary_line()

@@ -69,7 +69,9 @@ def write_output_dir(root: Path, shards: list[tuple[str, int, int]]) -> Path:
         pq.write_table(pa.table({c: pa.array(v, types.get(c, pa.string())) for c, v in cols.items()}),
                        root / f"part-{k:05d}.parquet")
     manifest = {"format": "aggdec-job-manifest v1", "complete": True, "signature": "aggdec|method:iad|test",
-                "model": {"path": "models/tiny", "sha": "0123abcd"}, "aggdec_version": "0.1.0"}
+                "model": {"path": "models/tiny", "sha": "0123abcd"}, "aggdec_version": "0.1.0",
+                "shards": {f"part-{k:05d}": {"rows": n} for k, (_, n, _) in enumerate(shards)},
+                "timings": {"pipeline_s": 4.0}, "run": {"committed": [f"part-{k:05d}" for k in range(len(shards))]}}
     (root / "_manifest.json").write_text(json.dumps(manifest))
     return root
 
@@ -115,6 +117,9 @@ def test_report_renders(tmp_path: Path):
     images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == page.count("<img") == 5
     assert "aggdec|method:iad|test" in page and "error: 5" in page
+    # wall-clock first, under the name the job summary uses; decoder time named as such
+    assert "decoded 200 rows: wall 4.0 s, 50.0 sentences/s" in page and "sentences / s of decoder time" in page
+    assert "decode s" not in page
     assert build_report(out_dir).count("<img") == 4  # no benchmark plot without --bench
 
     html_file = tmp_path / "report.html"
@@ -176,7 +181,7 @@ def test_report_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch):
 
     out_dir = write_output_dir(tmp_path / "out", [("iad", 5, 1)])
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    with pytest.raises(ImportError, match=r"aggdec\[report\]"):
+    with pytest.raises(ImportError, match=r"matplotlib: pip install .*\[report\]'$"):
         build_report(out_dir)
 
 

@@ -75,3 +75,18 @@ def test_tiny_run_saves_loadable_model_and_loss_drops(tmp_path, capsys):
     more = json.loads((tmp_path / "more" / "config.json").read_text())["meta"]
     assert more["updates"] == meta["updates"] + 5 and more["init_from"]["updates"] == meta["updates"]
     checkpoint.load(tmp_path / "more")
+
+
+def test_presets_without_their_data_fail_in_one_line(tmp_path):
+    """`--task` without the project's corpora names the missing file and how to give data; a missing
+    --train file is named too."""
+    import pytest
+
+    with pytest.raises(SystemExit) as err:
+        main(["--task", "gec", "--data-dir", str(tmp_path), "--out", str(tmp_path / "m")])
+    msg = str(err.value.code)
+    assert msg.startswith(f"--task gec: {tmp_path / 'gec' / 'train.tsv'} not found;") and "\n" not in msg
+    assert "--data-dir DIR" in msg and "--train FILE --valid FILE --src-col COL --tgt-col COL" in msg
+    with pytest.raises(SystemExit, match=r"^--train: .*en\.tsv not found; give --train FILE"):
+        main(["--train", str(tmp_path / "en.tsv"), "--valid", str(tmp_path / "en.tsv"), "--src-col", "en",
+              "--tgt-col", "de", "--out", str(tmp_path / "m")])

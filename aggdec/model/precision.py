@@ -15,13 +15,18 @@ call. That is what keeps draft -> verify exact for a quantized verifier: IAD and
 tokens in one call give token for token the output of the same int8 model decoding greedily one
 token per call, at any batch size and refill order (tests/test_precision.py). Outputs differ from
 fp32 greedy's; the benchmarks report by how much (docs/benchmarks.md).
+
+Whether bf16 or int8 is faster than fp32 depends on the CPU's instruction set (`cpu_isa`):
+`cpu_warning` says, with the measured figure, where a precision is expected to be much slower
+(docs/design.md, "Precision by instruction set").
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +35,42 @@ from aggdec.model.linear import Linear
 from aggdec.model.transformer import Transformer
 
 PRECISIONS = ("fp32", "bf16", "int8")
+
+ISAS = ("amx", "avx512_vnni", "avx_vnni", "avx512", "avx2", "other")
+"""CPU classes by what decides the cost of bf16 and int8 products, best first (`cpu_isa`)."""
+
+_ISA_FLAGS = (("amx", "amx_tile"), ("avx512_vnni", "avx512_vnni"), ("avx_vnni", "avx_vnni"),
+              ("avx512", "avx512_f"), ("avx2", "avx2"))
+
+_AVX2 = "gec-base IAD at batch 32 ran {}x slower than fp32 on an AVX2 CPU"
+_NO_AMX = "gec-base IAD at batch 32 ran 1.4x slower than fp32 on a CPU with AVX512-BF16 and VNNI but no AMX"
+_SLOW = {  # (precision, isa) -> why it is slow there, measured (docs/design.md, "Precision by instruction set")
+    ("int8", "avx2"): "int8 products have no fast path without VNNI or AMX: " + _AVX2.format(16),
+    ("int8", "avx512"): "this CPU has neither VNNI nor AMX for int8 products (not measured on AVX-512 without "
+                        "VNNI); " + _AVX2.format(16),
+    ("bf16", "avx2"): "bf16 products have no native instructions without AVX512-BF16 or AMX: " + _AVX2.format(2.8),
+    ("bf16", "avx512"): "this CPU has neither AVX512-BF16 nor AMX for bf16 products (not measured on AVX-512 "
+                        "without VNNI); " + _AVX2.format(2.8),
+    ("bf16", "avx512_vnni"): "bf16 needs AMX to pay: " + _NO_AMX,
+    ("bf16", "avx_vnni"): "bf16 needs AMX to pay (not measured on CPUs with AVX-VNNI); " + _NO_AMX,
+}
+
+
+def cpu_isa(capabilities: Mapping[str, Any] | None = None) -> str:
+    """The class (`ISAS`) of a CPU with these capability flags (default: this CPU's, from
+    `torch.cpu.get_capabilities()`; an older torch without it gives "other"): "amx" (AMX tiles),
+    "avx512_vnni", "avx_vnni" (VNNI on 256-bit vectors), "avx512" (no VNNI), "avx2", else "other"
+    (another architecture, or an x86 CPU without AVX2)."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)() if capabilities is None else capabilities
+    return next((isa for isa, flag in _ISA_FLAGS if caps.get(flag)), "other")
+
+
+def cpu_warning(precision: str, isa: str) -> str | None:
+    """One line saying why `precision` is expected to run much slower than fp32 on a CPU of class
+    `isa` (`cpu_isa`), with the measured figure; None where it pays (int8 with VNNI or AMX at
+    batch 32 and up, bf16 with AMX), for fp32, and for "other" CPUs (not measured)."""
+    why = _SLOW.get((precision, isa))
+    return None if why is None else f"precision {precision}: {why}; fp32 is the faster choice here"
 
 
 class Int8Weight:

@@ -416,8 +416,10 @@ def train_ar(cfg: TrainConfig) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aggdec.train.ar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=sorted(TASKS), help="preset data paths/columns under ../shared/data")
-    p.add_argument("--data-dir", default=str(DATA))
+    p.add_argument("--task", choices=sorted(TASKS),
+                   help="preset columns and files TASK/train.tsv, TASK/valid.tsv under --data-dir (the project's corpora)")
+    p.add_argument("--data-dir", default=str(DATA), help="where --task finds its files (default: ../shared/data "
+                                                           "beside the source tree)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for name, f in fields.items():
         flag = "--" + name.replace("_", "-")
@@ -428,6 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
             default = None if f.default is dataclasses.MISSING else f.default
             p.add_argument(flag, type=typ, default=default)
     return p
+
+
+def _missing_data(name: str, path: str, task: str | None, data_dir: Path) -> str:
+    """One line naming the missing --train/--valid file and how to give data (the presets read the
+    project's own corpora, which a copy of the package does not hold)."""
+    own = "--train FILE --valid FILE --src-col COL --tgt-col COL (TSV files with a header line)"
+    if task:
+        sub = TASKS[task][0]
+        return (f"--task {task}: {path} not found; the preset reads {sub}/train.tsv and {sub}/valid.tsv under "
+                f"--data-dir (default {data_dir}): pass --data-dir DIR, or your own data with {own}")
+    return f"--{name}: {path} not found; give {own}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     missing = [k for k in ("train", "valid", "src_col", "tgt_col", "out") if not args[k]]
     if missing:
         raise SystemExit(f"missing --{', --'.join(m.replace('_', '-') for m in missing)} (or use --task)")
+    for name in ("train", "valid"):
+        if not Path(args[name]).is_file():
+            raise SystemExit(_missing_data(name, args[name], task, data_dir))
     if not args["recipe"]:
         args["recipe"] = "python -m aggdec.train.ar " + " ".join(sys.argv[1:] if argv is None else argv)
     train_ar(TrainConfig(**args))
