@@ -26,6 +26,7 @@ other methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy o
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -154,7 +155,13 @@ class SlotLoop:
         key = (width, span, src_width)
         graph = self._captured.get(key)
         if graph is None:
-            graph = self._capture(key)
+            try:
+                graph = self._capture(key)
+            except RuntimeError as e:  # a capture that fails leaves the state as it was: run eagerly
+                warnings.warn(f"aggdec: CUDA graph capture failed, decoding without graphs: {e}", stacklevel=2)
+                self.graphs = False
+                self._step(width, span, src_width)
+                return
         graph.replay()
 
     def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
