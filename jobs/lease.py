@@ -8,8 +8,8 @@ start time, last heartbeat (seconds since the epoch) and a random token. The hol
 every HEARTBEAT_S seconds from a background thread and deletes it when the job ends, however it
 ends. A record is stale, and taken over by the next job, when its heartbeat is older than
 STALE_AFTER_S seconds, or at once when its holder ran on this host and that process is gone (a
-killed driver); `take_over=True` (`aggdec run --take-over-lease`) takes over any record, for a
-holder known to be dead whose heartbeat is not old yet.
+killed driver); `take_over=True` (`aggdec run --take-over-lease`) takes over the record found,
+for a holder known to be dead whose heartbeat is not old yet.
 
 How atomic taking a lease is depends on the file system:
 - local and mounted file systems: the record is written to a private name and hard-linked into
@@ -123,9 +123,9 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease and start the heartbeat; raises LeaseHeld naming the holder."""
         self.loc.makedirs()
-        for _ in range(5):  # a takeover raced with another job's: look again
+        for attempt in range(5):  # a takeover raced with another job's: look again
             holder = read_holder(self.loc)
-            if holder is not None and not (self.take_over or holder.stale()):
+            if holder is not None and not ((self.take_over and attempt == 0) or holder.stale()):
                 raise LeaseHeld(held_message(self.loc, holder))
             if holder is not None and not self._remove(holder):
                 continue
@@ -205,14 +205,17 @@ class Lease:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            holder = read_holder(self.loc)
-            if holder is None or holder.token != self.me.token:
-                self.lost = (f"output.dir: {self.loc.uri}: this job's lease was taken over by another job"
-                             + (f" ({holder.describe()})" if holder else "")
-                             + "; stopped so that two jobs do not write the same output")
-                return
-            self.me = Holder(**{**asdict(self.me), "heartbeat_at": time.time()})
-            self.loc.write_bytes(LEASE_NAME, self._record())
+            try:
+                holder = read_holder(self.loc)
+                if holder is None or holder.token != self.me.token:
+                    self.lost = (f"output.dir: {self.loc.uri}: this job's lease was taken over by another job"
+                                 + (f" ({holder.describe()})" if holder else "")
+                                 + "; stopped so that two jobs do not write the same output")
+                    return
+                self.me = Holder(**{**asdict(self.me), "heartbeat_at": time.time()})
+                self.loc.write_bytes(LEASE_NAME, self._record())
+            except OSError:  # the file system failed this once: the next beat tries again
+                continue
 
 
 def _holder_at(path: str) -> Holder | None:

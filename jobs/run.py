@@ -7,11 +7,11 @@
 Order of work: (1) read every input footer and take the output location's lease (jobs.lease: one
 job at a time per location), before any Ray work; (2) plan the commit units (jobs.units), delete
 stale tmp files and the files of units that are not committed for this job and these inputs, keep
-committed units; (3) run the pending units on the
-decode actors, which write their outputs and commit records themselves (jobs.work); the driver
-only collects the records and rewrites the manifest as they arrive; (4) if actors or nodes are
-lost beyond Ray's own retries, re-plan the actors on the nodes left and run the units that did not
-commit, up to `resources.max_attempts` times.
+committed units; (3) run the pending units on the decode actors, which write their outputs and
+commit records themselves (jobs.work); the driver only collects the records and rewrites the
+manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
+actors on the nodes left and run the units that did not commit, up to `resources.max_attempts`
+times, saying so in one line.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
 
     `log` gets what the job does (one line each), `warn` what the user should see even when `log`
     is not shown (one line when lost actors or nodes make the job redo units), `progress` a
-    Progress after every committed or failed unit; `timings` (e.g. {"ray_init_s": ...}) is recorded in the manifest.
+    Progress after every committed or failed unit; `timings` (e.g. {"ray_init_s": ...}) is
+    recorded in the manifest.
     """
     t0 = time.perf_counter()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -237,8 +238,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                 else:
                     pending.append(unit)
             if lost is not None:
-                warn(f"{lost}; redoing the {len(pending)} unit(s) that did "
-                     f"not commit on the nodes left (run {attempts + 1} of at most {spec.resources.max_attempts})")
+                warn(f"{lost}; redoing the {len(pending)} unit(s) that did not commit on the nodes left "
+                     f"(run {attempts + 1} of at most {spec.resources.max_attempts})")
         complete = not failed
     finally:
         timing["pipeline_s"] = round(time.perf_counter() - t_pipe, 3)

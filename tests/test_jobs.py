@@ -606,4 +606,16 @@ def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkey
     for t in threads:
         t.join()
     assert len(won) == 1
+    # the heartbeat notices a lease overwritten by another job (object stores: a race lost late)
+    monkeypatch.setattr("jobs.lease.HEARTBEAT_S", 0.05)
+    held = Lease(Location(str(tmp_path / "beat")))
+    held.acquire()
+    (tmp_path / "beat" / LEASE_NAME).write_text(json.dumps({"host": "other-host", "pid": 7, "started_at": now,
+                                                           "heartbeat_at": time.time(), "token": "theirs"}))
+    deadline = time.time() + 10
+    while not held.lost and time.time() < deadline:
+        time.sleep(0.02)
+    assert held.lost and "taken over by another job (pid 7 on other-host" in held.lost
+    held.release()
+    assert (tmp_path / "beat" / LEASE_NAME).exists()  # theirs: left alone
     won[0].release()
