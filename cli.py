@@ -24,7 +24,33 @@ class Failure(click.ClickException):
         click.echo(f"aggdec: error: {self.format_message()}", err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Stopped(click.ClickException):
+    """The command was stopped by a signal: one line, `aggdec: stopped (SIGINT)[; detail]`, exit
+    status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
+
+    def __init__(self, detail: str = ""):
+        super().__init__(detail)
+        self.signum = _stop_signal[0]
+        self.exit_code = 128 + self.signum
+
+    def show(self, file=None) -> None:
+        detail = self.format_message()
+        click.echo(f"aggdec: stopped ({signal.Signals(self.signum).name}){'; ' + detail if detail else ''}", err=True)
+
+
+_stop_signal = [signal.SIGINT]
+"""The signal that stopped the command: SIGINT (Python's KeyboardInterrupt) unless _terminate saw SIGTERM."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
+Exit status:
+  0    done
+  1    an unexpected error (one line; --debug for the traceback)
+  2    bad input, options or spec, or a job whose units did not all decode (the message names the
+       file, row group, column or option; the other units are committed)
+  130  stopped by SIGINT (Ctrl-C)
+  143  stopped by SIGTERM
+A stopped job keeps what it committed: rerun the same command to resume.""")
 @click.version_option(package_name="aggdec")
 @click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors (default: one line).")
 def main(debug: bool) -> None:
@@ -33,14 +59,16 @@ def main(debug: bool) -> None:
 
 def run() -> None:
     """The `aggdec` entry point: `main`, with any unexpected error and every warning as one line
-    unless --debug."""
+    unless --debug, and SIGINT / SIGTERM as a Stopped line with exit status 130 / 143."""
     if "--debug" not in sys.argv[1:]:
         warnings.showwarning = _one_line_warning
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("aggdec: interrupted", err=True)
-        sys.exit(130)
+        stopped = Stopped()
+        stopped.show()
+        sys.exit(stopped.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
@@ -310,6 +338,12 @@ _spec_overrides = [
 ]
 
 
+_take_over_lease = click.option(
+    "--take-over-lease", is_flag=True,
+    help="Take over the output directory's lease from another job now, without waiting for its heartbeat to "
+         "go stale: only for a job known to be gone (a driver killed on another host).")
+
+
 def _with_spec_overrides(fn):
     for option in reversed(_spec_overrides):
         fn = option(fn)
@@ -322,15 +356,18 @@ def _with_spec_overrides(fn):
               help="Ray cluster to join (HOST:6379 or 'auto'); default: an embedded local Ray, or RAY_ADDRESS if set.")
 @click.option("--num-cpus", type=click.IntRange(min=1), default=None, help="CPUs of the embedded local Ray (default: all).")
 @click.option("--verbose", "-v", is_flag=True, help="Also show what the job does unit by unit, and Ray's own messages.")
+@_take_over_lease
 @_with_spec_overrides
-def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, method, drafter, actors,
-            gpus_per_actor) -> None:
+def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path, output, model, method, drafter,
+            actors, gpus_per_actor) -> None:
     """Run a corpus job (a TOML spec) on Ray: Parquet in, one Parquet file per input file out.
 
     Without SPEC, runs the embedded default examples/correct.toml (IAD correction of the sample
     corpus with models/gec-base into out/gec-sample). Inputs are checked before Ray starts; shards
     already committed in the output directory are skipped, so rerunning resumes a killed job.
     Paths in the spec file are relative to the file; paths on the command line to the current directory.
+    One job at a time per output directory: a second job is refused, naming the first (its lease,
+    OUT/_lease.json, is taken over once its heartbeat is 60 s old or its process on this host is gone).
 
     \b
     Examples:
@@ -350,7 +387,7 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
     job = _load_spec(spec or DEFAULT_SPEC, overrides)
     say = _echo_err
     try:
-        shards = check_job(job, warn=say)  # inputs, output, model: before Ray starts
+        shards = check_job(job, warn=say, take_over_lease=take_over_lease)  # inputs, output, model: before Ray starts
     except SpecError as e:
         raise Failure(str(e)) from e
     say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
@@ -363,19 +400,20 @@ def run_cmd(spec, address, num_cpus, verbose, sets, input_path, output, model, m
     if ignored:
         say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
     progress = _ProgressLine()
-    conn = connect(address, num_cpus=num_cpus, quiet=not verbose)
-    stop = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs its own handler
+    conn = None
     try:
-        result = run_job(job, log=say if verbose else lambda msg: None, progress=progress,
-                         timings={"ray_init_s": round(conn.seconds, 3)})
+        conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
+        result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
+                         timings={"ray_init_s": round(conn.seconds, 3)}, take_over_lease=take_over_lease)
     except SpecError as e:
         raise Failure(str(e)) from e
     except KeyboardInterrupt:
-        raise Failure(f"stopped; committed units are kept in {job.output.dir}, rerun to resume") from None
+        raise Stopped(f"committed units are kept in {job.output.dir}, rerun to resume") from None
     finally:
         progress.end()
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
-        disconnect(conn)
+        stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
+        if conn is not None:
+            disconnect(conn)
         signal.signal(signal.SIGTERM, stop)
     click.echo(result.summary_line())
 
@@ -396,6 +434,7 @@ def _echo_err(msg: str) -> None:
 
 def _terminate(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM does not interrupt the unwinding
+    _stop_signal[0] = signal.SIGTERM
     raise KeyboardInterrupt  # unwinds like Ctrl-C: Ray is shut down, the message is one line
 
 
@@ -415,9 +454,15 @@ class _ProgressLine:
             click.echo(p.line(), err=True)
             self.last = now
 
+    def say(self, msg: str) -> None:
+        """A line of its own, below the progress line."""
+        self.end()
+        click.echo(msg, err=True)
+
     def end(self) -> None:
         if self.shown:
             click.echo(err=True)
+            self.shown = False
 
 
 @main.command("submit")
@@ -426,9 +471,10 @@ class _ProgressLine:
               help="Ray dashboard / Jobs API address, e.g. http://HEAD:8265.")
 @click.option("--pip", "pip", multiple=True, help="Extra pip requirement for the job's runtime_env (repeatable).")
 @click.option("--submission-id", default=None, help="Job id to use (default: generated by Ray).")
+@_take_over_lease
 @_with_spec_overrides
-def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, model, method, drafter, actors,
-               gpus_per_actor) -> None:
+def submit_cmd(spec, address, pip, submission_id, take_over_lease, sets, input_path, output, model, method, drafter,
+               actors, gpus_per_actor) -> None:
     """Submit `aggdec run SPEC` to a running Ray cluster through the Ray Jobs API.
 
     The repository is uploaded as the job's working_dir, so SPEC and the paths in it are resolved
@@ -455,7 +501,7 @@ def submit_cmd(spec, address, pip, submission_id, sets, input_path, output, mode
         spec_arg = str(path.relative_to(jobs_api.REPO_ROOT))
     except ValueError:
         spec_arg = spec
-    run_args = [a for o in overrides for a in ("--set", o)]
+    run_args = [a for o in overrides for a in ("--set", o)] + (["--take-over-lease"] if take_over_lease else [])
     try:
         job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
     except Exception as e:  # noqa: BLE001 - as _jobs_call

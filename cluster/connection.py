@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -17,12 +19,26 @@ RAY_AUTH_LOGGER = "ray._private.authentication"
 
 
 def quiet_ray() -> None:
-    """Keep Ray's and Ray Data's informational output off the terminal (it stays in Ray's logs)."""
+    """Keep Ray's and Ray Data's informational output off the terminal (it stays in Ray's logs), and
+    Ray Data's reports of a failed execution (a traceback of, e.g., an actor lost with its node):
+    the exception reaches the job, which says in one line what it does about it."""
     for name in ("ray", "ray.data", "ray.data._internal"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from ray.data import DataContext
 
     DataContext.get_current().print_on_execution_start = False
+    for handler in logging.getLogger("ray.data").handlers:  # the console handler; ray-data.log keeps everything
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if not any(isinstance(f, _ExecutionFailures) for f in handler.filters):
+                handler.addFilter(_ExecutionFailures())
+
+
+class _ExecutionFailures(logging.Filter):
+    """Hides Ray Data's console records of a failed execution: those that carry the exception the
+    execution then raises to the driver, and the one that gives up on actors dying as they start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info or "failing execution" in record.getMessage())
 
 
 @dataclass(frozen=True)
@@ -46,16 +62,29 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
         return Connection(address=address, resources=ray.cluster_resources(), seconds=0.0, started=False)
     t0 = time.perf_counter()
     kwargs = {"log_to_driver": log_to_driver and not quiet, "logging_level": logging.WARNING if quiet else logging.INFO}
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, **kwargs)
-    else:
-        # Ray turns token authentication on for a local cluster it starts and warns about it at every
-        # start; for an embedded Ray that only this process uses that warning is noise (its choice
-        # stands: RAY_AUTH_MODE still decides).
-        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-        # "local": a new instance, never a cluster another process started on this machine (which
-        # ray.init() without an address would join, recorded in Ray's temp directory)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    # ray.init replaces the SIGTERM handler with its own (sys.exit(15)); a handler the caller set
+    # (cli.py: stop cleanly, exit status 143) is put back, and gets a SIGTERM that ends ray.init
+    ours = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address, **kwargs)
+        else:
+            # Ray turns token authentication on for a local cluster it starts and warns about it at
+            # every start; for an embedded Ray that only this process uses that warning is noise (its
+            # choice stands: RAY_AUTH_MODE still decides).
+            logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+            # "local": a new instance, never a cluster another process started on this machine (which
+            # ray.init() without an address would join, recorded in Ray's temp directory)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    except SystemExit as e:
+        if not callable(ours) or e.code != signal.SIGTERM:
+            raise
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, ours)
+        ours(signal.SIGTERM, None)
+        raise
+    if callable(ours):
+        signal.signal(signal.SIGTERM, ours)
     return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
                       started=True)
 

@@ -5,6 +5,7 @@ Layout of output.dir, per commit unit (jobs.units: a whole input file, or a row 
     <unit>.tsv            distill jobs: the unit's training pairs (aggdec.distill), written before the marker
     _SUCCESS.<unit>       JSON commit record, written after the unit's files: its presence = committed
     _manifest.json        job summary, rewritten by the driver as units commit
+    _lease.json           the running job's lease (jobs.lease): one job at a time per location
     .<name>.tmp           local file systems only: in-flight writes; stale ones are deleted when a run starts
 
 Every file is written whole or not at all (a rename on local file systems, one PUT on object
@@ -13,7 +14,8 @@ stores), and the record only after the output, so a crash at any point leaves ei
 A record carries the job fingerprint (every option that can change an output, the model, the
 columns) and the identity of the input slice (file size, footer hash, row range): a rerun reuses a
 unit only if both match. A different fingerprint is refused rather than mixed; a changed input
-file is recomputed. One job at a time per output location.
+file is recomputed. One job at a time per output location, enforced by the lease: a job deletes
+stale tmp files and uncommitted units only once it holds it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Input shards: list the Parquet files of a spec and check every footer before any Ray work starts.
 
 A shard is one input file, local or on any pyarrow file system (jobs.storage). Its outputs are
-named after its stem, so stems must be unique. Checks (errors name the file and column): the path
+named after its stem (stem_of: a hidden file's with a prefix, so that readers of the output see
+it), so stems must be unique. Checks (errors name the file and column): the path
 exists and matches files; each file opens as Parquet (a corrupt footer names the file); the text
 column exists and is a string column; the id column (if any) exists and is string or integer; all
 files have the same columns; no input column clashes with an output column. Each shard records its
@@ -18,7 +19,7 @@ import pyarrow.parquet as pq
 
 from aggdec.schema import RESULT_COLUMNS
 from jobs.spec import JobSpec, SpecError
-from jobs.storage import list_files, resolve
+from jobs.storage import is_hidden, list_files, resolve
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,11 @@ class Shard:
     identity: tuple[tuple[str, object], ...] = ()
 
 
-def list_input_files(path: str) -> list[str]:
-    """A file, a directory (its *.parquet files, skipping names starting with '_' or '.'), or a glob,
-    local or a URI."""
+def list_input_files(path: str, hidden: list[str] | None = None) -> list[str]:
+    """A file, a directory (its *.parquet files, skipping hidden names: starting with '_' or '.'), or
+    a glob (hidden names too), local or a URI. `hidden` receives the names a directory skips."""
     try:
-        files = list_files(path)
+        files = list_files(path, hidden)
     except FileNotFoundError:
         raise SpecError(f"input.path: {path} does not exist") from None
     except (OSError, ValueError) as e:
@@ -73,9 +74,17 @@ def read_footer(path: str) -> tuple[pa.Schema, int, tuple[int, ...], tuple[tuple
         raise SpecError(f"{path}: not a readable Parquet file ({e})") from e
 
 
+HIDDEN_OUTPUT_PREFIX = "hidden-"
+"""Prefix of the outputs of hidden input files (`.a.parquet` -> `hidden-.a.parquet`), which Parquet
+readers would otherwise skip in the output directory."""
+
+
 def stem_of(path: str) -> str:
+    """The output name of an input file, without `.parquet`: the file's name without its extension,
+    prefixed with HIDDEN_OUTPUT_PREFIX where the name is hidden (starts with '_' or '.')."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    return name[: -len(".parquet")] if name.endswith(".parquet") else name.rsplit(".", 1)[0] if "." in name else name
+    stem = name[: -len(".parquet")] if name.endswith(".parquet") else name.rsplit(".", 1)[0] if "." in name else name
+    return HIDDEN_OUTPUT_PREFIX + stem if is_hidden(name) else stem
 
 
 def inspect_inputs(spec: JobSpec) -> list[Shard]:

@@ -1,14 +1,17 @@
 """Checks a job must pass before Ray starts, each failing with one line that names the culprit.
 
-`check_job` reads every input footer (jobs.inputs), makes sure the output location can be written
-and has room, loads the model and the drafter the way the decode actors will, and looks at the ids:
-duplicates are reported (or refused with input.duplicate_ids = "error"), as are files in an input
-directory that are not Parquet.
+`check_job` reads every input footer (jobs.inputs), makes sure the output location can be written,
+has room and is not in use by another job (jobs.lease), loads the model and the drafter the way the
+decode actors will, and looks at the ids: duplicates are reported (or refused with
+input.duplicate_ids = "error"), as are files in an input directory that are not Parquet or that are
+skipped as hidden. Damaged data pages are not this module's: the unit that holds one fails when it
+is decoded, naming the file and row group, and the other units commit.
 """
 
 from __future__ import annotations
 
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import pyarrow.parquet as pq
 
 from aggdec import checkpoint
 from aggdec.decoding.options import OptionError
-from jobs.inputs import Shard, inspect_inputs
+from jobs.inputs import Shard, inspect_inputs, list_input_files
+from jobs.lease import LeaseHeld, held_message, read_holder
 from jobs.spec import JobSpec, SpecError
 from jobs.storage import Location, is_uri, resolve
 
@@ -27,25 +31,35 @@ OUTPUT_BYTES_PER_INPUT_BYTE = 3.0
 hold the source, the hypothesis and per-row statistics)."""
 
 
-def check_job(spec: JobSpec, *, warn: Callable[[str], None] = lambda msg: None) -> list[Shard]:
-    """The job's shards, after every check; raises SpecError naming the file, column or field."""
+def check_job(spec: JobSpec, *, warn: Callable[[str], None] = lambda msg: None,
+              take_over_lease: bool = False) -> list[Shard]:
+    """The job's shards, after every check; raises SpecError naming the file, column or field, and
+    LeaseHeld (a SpecError) naming the other job when another live job holds the output location
+    (jobs.lease; `take_over_lease` as in jobs.run.run_job)."""
     shards = inspect_inputs(spec)
-    _check_output(spec, shards)
+    _check_output(spec, shards, warn, take_over_lease)
     _check_models(spec)
     _check_ids(spec, shards, warn)
     _check_strays(spec, warn)
     return shards
 
 
-def _check_output(spec: JobSpec, shards: list[Shard]) -> None:
+def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None], take_over: bool) -> None:
     loc_uri = spec.output.dir
+    probe = f".aggdec-write-check.{uuid.uuid4().hex}"
     try:
         loc = Location(loc_uri)
         loc.makedirs()
-        loc.write_bytes(".aggdec-write-check", b"")
-        loc.delete(".aggdec-write-check")
+        loc.write_bytes(probe, b"")
+        loc.delete(probe)
     except (OSError, ValueError) as e:
         raise SpecError(f"output.dir: {loc_uri}: cannot be written ({_first_line(e)})") from e
+    holder = read_holder(loc)
+    if holder is not None:
+        if not (take_over or holder.stale()):
+            raise LeaseHeld(held_message(loc, holder))
+        warn(f"note: output.dir: taking over the lease of {'another' if take_over else 'a stale'} job "
+             f"({holder.describe()})")
     if loc.local:
         need = OUTPUT_BYTES_PER_INPUT_BYTE * sum(dict(s.identity).get("size", 0) for s in shards)
         free = shutil.disk_usage(loc.root).free
@@ -79,8 +93,13 @@ def _check_ids(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None]) 
     for s in shards:
         fs, path = resolve(s.path)
         with fs.open_input_file(path) as f:
-            ids.append(pc.cast(pq.read_table(f, columns=[col]).column(col), pa.string()).combine_chunks())
-    counts = pc.value_counts(pa.chunked_array(ids).combine_chunks())
+            pf = pq.ParquetFile(f)
+            for g in range(pf.metadata.num_row_groups):
+                try:
+                    ids.append(pc.cast(pf.read_row_group(g, columns=[col]).column(col), pa.string()).combine_chunks())
+                except (pa.ArrowException, OSError):
+                    pass  # damaged data: the unit holding this row group fails naming it, the others commit
+    counts = pc.value_counts(pa.chunked_array(ids, type=pa.string()).combine_chunks())
     dup = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(dup):
         examples = ", ".join(repr(v) for v in dup.field("values")[:3].to_pylist())
@@ -93,6 +112,12 @@ def _check_ids(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None]) 
 
 def _check_strays(spec: JobSpec, warn: Callable[[str], None]) -> None:
     path = spec.input.path
+    hidden: list[str] = []
+    list_input_files(path, hidden)
+    if hidden:
+        warn(f"warning: input.path: skipping {len(hidden)} hidden file(s) (names starting with '_' or '.', which "
+             f"Parquet readers skip): {', '.join(hidden[:5])}{', ...' if len(hidden) > 5 else ''}; "
+             "name them in input.path (a file or a glob) to decode them")
     if is_uri(path) or not Path(path).is_dir():
         return
     strays = sorted(p.name for p in Path(path).iterdir()

@@ -4,13 +4,14 @@
     result = jobs.run.run_job(load_spec("examples/correct.toml"))
     print(result.summary_line())
 
-Order of work: (1) read every input footer and check the output location, before any Ray work;
-(2) plan the commit units (jobs.units), delete stale tmp files and the files of units that are not
-committed for this job and these inputs, keep committed units; (3) run the pending units on the
-decode actors, which write their outputs and commit records themselves (jobs.work); the driver
-only collects the records and rewrites the manifest as they arrive; (4) if actors or nodes are
-lost beyond Ray's own retries, re-plan the actors on the nodes left and run the units that did not
-commit, up to `resources.max_attempts` times.
+Order of work: (1) read every input footer and take the output location's lease (jobs.lease: one
+job at a time per location), before any Ray work; (2) plan the commit units (jobs.units), delete
+stale tmp files and the files of units that are not committed for this job and these inputs, keep
+committed units; (3) run the pending units on the decode actors, which write their outputs and
+commit records themselves (jobs.work); the driver only collects the records and rewrites the
+manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
+actors on the nodes left and run the units that did not commit, up to `resources.max_attempts`
+times, saying so in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from aggdec.decoding.methods import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
 from jobs.commit import OutputDir
-from jobs.inputs import inspect_inputs
+from jobs.inputs import Shard, inspect_inputs
+from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
 from jobs.pipeline import build_pipeline
 from jobs.spec import JobSpec, SpecError
@@ -133,19 +135,37 @@ def fingerprint(spec: JobSpec, model_sha: str) -> dict:
 
 
 def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
-            progress: Callable[[Progress], None] = lambda p: None, timings: dict | None = None) -> JobResult:
+            warn: Callable[[str], None] = lambda msg: None,
+            progress: Callable[[Progress], None] = lambda p: None, timings: dict | None = None,
+            take_over_lease: bool = False) -> JobResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError (bad input) before any Ray work.
 
-    `log` gets what the job does (one line each), `progress` a Progress after every committed or
-    failed unit; `timings` (e.g. {"ray_init_s": ...}) is recorded in the manifest.
+    The job holds the output location's lease (jobs.lease) from before it touches the location
+    until it ends: a location held by another live job raises LeaseHeld (a SpecError) naming it;
+    `take_over_lease` takes over any holder's lease (for a holder known to be gone).
+
+    `log` gets what the job does (one line each), `warn` what the user should see even when `log`
+    is not shown (one line when lost actors or nodes make the job redo units), `progress` a
+    Progress after every committed or failed unit; `timings` (e.g. {"ray_init_s": ...}) is
+    recorded in the manifest.
     """
     t0 = time.perf_counter()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     shards = inspect_inputs(spec)
     model_sha = file_sha(Path(spec.model) / "model.safetensors")
+    out = OutputDir(spec.output.dir)
+    with Lease(out.loc, take_over=take_over_lease) as lease:
+        if lease.taken_over is not None:
+            log(f"took over the lease of a job that is gone ({lease.taken_over.describe()})")
+        return _run_units(spec, out, lease, shards, model_sha, t0, started_at, log, warn, progress, timings)
+
+
+def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard], model_sha: str, t0: float,
+               started_at: str, log: Callable[[str], None], warn: Callable[[str], None],
+               progress: Callable[[Progress], None], timings: dict | None) -> JobResult:
+    """run_job's work once the lease is held."""
     signature = spec.decode.signature(model_sha)
     fp = fingerprint(spec, model_sha)
-    out = OutputDir(spec.output.dir)
     stale = out.prepare()
     units = plan_units(shards, spec.batching.rows_per_task)
     found = out.records()
@@ -195,6 +215,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                 # closed on any exit, so Ray Data stops its executor before Ray is shut down
                 with closing(iter(build_pipeline(spec, plan, task, pending).iter_rows())) as rows:
                     for row in rows:
+                        if lease.lost:
+                            raise SpecError(lease.lost)
                         record = json.loads(row["record"])
                         errors += record.get("status", {}).get("error", 0)
                         if "failed" in record:
@@ -212,7 +234,9 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise
-                log(f"pipeline failed ({type(e).__name__}); re-planning on the nodes left")
+                lost = f"{_what_was_lost(e)} ({type(e).__name__})"  # not `e`: its frames hold the old actors
+            else:
+                lost = None
             found = out.records()
             pending = []
             for unit in todo:
@@ -224,12 +248,18 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
                     decoded_rows += unit.rows
                 else:
                     pending.append(unit)
+            if lost is not None:
+                warn(f"{lost}; redoing the {len(pending)} unit(s) that did not commit on the nodes left "
+                     f"(run {attempts + 1} of at most {spec.resources.max_attempts})")
         complete = not failed
     finally:
         timing["pipeline_s"] = round(time.perf_counter() - t_pipe, 3)
         run_info["attempts"] = attempts
         run_info["failed"] = failed
-        write_manifest(complete=complete)
+        if not lease.lost:  # else the location is another job's now
+            write_manifest(complete=complete)
+    if lease.lost:
+        raise SpecError(lease.lost)
     if failed:
         first = next(iter(failed.values()))
         raise SpecError(f"{first}" + (f" (and {len(failed) - 1} more unit(s))" if len(failed) > 1 else "")
@@ -256,6 +286,18 @@ def _discard_foreign(out: OutputDir, found: dict[str, dict | None], units: list[
             out.committed(name, record, fp, {})  # raises for another job's record; discards ours
             stale.append(name)
     return stale
+
+
+def _what_was_lost(e: Exception) -> str:
+    """'lost a node' / 'lost a decode actor' / 'the pipeline failed', from a Ray failure."""
+    import ray.exceptions
+
+    text = str(e)
+    if isinstance(e, ray.exceptions.NodeDiedError) or "node has died" in text or "node was terminated" in text:
+        return "lost a node"
+    if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)) or "actor" in text.lower():
+        return "lost a decode actor"
+    return "the pipeline failed"
 
 
 def _is_ray_failure(e: Exception) -> bool:

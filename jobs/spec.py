@@ -50,8 +50,10 @@ class SpecError(ValueError):
 @dataclass
 class InputSpec:
     path: str = ""
-    """A Parquet file, a directory (its *.parquet files, not those starting with '_' or '.'), or a glob;
-    a local or mounted path, or a URI of any pyarrow file system (s3://, gs://, abfs://, hdfs://)."""
+    """A Parquet file, a directory (its *.parquet files; hidden ones, starting with '_' or '.', are
+    skipped with a warning naming them, as Parquet readers skip them), or a glob (every file it
+    matches, hidden ones too); a local or mounted path, or a URI of any pyarrow file system (s3://,
+    gs://, abfs://, hdfs://). A hidden input file's output gets the prefix `hidden-`."""
     text_column: str = "src"
     """The column to decode; must be a string column in every input file."""
     id_column: str | None = None

@@ -111,10 +111,20 @@ class Location:
             pass
 
 
-def list_files(pattern: str) -> list[str]:
-    """A file, a directory or prefix (its *.parquet files, not those starting with '_' or '.'), or a
-    glob (`*`, `?`, `[`), local or URI -> sorted paths or URIs as given. [] when nothing matches;
-    FileNotFoundError when a file or directory does not exist."""
+HIDDEN_PREFIXES = ("_", ".")
+"""Names that Parquet readers (pyarrow, Spark, pandas) skip in a directory: `_SUCCESS`, `.crc`, ..."""
+
+
+def is_hidden(name: str) -> bool:
+    return name.startswith(HIDDEN_PREFIXES)
+
+
+def list_files(pattern: str, hidden: list[str] | None = None) -> list[str]:
+    """A file, a directory or prefix (its *.parquet files, not hidden ones: names starting with '_'
+    or '.', as Parquet readers skip them), or a glob (`*`, `?`, `[`: every file it matches, hidden
+    ones too), local or URI -> sorted paths or URIs as given. [] when nothing matches;
+    FileNotFoundError when a file or directory does not exist. `hidden`, if given, receives the
+    names of the *.parquet files a directory input skips."""
     glob = any(ch in pattern for ch in "*?[")
     base = pattern
     if glob:
@@ -137,5 +147,7 @@ def list_files(pattern: str) -> list[str]:
     if glob:
         full = pattern if is_uri(pattern) else str(Path(pattern).expanduser().absolute())
         return sorted(named(i.path) for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(named(i.path), full))
-    return sorted(named(i.path) for i in infos if i.type == pafs.FileType.File and i.extension == "parquet"
-                  and not i.base_name.startswith(("_", ".")))
+    parquet = [i for i in infos if i.type == pafs.FileType.File and i.extension == "parquet"]
+    if hidden is not None:
+        hidden.extend(sorted(i.base_name for i in parquet if is_hidden(i.base_name)))
+    return sorted(named(i.path) for i in parquet if not is_hidden(i.base_name))

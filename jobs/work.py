@@ -110,7 +110,7 @@ def read_rows(unit: Unit, columns: list[str]) -> pa.Table:
                 parts.append(pf.read_row_group(g, columns=columns))
             except (pa.ArrowException, OSError) as e:
                 raise UnreadableInput(f"{unit.path}: row group {g} (rows {starts[g]}-{ends[g]}): "
-                                      f"cannot be read ({e})") from e
+                                      f"cannot be read ({' '.join(str(e).split())})") from e
         return pa.concat_tables(parts).slice(unit.start - int(starts[groups[0]]), unit.rows)
 
 

@@ -1,11 +1,13 @@
 """Corpus jobs beyond one machine: a real multi-node Ray cluster (ray.cluster_utils), a node lost
-mid-job, input and output on a real S3 API server on 127.0.0.1 (moto), reruns after an input
-changed, and the Jobs API against a Ray head started here."""
+mid-job under `aggdec run` (every row once, one line about it on the terminal), input and output
+on a real S3 API server on 127.0.0.1 (moto), reruns after an input changed, and the Jobs API
+against a Ray head started here."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from jobs.spec import load_spec  # noqa: E402
 from test_jobs import read_outputs, write_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+AGGDEC = [sys.executable, "-c", "import sys; sys.argv[0] = 'aggdec'; from cli import run; run()"]
 
 
 @pytest.fixture
@@ -65,23 +68,28 @@ def test_three_one_cpu_nodes_with_the_default_plan(three_nodes, tiny_model_dir, 
     _exactly_once(tmp_path / "out", 36)
 
 
-def test_losing_a_node_mid_job_keeps_every_row_exactly_once(three_nodes, tiny_model_dir, tmp_path):
+def test_losing_a_node_mid_job_keeps_every_row_exactly_once_and_says_so_in_one_line(three_nodes, tiny_model_dir,
+                                                                                     tmp_path):
     cluster, workers = three_nodes
-    inp = write_corpus(tmp_path / "in", shards=4, rows=30, seed=8)
+    inp = write_corpus(tmp_path / "in", shards=3, rows=24, seed=8)
     out = tmp_path / "out"
-    spec = _spec(tiny_model_dir, inp, out, "batching.rows_per_task=3", "resources.max_task_retries=1",
-                 "resources.max_restarts=1")
-    result: dict = {}
-    job = threading.Thread(target=lambda: result.update(r=run_job(spec)))
-    job.start()
-    deadline = time.time() + 120
-    while len(list(out.glob("_SUCCESS.*"))) < 3 and time.time() < deadline:
+    proc = subprocess.Popen([*AGGDEC, "run", "--address", cluster.address, "--model", str(tiny_model_dir), "--input",
+                             str(inp), "--output", str(out), "--method", "greedy", "--set", "batching.rows_per_task=3",
+                             "--set", "input.id_column=none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, RAY_AUTH_MODE="disabled"), cwd=REPO)
+    deadline = time.time() + 180
+    while len(list(out.glob("_SUCCESS.*"))) < 4 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    cluster.remove_node(workers[0])  # mid-job: 3 of 40 units committed
-    job.join(timeout=300)
-    assert not job.is_alive() and "r" in result
-    assert result["r"].rows == 120 and len(list(out.glob("_SUCCESS.*"))) == 40
-    _exactly_once(out, 120)
+    cluster.remove_node(workers[0])  # mid-job, with the default plan (no restarts in place): 4 of 24 units committed
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    _exactly_once(out, 72)
+    assert json.loads((out / "_manifest.json").read_text())["run"]["attempts"] == 2  # the loss hit a running unit
+    said = [line for line in stderr.splitlines() if not re.match(r"\d+/\d+ rows, ", line)]  # not the progress lines
+    assert "Traceback" not in stderr and len(said) <= 4, stderr
+    lost = [line for line in said if line.startswith("lost a ")]
+    assert len(lost) == 1 and re.search(r"redoing the \d+ unit\(s\) that did not commit", lost[0]), stderr
+    assert "72 rows (" in stdout
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,7 +123,8 @@ def test_the_default_job_prints_a_handful_of_lines(tiny_model_dir, tmp_path):
     assert not any("INFO" in line or "core_worker" in line or "Dataset" in line for line in lines), lines
 
 
-def test_sigterm_stops_a_job_cleanly(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir, tmp_path, signum):
     psutil = pytest.importorskip("psutil")
     inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=3)
     out = tmp_path / "out"
@@ -135,11 +137,13 @@ def test_sigterm_stops_a_job_cleanly(tiny_model_dir, tmp_path):
     while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     children = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2, stderr
+    assert proc.returncode == 128 + signum, stderr  # 143 for SIGTERM, 130 for SIGINT, as shells report them
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("aggdec: error: stopped; committed units are kept in") and "Traceback" not in stderr
+    assert last == (f"aggdec: stopped ({signal.Signals(signum).name}); committed units are kept in {out}, "
+                    "rerun to resume"), stderr
+    assert "Traceback" not in stderr
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline()[:3] for p in alive]
     assert 1 <= len(list(out.glob("_SUCCESS.*"))) < 200
@@ -188,3 +192,14 @@ def test_the_job_summary_names_each_figure_once_wall_clock_first():
     assert "accepted" not in line
     result.drafted, result.mean_accepted_per_iter = 900, 2.5
     assert "; mean accepted draft tokens per verifier call 2.50;" in result.summary_line()
+
+
+def test_bad_input_exits_2_and_the_codes_are_documented(tmp_path):
+    proc = subprocess.run([*AGGDEC, "run", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == f"aggdec: error: input.path: {tmp_path / 'missing'} does not exist\n"
+    usage = subprocess.run([*AGGDEC, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120).stdout
+    assert re.search(r"Exit status:\n\s+0\s+done\n", usage)
+    for code, what in ((2, "bad input"), (130, "SIGINT"), (143, "SIGTERM")):
+        assert re.search(rf"\n\s+{code}\s+.*{what}", usage), usage

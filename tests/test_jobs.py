@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +453,169 @@ def test_a_large_file_commits_and_resumes_unit_by_unit(ray_local, tiny_model_dir
     table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("*.parquet")))
     assert table.column("n").to_pylist() == list(range(12))
     assert table.column("id").to_pylist() == [f"part-00000:{i}" for i in range(12)]
+
+
+def test_a_damaged_id_column_fails_its_unit_and_the_others_commit(ray_local, tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    inp = write_corpus(tmp_path / "in", shards=2, rows=8, seed=16)
+    bad = inp / "part-00001.parquet"
+    pq.write_table(pa.table({"src": synthetic_sentences(16, seed=17), "id": [f"row{i}" for i in range(16)]}), bad,
+                   row_group_size=8, compression="snappy")
+    pq.write_table(pa.table({"src": synthetic_sentences(8, seed=16), "id": [f"a{i}" for i in range(8)]}),
+                   inp / "part-00000.parquet")
+    chunk = pq.ParquetFile(bad).metadata.row_group(1).column(1)  # the id column's data page of row group 1
+    assert chunk.path_in_schema == "id"
+    data = bytearray(bad.read_bytes())
+    for i in range(chunk.data_page_offset, chunk.data_page_offset + 16):
+        data[i] ^= 0x5A
+    bad.write_bytes(data)
+    with pytest.raises((OSError, pa.ArrowException)):
+        pq.read_table(bad, columns=["id"])  # the damage is real
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
+                                    "--method", "greedy", "--set", "input.id_column=id",
+                                    "--set", "batching.rows_per_task=8"])
+    assert res.exit_code == 2, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith(f"aggdec: error: {bad}: row group 1 (rows 8-16): cannot be read"), res.output
+    assert "the other 2 unit(s) committed" in last
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["part-00000.parquet",
+                                                             "part-00001.rows-0000000000-0000000008.parquet"]
+    table = pq.read_table(out)  # as any Parquet reader sees the output directory
+    assert sorted(table.column("id").to_pylist()) == sorted([f"a{i}" for i in range(8)] + [f"row{i}" for i in range(8)])
+
+
+def test_hidden_input_files_are_named_or_decoded_under_visible_names(ray_local, tiny_model_dir, tmp_path):
+    from jobs.preflight import check_job
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    names = ["part-0.parquet", ".hidden.parquet", "_under.parquet", "..parquet"]
+    for k, name in enumerate(names):
+        pq.write_table(pa.table({"src": synthetic_sentences(2 + k, seed=20 + k), "n": list(range(10 * k, 10 * k + 2 + k))}),
+                       inp / name)
+    rows = sum(2 + k for k in range(len(names)))
+    # a directory keeps skipping them, as Parquet readers do, and says so naming them
+    warnings: list[str] = []
+    shards = check_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'o1'}"]),
+                       warn=warnings.append)
+    assert [s.stem for s in shards] == ["part-0"]
+    assert any("skipping 3 hidden file(s)" in w and "..parquet, .hidden.parquet, _under.parquet" in w
+               for w in warnings), warnings
+    # a glob that matches them decodes them under names readers see
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}/*.parquet", f"output.dir={out}",
+                            "decode.method=greedy"])
+    result = run_job(spec)
+    assert result.rows == rows
+    assert sorted(p.name for p in out.glob("*.parquet")) == [
+        "hidden-..parquet", "hidden-.hidden.parquet", "hidden-_under.parquet", "part-0.parquet"]
+    table = pq.read_table(out)  # a reader of the output directory sees every input row
+    assert sorted(table.column("n").to_pylist()) == sorted(n for k in range(4) for n in range(10 * k, 10 * k + 2 + k))
+
+
+def _waiting_worker(release: Path) -> type:
+    """A DecodeWorker that decodes only once `release` exists (shipped by value to the actors)."""
+    from cluster.actors import DecodeWorker
+
+    class Waiting(DecodeWorker):
+        def __call__(self, batch):
+            import time
+
+            while not release.exists():
+                time.sleep(0.05)
+            return super().__call__(batch)
+
+    return Waiting
+
+
+def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from jobs.lease import LEASE_NAME, Lease, LeaseHeld
+    from jobs.preflight import check_job
+    from jobs.storage import Location
+
+    inp = write_corpus(tmp_path / "in", shards=2, rows=3, seed=18)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "decode.method=greedy", "resources.actors=1"])
+    release = tmp_path / "release"
+    monkeypatch.setattr("jobs.pipeline.DecodeWorker", _waiting_worker(release))
+    first: dict = {}
+    job = threading.Thread(target=lambda: first.update(r=run_job(spec)))
+    job.start()
+    deadline = time.time() + 60
+    while not (out / LEASE_NAME).exists() and time.time() < deadline:
+        time.sleep(0.05)
+    inflight = out / ".part-00000.parquet.tmp"  # as if the first job were writing it
+    inflight.write_bytes(b"half")
+    me = f"pid {os.getpid()} on {socket.gethostname()}, started "
+    try:
+        for attempt in (lambda: run_job(spec), lambda: check_job(spec)):
+            with pytest.raises(LeaseHeld, match=rf"^output\.dir: {re.escape(str(out))} is in use by another job \({me}.*"
+                                                r"last heartbeat \d+ s ago\).*--take-over-lease$"):
+                attempt()
+        assert inflight.exists()  # the refused job deleted nothing
+    finally:
+        release.touch()
+        job.join(timeout=120)
+    assert first["r"].decoded_rows == 6 and not (out / LEASE_NAME).exists()  # released when done
+
+    # a stale lease (heartbeat an hour old, another host; or a process of this host that is gone) is taken over
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    now = time.time()
+    for host, pid, beat in (("other-host", 1, now - 3600), (socket.gethostname(), int(dead.stdout), now)):
+        (out / LEASE_NAME).write_text(json.dumps({"host": host, "pid": pid, "started_at": beat, "heartbeat_at": beat,
+                                                  "token": "old"}))
+        notes: list[str] = []
+        check_job(spec, warn=notes.append)
+        assert any(n.startswith("note: output.dir: taking over the lease of a stale job") for n in notes), notes
+        logged: list[str] = []
+        again = run_job(spec, log=logged.append)
+        assert again.decoded_rows == 0 and any(f"pid {pid} on {host}" in m for m in logged)
+        assert not (out / LEASE_NAME).exists()
+    # a live holder on another host is refused until taken over on purpose
+    (out / LEASE_NAME).write_text(json.dumps({"host": "other-host", "pid": 1, "started_at": now,
+                                              "heartbeat_at": time.time(), "token": "live"}))
+    with pytest.raises(LeaseHeld, match="pid 1 on other-host"):
+        run_job(spec)
+    assert run_job(spec, take_over_lease=True).decoded_rows == 0
+
+    # of jobs that start together, exactly one takes the lease
+    loc = Location(str(tmp_path / "race"))
+    won, leases = [], [Lease(loc) for _ in range(8)]
+
+    def take(lease):
+        try:
+            lease.acquire()
+            won.append(lease)
+        except LeaseHeld:
+            pass
+
+    threads = [threading.Thread(target=take, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    # the heartbeat notices a lease overwritten by another job (object stores: a race lost late)
+    monkeypatch.setattr("jobs.lease.HEARTBEAT_S", 0.05)
+    held = Lease(Location(str(tmp_path / "beat")))
+    held.acquire()
+    (tmp_path / "beat" / LEASE_NAME).write_text(json.dumps({"host": "other-host", "pid": 7, "started_at": now,
+                                                           "heartbeat_at": time.time(), "token": "theirs"}))
+    deadline = time.time() + 10
+    while not held.lost and time.time() < deadline:
+        time.sleep(0.02)
+    assert held.lost and "taken over by another job (pid 7 on other-host" in held.lost
+    held.release()
+    assert (tmp_path / "beat" / LEASE_NAME).exists()  # theirs: left alone
+    won[0].release()
