@@ -42,6 +42,20 @@ def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu
     return out.to(device)
 
 
+def take(queue: list[Request], free_slots: int, used_tokens: int, max_tokens: int | None) -> list[Request]:
+    """Pop up to `free_slots` requests off the end of `queue` (the longest, as queues are sorted by
+    source length) while the active source tokens stay within `max_tokens`; an empty batch always
+    takes one."""
+    taken = []
+    while queue and len(taken) < free_slots:
+        n = len(queue[-1].src)
+        if max_tokens is not None and used_tokens + n > max_tokens and (used_tokens or taken):
+            break
+        taken.append(queue.pop())
+        used_tokens += n
+    return taken
+
+
 @dataclass
 class LoopCounters:
     """Verifier work over a run. fed: real tokens scored (last token + draft per row);
@@ -113,14 +127,7 @@ class DraftVerifyLoop:
             raise ValueError(f"request {req.index}: source must have 1..{cfg.max_source_positions} tokens")
 
     def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
-        taken = []
-        while queue and len(taken) < free_slots:
-            n = len(queue[-1].src)
-            if self.max_tokens is not None and used_tokens + n > self.max_tokens and (used_tokens or taken):
-                break
-            taken.append(queue.pop())
-            used_tokens += n
-        return taken
+        return take(queue, free_slots, used_tokens, self.max_tokens)
 
     def _new_state(self, reqs: list[Request]) -> DecodeState:
         cfg = self.model.cfg

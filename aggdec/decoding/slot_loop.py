@@ -33,7 +33,7 @@ import torch
 
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
-from aggdec.decoding.loop import LoopCounters, pad_batch
+from aggdec.decoding.loop import LoopCounters, pad_batch, take
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
 from aggdec.model.cache import CrossKV
@@ -306,7 +306,7 @@ class SlotLoop:
                                                 else self.budget.next_length(1, self.max_draft))
         while queue or len(free) < b:
             if free and queue:
-                reqs = self._take(queue, len(free), sum(src_len))
+                reqs = take(queue, len(free), sum(src_len), self.max_tokens)
                 if reqs:
                     slots, free = free[: len(reqs)], free[len(reqs):]
                     self._fill(slots, reqs, queue)
@@ -336,13 +336,3 @@ class SlotLoop:
                     src_len[s] = 0
                 free = sorted(free + finished)
         self._ahead = None
-
-    def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
-        taken = []
-        while queue and len(taken) < free_slots:
-            n = len(queue[-1].src)
-            if self.max_tokens is not None and used_tokens + n > self.max_tokens and (used_tokens or taken):
-                break
-            taken.append(queue.pop())
-            used_tokens += n
-        return taken
