@@ -5,7 +5,7 @@
 Writes `<out>/train.tsv` and `<out>/valid.tsv` (columns source, noisy, clean): the pairs of
 `gec/train.tsv` as they are (but those whose clean side is held out, below), then `--copies` learner-error versions (aggdec.train.learner_errors,
 seed 1) of every clean English sentence in the pool: the `clean` column of `gec/train.tsv` and the
-`en` column of `ende/train.tsv` (3-80 words), deduplicated. Kept out of the pool: every `clean`
+`en` column of `ende/train.tsv` (3-80 words; with `--sentences-only`, full sentences only), deduplicated. Kept out of the pool: every `clean`
 sentence of `gec/valid.tsv` and `gec/test.tsv`, the corrections of `bench/data/learner-dev.tsv`,
 and two hash-selected slices of the ende sentences that are not in gec/train.tsv, one (`sha1 % 100 == 1`, 1,000 sentences) made into the
 generated half of `valid.tsv` (seed 2; the other half is `gec/valid.tsv`), the other
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import lzma
+import re
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -52,8 +53,17 @@ def held_out(data: Path) -> set[str]:
     return {_norm(s) for s in held}
 
 
-def clean_pool(data: Path, ende_en: Path | None) -> tuple[list[str], list[str], list[str]]:
-    """-> (training pool, valid slice, dev slice) of clean English sentences, in a fixed order."""
+SENTENCE_RE = re.compile(r"""^["'(]?[A-Z].*[.!?]["')]?$""")
+
+
+def is_sentence(s: str) -> bool:
+    """A full sentence: starts with a capital, ends with . ! or ? (maybe quoted), four words or more."""
+    return bool(SENTENCE_RE.match(s)) and len(s.split()) >= 4
+
+
+def clean_pool(data: Path, ende_en: Path | None, sentences_only: bool = False) -> tuple[list[str], list[str], list[str]]:
+    """-> (training pool, valid slice, dev slice) of clean English sentences, in a fixed order.
+    `sentences_only` keeps only full sentences (`is_sentence`) in the pool; the slices do not change."""
     _, gec_clean = read_tsv(data / "gec" / "train.tsv", "noisy", "clean")
     en = _open_text(ende_en) if ende_en else read_tsv(data / "ende" / "train.tsv", "en", "de")[0]
     held = held_out(data)
@@ -68,6 +78,8 @@ def clean_pool(data: Path, ende_en: Path | None) -> tuple[list[str], list[str], 
         if _norm(s) in held:
             continue
         b = 99 if s in in_gec else _bucket(s)
+        if b > 1 and sentences_only and not is_sentence(s):
+            continue
         (dev if b == 0 else valid if b == 1 else pool).append(s)
     return pool, valid[:1000], dev[:1000]
 
@@ -92,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--copies", type=int, default=2)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--sentences-only", action="store_true", help="generate errors on full sentences only "
+                   "(capitalised, final . ! or ?, four words or more), not on phrases and UI strings")
     p.add_argument("--dev-out", type=Path, help="also (re)write the held-out generated evaluation set here")
     a = p.parse_args(argv)
-    pool, valid, dev = clean_pool(a.data, a.ende_en)
+    pool, valid, dev = clean_pool(a.data, a.ende_en, a.sentences_only)
     a.out.mkdir(parents=True, exist_ok=True)
     chunks = [(pool[i:i + CHUNK], 1, a.copies, i) for i in range(0, len(pool), CHUNK)]
     with Pool(a.workers) as workers:
