@@ -50,14 +50,17 @@ def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None
     try:
         loc = Location(loc_uri)
         loc.makedirs()
+        # the lease first: a live holder's start-up clean-up deletes temporary files, this probe's too
+        holder = read_holder(loc)
+        if holder is not None and not (take_over or holder.stale()):
+            raise LeaseHeld(held_message(loc, holder))
         loc.write_bytes(probe, b"")
         loc.delete(probe)
+    except LeaseHeld:
+        raise
     except (OSError, ValueError) as e:
         raise SpecError(f"output.dir: {loc_uri}: cannot be written ({_first_line(e)})") from e
-    holder = read_holder(loc)
     if holder is not None:
-        if not (take_over or holder.stale()):
-            raise LeaseHeld(held_message(loc, holder))
         warn(f"note: output.dir: taking over the lease of {'another' if take_over else 'a stale'} job "
              f"({holder.describe()})")
     if loc.local:
