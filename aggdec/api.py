@@ -127,7 +127,7 @@ class Translator:
         dtype = next(model.parameters()).dtype
         return DraftContext(model, projection, drafts_in_bf16(opts, projection),
                             lambda path, bf16: self._drafter_model(path, bf16, dtype),
-                            self._budgets, self.framing(opts).prompt, self._slot_loops)
+                            self._budgets, prompt=self.framing(opts).prompt, slot_loops=self._slot_loops)
 
     def framing(self, opts: DecodeOptions | None = None) -> Framing:
         """The model's special-token framing for the languages of `opts` (aggdec.conventions); raises

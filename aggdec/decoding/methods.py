@@ -53,8 +53,8 @@ class DraftContext:
     bf16: bool
     load: Callable[[str, bool], Any]
     budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
-    slot_loops: dict = field(default_factory=dict)  # the last SlotLoop, by options, kept across runs
     prompt: tuple[int, ...] | None = None
+    slot_loops: dict = field(default_factory=dict)  # the last SlotLoop, by options, kept across runs
 
     def drafter_model(self, path: str) -> Any:
         return self.load(path, self.bf16)
