@@ -49,18 +49,18 @@ def test_learner_errors_of_the_expected_kind():
     rng = random.Random(0)
     outs = {le.err_agreement(t := le.tokenize("She goes to school ."), rng) and le.render(t, True) for _ in range(5)}
     assert outs == {"She go to school ."}
-    past = set()
-    for seed in range(40):
-        toks = le.tokenize("Yesterday she went to school .")
+    assert "Yesterday she go to school ." in _verb_form_errors("Yesterday she went to school .")
+    assert "They have went home ." in _verb_form_errors("They have gone home .")
+
+
+def _verb_form_errors(sentence: str, seeds: int = 40) -> set[str]:
+    """The sentences err_verb_form makes of `sentence` over `seeds` seeds."""
+    out = set()
+    for seed in range(seeds):
+        toks = le.tokenize(sentence)
         if le.err_verb_form(toks, random.Random(seed)):
-            past.add(le.render(toks, True))
-    assert "Yesterday she go to school ." in past
-    perfect = set()
-    for seed in range(40):
-        toks = le.tokenize("They have gone home .")
-        if le.err_verb_form(toks, random.Random(seed)):
-            perfect.add(le.render(toks, True))
-    assert "They have went home ." in perfect
+            out.add(le.render(toks, True))
+    return out
 
 
 def test_command_line_writes_one_row_per_sentence_and_copy(tmp_path):
