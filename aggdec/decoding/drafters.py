@@ -65,9 +65,8 @@ class RowState:
     def admit(self, state: DecodeState, slots: torch.Tensor, **fills: Any) -> bool:
         """-> True when this started a new batch (all tensors fresh)."""
         b = state.batch_size
-        fresh = any(t.shape[0] != b for t in self._tensors.values()) or (
-            slots.numel() == b and set(self._tensors) != set(fills))
-        fresh |= not self._tensors
+        fresh = (not self._tensors or any(t.shape[0] != b for t in self._tensors.values())
+                 or (slots.numel() == b and set(self._tensors) != set(fills)))
         if fresh:
             self._tensors.clear()
         for name, fill in fills.items():

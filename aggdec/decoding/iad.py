@@ -41,6 +41,21 @@ _NO_TOKEN = -2  # source padding, matches nothing
 _NO_MATCH = -3  # before the output's start, matches nothing
 
 
+def _nearest(last: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """(B,) the candidate end position of `last` (B, S) bool nearest each row's anchor (B,), the
+    later one on a tie."""
+    i = torch.arange(last.shape[1], device=last.device)[None]
+    dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
+    return dist.masked_fill(~last, last.shape[1] * 4).argmin(dim=1)
+
+
+def _copy(state: DecodeState, start: torch.Tensor, num: torch.Tensor, width: int) -> DraftBatch:
+    """Drafts (B, width): each row's `num` source tokens from x index `start`, pad after them."""
+    offs = torch.arange(width, device=state.out.device)[None]
+    tokens = state.src.gather(1, (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1))
+    return DraftBatch(tokens=tokens.masked_fill(offs >= num[:, None], state.pad), num_draft=num)
+
+
 class InputCopy:
     """IAD (Ge et al., Algorithm 1): draft the input's continuation after a unique suffix match.
 
@@ -124,10 +139,7 @@ class InputCopy:
             open_rows &= (count > 1) & (idx > 0)
             q += 1
         if anchor is not None:
-            at = torch.arange(x.shape[1], device=dev)[None]
-            dist = 2 * (at - anchor[:, None]).abs() - (at > anchor[:, None]).long()
-            near = dist.masked_fill(~last, x.shape[1] * 4).argmin(dim=1)
-            pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), near, pos)
+            pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), _nearest(last, anchor), pos)
         return pos
 
     def match_fixed(self, state: DecodeState, depth: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,34 +167,36 @@ class InputCopy:
             several = (count > 1).sum(dim=1)  # the longest suffix that occurs more than once has this many tokens
             last = cand.gather(2, (several - 1).clamp(min=0)[:, None, None].expand(bsz, width, 1)).squeeze(2)
             last &= (several > 0)[:, None]
-            i = torch.arange(width, device=dev)[None]
-            dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
-            near = dist.masked_fill(~last, width * 4).argmin(dim=1)
-            pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), near, pos)
+            pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
     def draft_fixed(self, state: DecodeState, width: int, depth: int) -> DraftBatch:
         """`propose` as a fixed-shape tensor program: drafts (B, width) from suffixes of at most
         `depth` tokens (`match_fixed`), with no host reads, for the slot loop."""
         rows = self.rows
-        pos = self.match_fixed(state, depth, rows.resume if self.nearest_match else None)
+        start, num = self._drafts(state, self.match_fixed(state, depth, rows.resume if self.nearest_match else None))
+        rows.start.copy_(start)
+        return _copy(state, start, num.clamp(max=width), width)
+
+    def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
+        its first draft token (-1: no draft) and its draft length under the row's cap."""
+        rows = self.rows
         if self.substitution:
             pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)
-        start = pos + 1
-        rows.start.copy_(torch.where(pos >= 0, start, -1))
-        num = torch.where(pos >= 0, state.src_len + 1 - start, 0).clamp(min=0, max=width)
+        start = torch.where(pos >= 0, pos + 1, -1)  # x index i is src index i - 1
+        num = torch.where(pos >= 0, state.src_len - pos, 0)
         if self.adaptive:
             num = torch.minimum(num, rows.cap)
         elif self.max_draft is not None:
             num = num.clamp(max=self.max_draft)
-        offs = torch.arange(width, device=state.out.device)[None]
-        tokens = state.src.gather(1, (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1))
-        return DraftBatch(tokens=tokens.masked_fill(offs >= num[:, None], state.pad), num_draft=num)
+        return start, num.clamp(min=0)
 
     def observe_fixed(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor) -> None:
         """`observe`, updating the row tensors in place (their storage stays put for CUDA graphs)."""
         rows = self.rows
         if self.substitution or self.nearest_match:
+            # after rejecting draft token m (x index start+m), resume copying at start+m+1
             rejected = (accepted < num_draft) & (rows.start >= 0)
             rows.resume.copy_(torch.where(rejected, rows.start + accepted + 1, -1))
         if self.adaptive:
@@ -195,31 +209,12 @@ class InputCopy:
         if state.next_draft(1) == 0:
             rows.start = torch.full_like(rows.start, -1)
             return DraftBatch.empty(bsz, dev, state.pad)
-        pos = self.match(state, rows.resume if self.nearest_match else None)
-        if self.substitution:
-            pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)
-        start = pos + 1  # index in x of the first drafted token; x index i is src index i - 1
-        rows.start = torch.where(pos >= 0, start, torch.full_like(start, -1))
-        avail = torch.where(pos >= 0, state.src_len + 1 - start, torch.zeros_like(pos))
-        if self.adaptive:
-            avail = torch.minimum(avail, rows.cap)
-        elif self.max_draft is not None:
-            avail = avail.clamp(max=self.max_draft)
-        num = avail.clamp(min=0)
+        start, num = self._drafts(state, self.match(state, rows.resume if self.nearest_match else None))
+        rows.start = start
         k = int(num.max()) if bsz else 0
         if k == 0:
             return DraftBatch.empty(bsz, dev, state.pad)
-        offs = torch.arange(k, device=dev)[None]
-        src_idx = (start[:, None] - 1 + offs).clamp(0, state.src.shape[1] - 1)
-        tokens = state.src.gather(1, src_idx)
-        tokens = tokens.masked_fill(offs >= num[:, None], state.pad)
-        return DraftBatch(tokens=tokens, num_draft=num)
+        return _copy(state, start, num, k)
 
     def observe(self, state, draft, accepted, hidden):
-        rows = self.rows
-        if self.substitution or self.nearest_match:
-            # after rejecting draft token m (x index start+m), resume copying at start+m+1
-            rejected = (accepted < draft.num_draft) & (rows.start >= 0)
-            rows.resume = torch.where(rejected, rows.start + accepted + 1, torch.full_like(rows.resume, -1))
-        if self.adaptive:
-            rows.cap = adapt_length(rows.cap, draft.num_draft, accepted, self.min_draft, self.max_draft)
+        self.observe_fixed(state, draft.num_draft, accepted)

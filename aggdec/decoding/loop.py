@@ -17,7 +17,7 @@ Each iteration, for all active rows at once:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,37 @@ def take(queue: list[Request], free_slots: int, used_tokens: int, max_tokens: in
         taken.append(queue.pop())
         used_tokens += n
     return taken
+
+
+class EncodeAhead:
+    """Cross K/V for refilled slots, encoded `batch` at a time ahead of admission (docs/design.md,
+    "Encode-ahead refills"): a refill that was encoded ahead takes its rows; the others are encoded
+    now together with the next pending requests of the queue, which then wait as cross K/V."""
+
+    def __init__(self, model: Transformer, batch: int, counters: "LoopCounters"):
+        self.model, self.batch, self.counters = model, batch, counters
+        self.reset()
+
+    def reset(self) -> None:
+        self.cross: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
+        self.rows: dict[int, int] = {}  # id(request) -> its row in cross
+
+    def place(self, reqs: list[Request], queue: list[Request], put: Callable[[list[int], CrossKV], None]) -> None:
+        """Call put(indices into reqs, their cross K/V trimmed to their width), once or twice."""
+        device = next(self.model.parameters()).device
+        hit = [i for i, r in enumerate(reqs) if id(r) in self.rows]
+        miss = [i for i, r in enumerate(reqs) if id(r) not in self.rows]
+        if hit:
+            rows = torch.tensor([self.rows.pop(id(reqs[i])) for i in hit], device=device)
+            put(hit, self.cross.take(rows, trim=True))
+        if miss:
+            ahead = queue[-1: -1 - max(0, self.batch - len(miss)): -1]  # admitted next (pop order)
+            batch = [reqs[i] for i in miss] + ahead
+            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
+            self.counters.encoded_rows += len(batch)
+            cross = self.model.cross_kv(memory, src_pad)
+            put(miss, cross.take(torch.arange(len(miss), device=device), trim=True))
+            self.cross, self.rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
 
 
 @dataclass
@@ -114,8 +145,7 @@ class DraftVerifyLoop:
             raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
-        self._ahead: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
-        self._ahead_rows: dict[int, int] = {}  # id(request) -> its row in _ahead
+        self._refills = EncodeAhead(model, self.encode_batch, self.counters)
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -151,19 +181,7 @@ class DraftVerifyLoop:
         the others encoded now together with the next `encode_batch` pending requests of `queue`."""
         cfg = self.model.cfg
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        hit = [i for i, r in enumerate(reqs) if id(r) in self._ahead_rows]
-        miss = [i for i, r in enumerate(reqs) if id(r) not in self._ahead_rows]
-        if hit:
-            rows = torch.tensor([self._ahead_rows.pop(id(reqs[i])) for i in hit], device=self.device)
-            state.cache.replace(idx[hit], self._ahead.take(rows, trim=True))
-        if miss:
-            ahead = queue[-1 : -1 - max(0, self.encode_batch - len(miss)) : -1]  # admitted next (pop order)
-            batch = [reqs[i] for i in miss] + ahead
-            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], cfg.pad, self.device))
-            self.counters.encoded_rows += len(batch)
-            cross = self.model.cross_kv(memory, src_pad)
-            state.cache.replace(idx[miss], cross.take(torch.arange(len(miss), device=self.device), trim=True))
-            self._ahead, self._ahead_rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
+        self._refills.place(reqs, queue, lambda which, cross: state.cache.replace(idx[which], cross))
         src = pad_batch([r.src for r in reqs], cfg.pad, self.device)
         if src.shape[1] > state.src.shape[1]:
             state.src = torch.nn.functional.pad(state.src, (0, src.shape[1] - state.src.shape[1]), value=cfg.pad)
@@ -193,7 +211,7 @@ class DraftVerifyLoop:
         queue = sorted(requests, key=lambda r: len(r.src))  # pop() takes the longest
         for r in queue:
             self._check(r)
-        self._ahead, self._ahead_rows = None, {}
+        self._refills.reset()
         state: DecodeState | None = None
         while queue or state is not None:
             if state is None:
@@ -257,7 +275,7 @@ class DraftVerifyLoop:
             done_list = done.tolist()
             if any(done_list):
                 state = yield from self._retire(state, done_list, queue)
-        self._ahead = None
+        self._refills.reset()
 
     def _record(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
         nd, acc = num_draft.tolist(), accepted.tolist()

@@ -31,12 +31,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
-from aggdec.decoding.loop import LoopCounters, pad_batch, take
+from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
-from aggdec.model.cache import CrossKV
 from aggdec.model.slots import SlotCache, bucket
 from aggdec.model.transformer import Transformer
 
@@ -52,8 +52,6 @@ def slot_count(max_batch_size: int, requests: int) -> int:
 
 def supports(model: Transformer, drafter, acceptance) -> bool:
     """Whether the slot loop runs this combination (see the module docstring's scope)."""
-    from aggdec.decoding.acceptance import ExactMatch
-
     fixed = isinstance(drafter, NoDraft) or hasattr(drafter, "draft_fixed")
     return fixed and isinstance(acceptance, ExactMatch) and not model.cfg.double_token
 
@@ -81,6 +79,7 @@ class SlotLoop:
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.counters = LoopCounters()
+        self._refills = EncodeAhead(model, self.encode_batch, self.counters)
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
         self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -239,19 +238,7 @@ class SlotLoop:
         next `encode_batch` pending requests (as `DraftVerifyLoop._fill`), fresh rows in place."""
         cfg, st, dev = self.model.cfg, self.state, self.device
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        hit = [i for i, r in enumerate(reqs) if id(r) in self._ahead_rows]
-        miss = [i for i, r in enumerate(reqs) if id(r) not in self._ahead_rows]
-        if hit:
-            rows = torch.tensor([self._ahead_rows.pop(id(reqs[i])) for i in hit], device=dev)
-            self.cache.place(idx[hit], self._ahead.take(rows, trim=True))
-        if miss:
-            ahead = queue[-1: -1 - max(0, self.encode_batch - len(miss)): -1]
-            batch = [reqs[i] for i in miss] + ahead
-            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], cfg.pad, dev))
-            self.counters.encoded_rows += len(batch)
-            cross = self.model.cross_kv(memory, src_pad)
-            self.cache.place(idx[miss], cross.take(torch.arange(len(miss), device=dev), trim=True))
-            self._ahead, self._ahead_rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
+        self._refills.place(reqs, queue, lambda which, cross: self.cache.place(idx[which], cross))
         src = pad_batch([r.src for r in reqs], cfg.pad)
         st.src[idx] = torch.nn.functional.pad(src, (0, st.src.shape[1] - src.shape[1]), value=cfg.pad).to(dev)
         for s, r in zip(slots, reqs):
@@ -297,7 +284,7 @@ class SlotLoop:
         if not queue:
             return
         self._allocate(queue)
-        self._ahead, self._ahead_rows = None, {}
+        self._refills.reset()
         b = self.state.batch_size
         free = list(range(b))
         src_len = [0] * b  # host copy of each occupied slot's source length
@@ -335,4 +322,4 @@ class SlotLoop:
                 for s in finished:
                     src_len[s] = 0
                 free = sorted(free + finished)
-        self._ahead = None
+        self._refills.reset()
