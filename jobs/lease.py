@@ -81,14 +81,12 @@ def read_holder(loc: Location) -> Holder | None:
         data = loc.read_bytes(LEASE_NAME)
     except FileNotFoundError:
         return None
-    try:
-        rec = json.loads(data)
-        return Holder(host=str(rec["host"]), pid=int(rec["pid"]), started_at=float(rec["started_at"]),
-                      heartbeat_at=float(rec["heartbeat_at"]), token=str(rec["token"]))
-    except (ValueError, KeyError, TypeError):
+    holder = _parse(data)
+    if holder is None:
         mtime = loc.fs.get_file_info(loc.path(LEASE_NAME)).mtime
         at = mtime.timestamp() if mtime is not None else time.time()
         return Holder(host="?", pid=-1, started_at=at, heartbeat_at=at, token="")
+    return holder
 
 
 def held_message(loc: Location, holder: Holder) -> str:
@@ -218,12 +216,21 @@ class Lease:
                 continue
 
 
+def _parse(data: bytes) -> Holder | None:
+    """The holder a record names, None where it cannot be parsed."""
+    try:
+        rec = json.loads(data)
+        return Holder(host=str(rec["host"]), pid=int(rec["pid"]), started_at=float(rec["started_at"]),
+                      heartbeat_at=float(rec["heartbeat_at"]), token=str(rec["token"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _holder_at(path: str) -> Holder | None:
     try:
         with open(path, "rb") as f:
-            rec = json.loads(f.read())
-        return Holder(**{k: rec[k] for k in ("host", "pid", "started_at", "heartbeat_at", "token")})
-    except (OSError, ValueError, KeyError, TypeError):
+            return _parse(f.read())
+    except OSError:
         return None
 
 
