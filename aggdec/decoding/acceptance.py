@@ -53,6 +53,20 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
     return logits
 
 
+def constrained_top1(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor, pad: int, eos: int,
+                     min_len: int = 1, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax (...) of `logits` (..., V) under `constrain_logits`' rules, with no host reads (a
+    fixed-shape program, for the slot loop): pad and early eos are masked in the logits (in place),
+    the length limit and forced tokens override the argmax instead of rewriting whole rows."""
+    logits[..., pad] = -math.inf
+    if min_len > 0:
+        logits[..., eos].masked_fill_(out_index < min_len, -math.inf)
+    pred = torch.where(out_index >= max_len, eos, logits.argmax(dim=-1))
+    if forced is not None and forced.numel():
+        pred = torch.where(out_index < forced.numel(), forced[out_index.clamp(max=forced.numel() - 1)], pred)
+    return pred
+
+
 class VerifierScores:
     """The verifier's scores at the N verified positions (the valid positions, row-major).
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import ExactMatch
+from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
@@ -105,7 +105,8 @@ class SlotLoop:
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width)
         logits = self.model.output_logits(hidden)  # (B, T, V)
         offs = torch.arange(t, device=self.device)[None]
-        pred = self._top1(logits, st.generated[:, None] + offs, st.max_len[:, None])
+        pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
+                                self.min_len, self.forced)
         # 3. Accept: the longest prefix of the draft equal to the verifier's top-1, then its bonus.
         ok = (pred[:, :width] == tokens) & (offs[:, :width] < num[:, None])
         accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
@@ -116,7 +117,7 @@ class SlotLoop:
         ended = is_eos.any(dim=1)
         n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
-        st.out.scatter_(1, at, torch.where(active[:, None], new, st.out.gather(1, at)))
+        st.out.scatter_(1, at, new)  # an empty slot's writes are never read: a refill resets its row
         st.out_len.add_(n_new)
         # Statistics: drafts accepted past an accepted eos are not counted.
         kept = torch.minimum(accepted, n_new)
@@ -133,19 +134,6 @@ class SlotLoop:
         if width:
             self.drafter.observe_fixed(st, num, accepted)
         self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None]]))
-
-    def _top1(self, logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
-        """The argmax of the logits under fairseq-generate's rules (`acceptance.constrain_logits`):
-        never pad, no eos before min_len, eos at index max_len, the forced first tokens."""
-        cfg = self.model.cfg
-        logits[..., cfg.pad] = float("-inf")
-        if self.min_len > 0:
-            logits[..., cfg.eos].masked_fill_(out_index < self.min_len, float("-inf"))
-        pred = torch.where(out_index >= max_len, cfg.eos, logits.argmax(dim=-1))
-        if self.forced.numel():
-            forced = self.forced[out_index.clamp(max=self.forced.numel() - 1)]
-            pred = torch.where(out_index < self.forced.numel(), forced, pred)
-        return pred
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if not self.graphs:
