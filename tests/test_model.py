@@ -98,6 +98,36 @@ def test_select_and_replace_rows():
     torch.testing.assert_close(out[1], full[1, 3:6], rtol=0, atol=1e-10)
 
 
+def test_beam_reorder_equals_select_on_the_prefix():
+    """reorder (beam search's select) gives every row its parent's prefix, lengths and cross K/V, as
+    select does, and after its first call reuses two sets of buffers instead of allocating."""
+    model = tiny_model(seed=5).double().eval()
+    rng = __import__("random").Random(5)
+    src, tgt = _random_batch(model, rng, 3, 6, 4)
+    with torch.no_grad():
+        beams = torch.arange(3).repeat_interleave(2)  # 3 sentences x 2 beams, as beam search starts
+        cache, ref = model.start(src), model.start(src)
+        for c in (cache, ref):
+            c.select(beams)
+            model.decode(tgt[beams], c)
+            c.commit(torch.full((6,), 4))
+        storages = set()
+        for rows, leave in (([1, 1, 2, 3, 5, 4], False), ([0, 0, 3, 2, 5, 5], False), ([1, 0, 4, 5], True)):
+            rows = torch.tensor(rows)
+            cache.reorder(rows, 4, take_cross=leave)
+            ref.select(rows)
+            storages |= {cache.k[0].untyped_storage().data_ptr()}
+            assert torch.equal(cache.lengths, ref.lengths)
+            for a, b in zip(cache.k + cache.v, ref.k + ref.v):
+                assert torch.equal(a[:, :4], b[:, :4])
+            for a, b in zip(cache.cross.k + cache.cross.v, ref.cross.k + ref.cross.v):
+                assert torch.equal(a, b)
+            assert torch.equal(cache.cross.src_pad, ref.cross.src_pad)
+        assert len(storages) == 2
+        step = torch.randint(4, model.cfg.tgt_vocab, (4, 1))
+        assert torch.equal(model.decode(step, cache), model.decode(step, ref))
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="activation"):
         ModelConfig(src_vocab=8, tgt_vocab=8, activation="tanh")

@@ -17,7 +17,8 @@ Per step, for every active sentence (beam K, vocabulary V), exactly as fairseq d
 
 Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
 batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
-Beam reordering uses the model's cache: `cache.select(rows)` picks the parent row of every beam.
+Beam reordering uses the model's cache: `cache.reorder(rows, ...)` picks the parent row of every beam
+(copying only the decoded prefix, and the cross K/V only when sentences leave).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
         if step > 0:
             scores[:, :step] = torch.index_select(scores[:, :step], dim=0, index=active_bbsz_idx)
         scores.view(bsz, k, -1)[:, :, step] = torch.gather(cand_scores, dim=1, index=active_hypos)
-        cache.select(cache_rows)
+        cache.reorder(cache_rows, step + 1, take_cross=bool(newly))
         step += 1
 
 

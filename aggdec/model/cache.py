@@ -30,8 +30,9 @@ class CrossKV:
         """The given rows (1-D index tensor), in that order; `trim` also drops source positions that
         are padding in every one of them."""
         width = int((~self.src_pad[rows]).sum(dim=1).max()) if trim and rows.numel() else self.src_pad.shape[1]
-        return CrossKV(k=[t[rows, :width] for t in self.k], v=[t[rows, :width] for t in self.v],
-                       src_pad=self.src_pad[rows, :width])
+        return CrossKV(k=[t[:, :width].index_select(0, rows) for t in self.k],
+                       v=[t[:, :width].index_select(0, rows) for t in self.v],
+                       src_pad=self.src_pad[:, :width].index_select(0, rows))
 
 
 class DecoderCache:
@@ -48,6 +49,9 @@ class DecoderCache:
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
+        # `reorder`'s buffers (k then v): the spare set, and the full tensors the live rows are a view of
+        self._spare: list[torch.Tensor] = []
+        self._full: list[torch.Tensor] = []
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +72,7 @@ class DecoderCache:
                 grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
                 grown[:, : t.shape[1]] = t
                 buf[i] = grown
+        self._full = []
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               where: tuple[torch.Tensor, torch.Tensor] | None = None, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +102,29 @@ class DecoderCache:
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
         self.cross = self.cross.take(rows)
+
+    def reorder(self, rows: torch.Tensor, prefix: int, take_cross: bool) -> None:
+        """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave), copying only
+        the first `prefix` positions of the self-attention buffers (prefix >= every row's length).
+
+        The copy goes into a second set of buffers that then swaps with the first, so no memory is
+        allocated once both exist; positions at or past a row's length hold stale finite values,
+        masked as ever. take_cross: also take the cross K/V by `rows`; False where every new row keeps
+        the cross K/V it has (the beams of one sentence share theirs, so reordering them needs none).
+        """
+        n, layers = rows.numel(), len(self.k)
+        live = self.k + self.v
+        full = self._full or live
+        if not self._spare or self._spare[0].shape[1:] != live[0].shape[1:] or self._spare[0].shape[0] < n:
+            self._spare = [t.new_zeros(max(n, t.shape[0]), *t.shape[1:]) for t in live]
+        for src, dst in zip(live, self._spare):
+            torch.index_select(src[:, :prefix], 0, rows, out=dst[:n, :prefix])
+        moved = [t[:n] for t in self._spare]
+        self._full, self._spare = self._spare, full
+        self.k, self.v = moved[:layers], moved[layers:]
+        self.lengths = self.lengths.index_select(0, rows)
+        if take_cross:
+            self.cross = self.cross.take(rows)
 
     def trim_cross(self, keep: float = 0.75) -> None:
         """Drop the source positions that are padding in every row once they are more than 1 - `keep`
