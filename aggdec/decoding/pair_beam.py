@@ -135,7 +135,7 @@ def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_
         rows = rows.reshape(-1)
         tokens = torch.cat([tokens.index_select(0, rows), new_pair.reshape(-1, STRIDE)], dim=1)
         scores = top.reshape(-1)
-        cache.select(rows)
+        cache.reorder(rows, STRIDE * (step + 1), take_cross=bool(done))
         step += 1
 
 

@@ -1,0 +1,115 @@
+"""Two source trees side by side on real models: sentences/s and identical outputs, one run.
+
+    git worktree add --detach ../aggdec-base <commit>
+    python bench/tree_compare.py --base ../aggdec-base --runs ende-base:beam:64,gec-base:iad:1 \
+        --limit 256 --repeat 3 --out bench/results/tree-compare.json
+
+Each run `model:method:batch_size` decodes the first `--limit` sentences of the model's test set
+(gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`; `--data` names their folder) through
+the public API (`Translator.translate_batch`, default options but the method, its batch size and,
+for gad/gad++, the shipped draft head), once per tree and repeat, interleaved, each in its own
+process: the engine is imported from that tree, the model files come from this one, so only the code
+differs. Per run: the median sentences/s of each tree (after a warm-up batch), their ratio, and the
+share of sentences whose output tokens are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SETS = {"gec-base": ("gec/test.tsv", "noisy"), "ende-base": ("ende/test.tsv", "en"),
+        "ende-base-double-token": ("ende/test.tsv", "en")}
+DRAFTERS = {"gad": "ende-base-draft-head", "gad++": "ende-base-draft-head", "blockwise": "ende-base-heads"}
+
+
+def worker(a: argparse.Namespace) -> None:
+    """Decode in this process with the engine of `a.tree`; print one JSON line, write the tokens."""
+    sys.path.insert(0, str(Path(a.tree).resolve()))
+    import torch
+
+    from aggdec.api import Translator
+    from aggdec.train.ar import read_tsv
+
+    torch.set_num_threads(a.threads)
+    path, column = SETS[a.model]
+    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit]
+    tr = Translator.load(str(REPO / "models" / a.model))
+    opts = {"method": a.method, "max_batch_size": a.batch_size}
+    if a.method in DRAFTERS:
+        opts["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
+    tr.translate_batch(sources[: max(2 * a.batch_size, 8)], **opts)  # warm-up
+    t0 = time.perf_counter()
+    results = tr.translate_batch(sources, **opts)
+    seconds = time.perf_counter() - t0
+    Path(a.tokens).write_text(json.dumps([r.tokens for r in results]))
+    print(json.dumps({"sentences": len(sources), "seconds": seconds}))
+
+
+def run_one(tree: str, model: str, method: str, bs: int, a: argparse.Namespace, tokens: Path) -> float:
+    cmd = [sys.executable, __file__, "--worker", "--tree", tree, "--model", model, "--method", method,
+           "--batch-size", str(bs), "--limit", str(a.limit), "--data", a.data, "--threads", str(a.threads),
+           "--tokens", str(tokens)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return row["sentences"] / row["seconds"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the other source tree (a git worktree of the base commit)")
+    ap.add_argument("--runs", default="ende-base:greedy:1,ende-base:beam:64,gec-base:iad:1,gec-base:greedy:64")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--limit", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    trees = {"base": str(Path(a.base).resolve()), "this": str(REPO)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in a.runs.split(","):
+            model, method, bs = spec.split(":")
+            speeds: dict[str, list[float]] = {k: [] for k in trees}
+            for _ in range(a.repeat):
+                for name, tree in trees.items():
+                    speeds[name].append(run_one(tree, model, method, int(bs), a, Path(tmp) / f"{name}.json"))
+            base, this = (json.loads((Path(tmp) / f"{k}.json").read_text()) for k in trees)
+            row = {"model": model, "method": method, "batch_size": int(bs), "sentences": len(base),
+                   **{f"{k}_sentences_per_s": round(statistics.median(v), 2) for k, v in speeds.items()},
+                   "all": {k: [round(x, 2) for x in v] for k, v in speeds.items()},
+                   "identical": round(sum(x == y for x, y in zip(base, this)) / len(base), 4)}
+            row["ratio"] = round(row["this_sentences_per_s"] / row["base_sentences_per_s"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.out:
+        base_commit = subprocess.run(["git", "-C", trees["base"], "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip()
+        this_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip()
+        a.out.write_text(json.dumps({"command": "python bench/tree_compare.py " + " ".join(argv or sys.argv[1:]),
+                                     "base": base_commit, "this": this_commit, "threads": a.threads,
+                                     "cpu": platform.processor() or platform.machine(), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
