@@ -66,7 +66,7 @@ def run_one(tree: str, model: str, method: str, bs: int, a: argparse.Namespace, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the other source tree (a git worktree of the base commit)")
+    ap.add_argument("--base", help="the other source tree (a git worktree of the base commit); required")
     ap.add_argument("--runs", default="ende-base:greedy:1,ende-base:beam:64,gec-base:iad:1,gec-base:greedy:64")
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     ap.add_argument("--limit", type=int, default=256)
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a)
         return 0
+    if not a.base:
+        ap.error("--base is required")
     trees = {"base": str(Path(a.base).resolve()), "this": str(REPO)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
