@@ -4,12 +4,13 @@
     python bench/tree_compare.py --base ../aggdec-base --runs ende-base:beam:64,gec-base:iad:1 \
         --limit 256 --repeat 3 --out bench/results/tree-compare.json
 
-Each run `model:method:batch_size` decodes the first `--limit` sentences of the model's test set
+Each run `model:method:batch_size[:flag+flag...]` decodes the first `--limit` sentences of the model's test set
 (gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`; `--data` names their folder) through
 the public API (`Translator.translate_batch`, default options but the method, its batch size and,
 for gad/gad++, the shipped draft head), once per tree and repeat, interleaved, each in its own
 process: the engine is imported from that tree, the model files come from this one, so only the code
-differs. Per run: the median sentences/s of each tree (after a warm-up batch), their ratio, and the
+differs. Flags are boolean options set in this tree's runs only (`gec-base:iad:1:compile`: this tree
+compiled against the base tree's default). Per run: the median sentences/s of each tree (after a warm-up batch), their ratio, and the
 share of sentences whose output tokens are identical.
 """
 
@@ -47,6 +48,7 @@ def worker(a: argparse.Namespace) -> None:
     opts = {"method": a.method, "max_batch_size": a.batch_size}
     if a.method in DRAFTERS:
         opts["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
+    opts.update({flag: True for flag in a.flags.split("+") if flag})
     tr.translate_batch(sources[: max(2 * a.batch_size, 8)], **opts)  # warm-up
     t0 = time.perf_counter()
     results = tr.translate_batch(sources, **opts)
@@ -55,9 +57,9 @@ def worker(a: argparse.Namespace) -> None:
     print(json.dumps({"sentences": len(sources), "seconds": seconds}))
 
 
-def run_one(tree: str, model: str, method: str, bs: int, a: argparse.Namespace, tokens: Path) -> float:
+def run_one(tree: str, model: str, method: str, bs: int, flags: str, a: argparse.Namespace, tokens: Path) -> float:
     cmd = [sys.executable, __file__, "--worker", "--tree", tree, "--model", model, "--method", method,
-           "--batch-size", str(bs), "--limit", str(a.limit), "--data", a.data, "--threads", str(a.threads),
+           "--batch-size", str(bs), "--flags", flags, "--limit", str(a.limit), "--data", a.data, "--threads", str(a.threads),
            "--tokens", str(tokens)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
+    ap.add_argument("--flags", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
@@ -89,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in a.runs.split(","):
-            model, method, bs = spec.split(":")
+            model, method, bs, *flags = spec.split(":")
+            flags = flags[0] if flags else ""
             speeds: dict[str, list[float]] = {k: [] for k in trees}
             for _ in range(a.repeat):
                 for name, tree in trees.items():
-                    speeds[name].append(run_one(tree, model, method, int(bs), a, Path(tmp) / f"{name}.json"))
+                    speeds[name].append(run_one(tree, model, method, int(bs), flags if name == "this" else "", a,
+                                                Path(tmp) / f"{name}.json"))
             base, this = (json.loads((Path(tmp) / f"{k}.json").read_text()) for k in trees)
-            row = {"model": model, "method": method, "batch_size": int(bs), "sentences": len(base),
+            row = {"model": model, "method": method, "batch_size": int(bs), "this_flags": flags, "sentences": len(base),
                    **{f"{k}_sentences_per_s": round(statistics.median(v), 2) for k, v in speeds.items()},
                    "all": {k: [round(x, 2) for x in v] for k, v in speeds.items()},
                    "identical": round(sum(x == y for x, y in zip(base, this)) / len(base), 4)}

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import DecodeOptions
+from aggdec.decoding.options import CompiledStep, DecodeOptions
 from aggdec.decoding.state import DecodeState
 
 
@@ -95,7 +95,7 @@ def adapt_length(length: torch.Tensor, drafted: torch.Tensor, accepted: torch.Te
 
 
 @dataclass(frozen=True, kw_only=True)
-class GreedyOptions(DecodeOptions):
+class GreedyOptions(CompiledStep, DecodeOptions):
     """Greedy decoding: one verifier call per output token; the reference of every lossless method."""
 
     method: ClassVar[str] = "greedy"

@@ -89,11 +89,13 @@ class Method:
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
-        if use_slots(context, drafter, acceptance):  # kept across runs: its buffers and captured steps
+        if use_slots(context, drafter, acceptance, opts):  # kept across runs: its buffers and captured steps
             loop = context.slot_loops.get(opts)
             if loop is None:
+                cpu = next(context.model.parameters()).device.type == "cpu"
                 loop = SlotLoop(context.model, drafter, max_batch_size=opts.max_batch_size,
-                                max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt)
+                                max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
+                                compile=cpu and getattr(opts, "compile", False))
                 context.slot_loops.clear()  # one at a time: each holds a cache of max_batch_size rows
                 context.slot_loops[opts] = loop
             loop.budget = budget
@@ -108,11 +110,18 @@ class Method:
         return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
 
 
-def use_slots(context: DraftContext, drafter: Drafter, acceptance) -> bool:
+def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeOptions) -> bool:
     """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop): where the slot loop takes the
-    method, on a GPU (its steps are CUDA graphs there), with the plain fp32 top-1 or int8 logits."""
+    method, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
+    on a CPU where the options ask for a compiled step (`compile`; raises OptionError where the slot
+    loop cannot take the method as configured)."""
+    supported = slots_support(context.model, drafter, acceptance)
+    if getattr(opts, "compile", False) and next(context.model.parameters()).device.type == "cpu":
+        if not supported:
+            raise OptionError("compile", "needs exact top-1 acceptance and a single-token verifier")
+        return True
     device = next(context.model.parameters()).device
-    return device.type == "cuda" and not context.projection.certify and slots_support(context.model, drafter, acceptance)
+    return device.type == "cuda" and not context.projection.certify and supported
 
 
 METHODS: dict[str, Method] = {}

@@ -16,7 +16,10 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   which slots finished, the output lengths (for the next span) and the call's token counts (for the
   draft budget). Rows that finished are then read once, when they retire.
 - **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
-  graph and replayed (`graphs=True`, the default there); elsewhere it runs eagerly.
+  graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
+  TorchInductor program (weights frozen into it, C++ wrapper): there the key span and source width are
+  the whole cache's and draft widths are rounded up to powers of two (rows draft at most the budget's
+  length, a device scalar), so a run compiles one program per width; elsewhere it runs eagerly.
 
 Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
 that draft as tensor programs (`draft_fixed` / `observe_fixed`: greedy's empty draft, IAD). The
@@ -40,6 +43,11 @@ from aggdec.decoding.state import DecodeState
 from aggdec.model.slots import SlotCache, bucket
 from aggdec.model.transformer import Transformer
 
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True,
+                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+"""TorchInductor options of a compiled CPU step: weights frozen (prepacked for the CPU's GEMMs), a C++
+wrapper, and no guards on the model's modules (a loop's model is fixed)."""
+
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
 
@@ -58,11 +66,12 @@ def supports(model: Transformer, drafter, acceptance) -> bool:
 
 class SlotLoop:
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
-    `graphs`: capture steps as CUDA graphs (default: on a CUDA device)."""
+    `graphs`: capture steps as CUDA graphs (default: on a CUDA device); `compile`: compile steps with
+    TorchInductor (CPU; the model's weights must not change afterwards: they are frozen into the step)."""
 
     def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
                  min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
-                 prompt: tuple[int, ...] | None = None, graphs: bool | None = None):
+                 prompt: tuple[int, ...] | None = None, graphs: bool | None = None, compile: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if model.cfg.double_token:
@@ -75,6 +84,9 @@ class SlotLoop:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if compile and self.device.type != "cpu":
+            raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
+        self._compiled = torch.compile(self._step, dynamic=False, options=COMPILE_OPTIONS) if compile else None
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -83,6 +95,7 @@ class SlotLoop:
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
         self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._cap = torch.zeros((), dtype=torch.long, device=self.device)  # most draft tokens this call
 
     # -- the step: one fixed-shape program -------------------------------------------------------
 
@@ -95,7 +108,7 @@ class SlotLoop:
             draft = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
             tokens = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0)
-            num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
+            num = torch.where(active, torch.minimum(torch.minimum(draft.num_draft, room), self._cap), 0)
         else:
             tokens = st.out.new_zeros(st.out.shape[0], 0)
             num = torch.zeros_like(st.out_len)
@@ -136,6 +149,9 @@ class SlotLoop:
         self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None]]))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
+        if self._compiled is not None:
+            self._compiled(width, span, src_width)
+            return
         if not self.graphs:
             self._step(width, span, src_width)
             return
@@ -289,9 +305,14 @@ class SlotLoop:
                         src_len[s], out_len[s] = len(r.src), 1
             t0 = time.perf_counter()
             live = [s for s in range(b) if src_len[s]]
-            src_width = bucket(max(src_len), self.cache.src_width)
-            width = min(length, src_width)  # no draft is longer than its source
-            span = bucket(max(out_len[s] for s in live) + width, self.cache.length)
+            if self._compiled is None:
+                src_width = bucket(max(src_len), self.cache.src_width)
+                width = min(length, src_width)  # no draft is longer than its source
+                span = bucket(max(out_len[s] for s in live) + width, self.cache.length)
+            else:  # few shapes: one program per (power-of-two) width
+                src_width, span = self.cache.src_width, self.cache.length
+                width = min(1 << (length - 1).bit_length(), src_width) if length else 0
+            self._cap.fill_(length)
             self._run_step(width, span, src_width)
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:b], summary[b: 2 * b]

@@ -12,7 +12,8 @@ already does between MKL's matrix-vector and matrix-matrix paths, so lossless me
 The op, `torch.ops.mkldnn._linear_pointwise`, is the one torch.compile's CPU backend emits; it is
 not a public API, so `linear` falls back to `F.linear` where PyTorch lacks it. Only inference takes
 it (grad disabled: it has no backward; CPU autocast off, so bf16 training's no-grad evaluation keeps
-autocast's bf16 products), and only while `enabled()`; `set_onednn(False)` /
+autocast's bf16 products; not while torch.compile traces, whose CPU backend packs weights itself),
+and only while `enabled()`; `set_onednn(False)` /
 `use_onednn(False)` restore plain `F.linear` everywhere (benchmarks compare both).
 
 `prepack` reorders a fixed weight into oneDNN's blocked layout once, so that products with it skip
@@ -82,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     packed: `prepack(weight)`, optional; used at inference while `enabled()`, whatever the size."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu")):
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
         post = "relu" if relu else "none"
         if packed is not None:
             return _ONEDNN(x, packed, bias, post, [], "")
@@ -112,7 +113,7 @@ class Linear(nn.Linear):
     def _packed(self, x: torch.Tensor) -> torch.Tensor | None:
         w = self.weight
         # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
-        if (x.numel() * self.out_features < MIN_MACS or not _enabled or torch.is_grad_enabled()
+        if (x.numel() * self.out_features < MIN_MACS or not _enabled or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or w.dtype != torch.float32 or x.dtype != w.dtype or w.device.type != "cpu" or w.is_inference()):
             return None
         key = (w.data_ptr(), w._version)
