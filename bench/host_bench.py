@@ -9,6 +9,10 @@ decoder call (medians over `--repeat` interleaved runs; with negligible arithmet
 work), aten operators dispatched per call (TorchDispatchMode), and host reads per iteration: calls of
 item/tolist/__bool__/__int__/__float__/any/all/nonzero/cpu on tensors (TorchFunctionMode), each a
 device -> host synchronization on a GPU. Greedy and IAD (draft cap 8).
+
+`--compile` adds the slot loop with a TorchInductor-compiled step (`compiled`; the compile happens
+in a warm-up run, outside the timings; operators and host reads are not counted for it, since the
+step then runs as generated C++, outside PyTorch's dispatcher).
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ def requests(n: int, eos: int, seed: int = 0) -> list[Request]:
 
 def make(kind: str, method: str, model: Transformer, bs: int):
     drafter = NoDraft() if method == "greedy" else InputCopy(max_draft=8)
-    cls = DraftVerifyLoop if kind == "rows" else SlotLoop
-    return cls(model, drafter, max_batch_size=bs)
+    if kind == "rows":
+        return DraftVerifyLoop(model, drafter, max_batch_size=bs)
+    return SlotLoop(model, drafter, max_batch_size=bs, compile=kind == "compiled")
 
 
 def measure(loop, reqs) -> tuple[float, int]:
@@ -95,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,64,256")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="also the slot loop with a compiled step")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    kinds = ("rows", "slots", "compiled") if a.compile else ("rows", "slots")
     torch.set_num_threads(a.threads)
     model = tiny()
     eos = model.cfg.eos
@@ -105,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         for bs in [int(x) for x in a.batch_sizes.split(",")]:
             reqs = requests(max(bs, 4) if bs > 1 else 8, eos)
             for method in ("greedy", "iad"):
-                loops = {kind: make(kind, method, model, bs) for kind in ("rows", "slots")}
+                loops = {kind: make(kind, method, model, bs) for kind in kinds}
+                if a.compile:
+                    list(loops["compiled"].run(reqs))  # compiles
                 times: dict[str, list[float]] = {k: [] for k in loops}
                 for _ in range(a.repeat):  # interleaved
                     for kind, loop in loops.items():
@@ -114,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                         times[kind].append(1e6 * seconds / calls)
                 result = {"batch_size": bs, "method": method}
                 for kind, loop in loops.items():
+                    if kind == "compiled":
+                        result[kind] = {"us_per_call": round(statistics.median(times[kind]), 1)}
+                        continue
                     loop.counters.calls = 0
                     ops, reads = CountOps(), CountReads()
                     with ops, reads:
@@ -122,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                     result[kind] = {"us_per_call": round(statistics.median(times[kind]), 1),
                                     "ops_per_call": round(ops.n / calls, 1), "host_reads_per_call": round(reads.n / calls, 2),
                                     "calls": calls}
-                result["host_time_ratio"] = round(result["rows"]["us_per_call"] / result["slots"]["us_per_call"], 2)
+                for kind in kinds[1:]:
+                    result[f"host_time_ratio_{kind}"] = round(result["rows"]["us_per_call"] / result[kind]["us_per_call"], 2)
                 print(json.dumps(result), flush=True)
                 rows.append(result)
     if a.out:

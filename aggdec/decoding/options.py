@@ -120,11 +120,11 @@ class Drafting:
 class CompiledStep:
     """Mixin: methods whose decoder step the slot loop can compile (greedy, iad)."""
 
-    compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled fixed-shape program "
-                                  "(aggdec.decoding.slot_loop) instead of eager operators: about 1.5x at small batch "
-                                  "sizes. The first compile of each draft width takes 20-60 s (kept in TorchInductor's "
-                                  "on-disk cache), so it pays for long jobs. fp32 verifiers; on a GPU steps are CUDA "
-                                  "graphs anyway.", output=False)
+    compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
+                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators; pays most at "
+                                  "small batch sizes (docs/benchmarks.md). Compiling takes 30-60 s once per process "
+                                  "(less with TorchInductor's on-disk cache), so it is for long jobs. fp32 verifiers; "
+                                  "on a GPU steps are CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:
         super().validate()

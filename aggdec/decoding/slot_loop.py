@@ -17,9 +17,9 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   draft budget). Rows that finished are then read once, when they retire.
 - **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
   graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
-  TorchInductor program (weights frozen into it, C++ wrapper): there the key span and source width are
-  the whole cache's and draft widths are rounded up to powers of two (rows draft at most the budget's
-  length, a device scalar), so a run compiles one program per width; elsewhere it runs eagerly.
+  TorchInductor program with symbolic widths and spans (weights frozen into it, a C++ wrapper), so a
+  process compiles it once (again for widths 0 and 1, which TorchInductor specializes); elsewhere
+  it runs eagerly.
 
 Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
 that draft as tensor programs (`draft_fixed` / `observe_fixed`: greedy's empty draft, IAD). The
@@ -46,7 +46,8 @@ from aggdec.model.transformer import Transformer
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True,
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 """TorchInductor options of a compiled CPU step: weights frozen (prepacked for the CPU's GEMMs), a C++
-wrapper, and no guards on the model's modules (a loop's model is fixed)."""
+wrapper, and no guards on the model's modules (a loop's model is fixed). Static shapes would compile
+once per (width, span, source width), tens of programs a run at 20-30 s each; symbolic ones compile once."""
 
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
@@ -86,7 +87,7 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        self._compiled = torch.compile(self._step, dynamic=False, options=COMPILE_OPTIONS) if compile else None
+        self._compiled = torch.compile(self._step, dynamic=True, options=COMPILE_OPTIONS) if compile else None
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -95,7 +96,6 @@ class SlotLoop:
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
         self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._cap = torch.zeros((), dtype=torch.long, device=self.device)  # most draft tokens this call
 
     # -- the step: one fixed-shape program -------------------------------------------------------
 
@@ -108,7 +108,7 @@ class SlotLoop:
             draft = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
             tokens = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0)
-            num = torch.where(active, torch.minimum(torch.minimum(draft.num_draft, room), self._cap), 0)
+            num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
         else:
             tokens = st.out.new_zeros(st.out.shape[0], 0)
             num = torch.zeros_like(st.out_len)
@@ -197,8 +197,10 @@ class SlotLoop:
         reset in place; else new ones."""
         cfg = self.model.cfg
         b = slot_count(self.max_batch_size, len(requests))
-        length = bucket(max(r.max_len for r in requests) + self.max_draft + 3)
-        src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions)
+        # one position more than any span or width reads: a read is never the whole buffer, so a
+        # compiled step's shapes stay symbolic (prefix == whole buffer would be specialized)
+        length = bucket(max(r.max_len for r in requests) + self.max_draft + 3) + 1
+        src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions) + 1
         cache = getattr(self, "cache", None)
         if cache is not None and self.state.batch_size == b and cache.length >= length and cache.src_width >= src_width:
             self._reset()
@@ -305,14 +307,9 @@ class SlotLoop:
                         src_len[s], out_len[s] = len(r.src), 1
             t0 = time.perf_counter()
             live = [s for s in range(b) if src_len[s]]
-            if self._compiled is None:
-                src_width = bucket(max(src_len), self.cache.src_width)
-                width = min(length, src_width)  # no draft is longer than its source
-                span = bucket(max(out_len[s] for s in live) + width, self.cache.length)
-            else:  # few shapes: one program per (power-of-two) width
-                src_width, span = self.cache.src_width, self.cache.length
-                width = min(1 << (length - 1).bit_length(), src_width) if length else 0
-            self._cap.fill_(length)
+            src_width = bucket(max(src_len), self.cache.src_width - 1)
+            width = min(length, src_width)  # no draft is longer than its source
+            span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1)
             self._run_step(width, span, src_width)
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:b], summary[b: 2 * b]

@@ -84,9 +84,11 @@ class MultiheadAttention(nn.Module):
         -> (B,T,D) attention output before out_proj."""
         b, t, d = q.shape
         h = self.heads
-        q = q.view(b, t, h, d // h).transpose(1, 2)  # (B,H,T,Dh)
-        k = k.view(b, -1, h, d // h).transpose(1, 2)  # (B,H,L,Dh)
-        v = v.view(b, -1, h, d // h).transpose(1, 2)
+        # unflatten splits only the last dimension: views of a cache prefix need no contiguity check
+        # (under torch.compile, that check would specialize on whether the prefix is the whole cache)
+        q = q.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,T,Dh)
+        k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
+        v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
         return out.transpose(1, 2).reshape(b, t, d)
