@@ -125,28 +125,25 @@ def test_slot_count():
 
 
 def test_compiled_step_equals_greedy():
-    """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span, source width
-    and draft width above 1) gives naive greedy's output with IAD, whose drafts exercise the whole
-    step, across runs that reuse the loop; the public option reaches the compiled loop. (Greedy's
-    width-0 program is a second compile of the same code, left to the benchmarks for time.)"""
+    """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span and source
+    width) gives naive greedy's output across runs that reuse the loop, reached through the public
+    option of greedy (the method that offers it)."""
+    from aggdec.decoding.methods import DraftContext, decode_options, get_method
+    from aggdec.model.projection import OutputProjection
+
     model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)
     rng = random.Random(4)
     reqs = _requests(rng, 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
-    class Widths(RandomBudget):  # draft widths 2..5 at random: one symbolic program covers them
-        def next_length(self, rows, limit):
-            return self.rng.randint(2, limit)
-
-    loop = SlotLoop(model, InputCopy(max_draft=5), max_batch_size=4, budget=Widths(4, 5), compile=True)
-    for run in (reqs, reqs[3:]):
-        assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
-    from aggdec.decoding.methods import DraftContext, decode_options, get_method
-    from aggdec.model.projection import OutputProjection
-
-    opts = decode_options("iad", compile=True, max_batch_size=4)
+    opts = decode_options("greedy", compile=True, max_batch_size=4)
     context = DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False), bf16=False,
                            load=None)
-    method = get_method("iad")
-    assert method.loop(opts, context, method.drafter(opts, context))._compiled is not None
+    method = get_method("greedy")
+    loop = method.loop(opts, context, method.drafter(opts, context))
+    assert loop._compiled is not None
+    for run in (reqs, reqs[3:], reqs[:2]):
+        assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
         decode_options("greedy", compile=True, precision="int8")
+    with pytest.raises(ValueError, match="compile: not an option of method iad"):
+        decode_options("iad", compile=True)

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, OptionError, option
+from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, Drafting, OptionError, option
 from aggdec.decoding.state import DecodeState
 
 
 @dataclass(frozen=True, kw_only=True)
-class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
+class IADOptions(Drafting, AdaptiveDraft, DecodeOptions):
     """IAD's options; with adaptive_draft the cap of a row moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"

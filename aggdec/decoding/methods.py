@@ -118,7 +118,7 @@ def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeO
     supported = slots_support(context.model, drafter, acceptance)
     if getattr(opts, "compile", False) and next(context.model.parameters()).device.type == "cpu":
         if not supported:
-            raise OptionError("compile", "needs exact top-1 acceptance and a single-token verifier")
+            raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
         return True
     device = next(context.model.parameters()).device
     return device.type == "cuda" and not context.projection.certify and supported

@@ -118,13 +118,14 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop can compile (greedy, iad)."""
+    """Mixin: methods whose decoder step the slot loop compiles on request (greedy; IAD compiled measured
+    slower than its packed row loop, so it does not offer it)."""
 
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
-                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators; pays most at "
-                                  "small batch sizes (docs/benchmarks.md). Compiling takes 30-60 s once per process "
-                                  "(less with TorchInductor's on-disk cache), so it is for long jobs. fp32 verifiers; "
-                                  "on a GPU steps are CUDA graphs anyway.", output=False)
+                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators: about 1.5x at "
+                                  "batch size 1, slower from batch size 8 (docs/benchmarks.md). Compiling takes 30-60 s once per process (less with "
+                                  "TorchInductor's on-disk cache). fp32 verifiers; on a GPU steps are CUDA graphs "
+                                  "anyway.", output=False)
 
     def validate(self) -> None:
         super().validate()
