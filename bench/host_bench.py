@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "ops_per_call": round(ops.n / calls, 1), "host_reads_per_call": round(reads.n / calls, 2),
                                     "calls": calls}
                 for kind in kinds[1:]:
-                    result[f"host_time_ratio_{kind}"] = round(result["rows"]["us_per_call"] / result[kind]["us_per_call"], 2)
+                    ratio = result["rows"]["us_per_call"] / result[kind]["us_per_call"]
+                    result[f"host_time_ratio_{kind}"] = round(ratio, 2)
                 print(json.dumps(result), flush=True)
                 rows.append(result)
     if a.out:

@@ -4,14 +4,16 @@
     python bench/tree_compare.py --base ../aggdec-base --runs ende-base:beam:64,gec-base:iad:1 \
         --limit 256 --repeat 3 --out bench/results/tree-compare.json
 
-Each run `model:method:batch_size[:flag+flag...]` decodes the first `--limit` sentences of the model's test set
+Each run `model:method:batch_size[:flag+flag...]` decodes the first `--limit` sentences of the
+model's test set
 (gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`; `--data` names their folder) through
 the public API (`Translator.translate_batch`, default options but the method, its batch size and,
-for gad/gad++, the shipped draft head), once per tree and repeat, interleaved, each in its own
+for gad, gad++ and blockwise, the shipped drafter), once per tree and repeat, interleaved, each in its own
 process: the engine is imported from that tree, the model files come from this one, so only the code
-differs. Flags are boolean options set in this tree's runs only (`gec-base:iad:1:compile`: this tree
-compiled against the base tree's default). Per run: the median sentences/s of each tree (after a warm-up batch), their ratio, and the
-share of sentences whose output tokens are identical.
+differs. Flags are boolean options set in this tree's runs only (`gec-base:greedy:1:compile`: this tree
+compiled against the base tree's default). Per run: the median sentences/s of each tree (after a
+warm-up of 8 sentences or two batches), their ratio, and the share of sentences whose output tokens
+are identical.
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ def worker(a: argparse.Namespace) -> None:
 
 def run_one(tree: str, model: str, method: str, bs: int, flags: str, a: argparse.Namespace, tokens: Path) -> float:
     cmd = [sys.executable, __file__, "--worker", "--tree", tree, "--model", model, "--method", method,
-           "--batch-size", str(bs), "--flags", flags, "--limit", str(a.limit), "--data", a.data, "--threads", str(a.threads),
-           "--tokens", str(tokens)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+           "--batch-size", str(bs), "--flags", flags, "--limit", str(a.limit), "--data", a.data,
+           "--threads", str(a.threads), "--tokens", str(tokens)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     return row["sentences"] / row["seconds"]
 

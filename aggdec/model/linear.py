@@ -113,7 +113,8 @@ class Linear(nn.Linear):
     def _packed(self, x: torch.Tensor) -> torch.Tensor | None:
         w = self.weight
         # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
-        if (x.numel() * self.out_features < MIN_MACS or not _enabled or torch.is_grad_enabled() or torch.compiler.is_compiling()
+        if (x.numel() * self.out_features < MIN_MACS or not _enabled or torch.is_grad_enabled()
+                or torch.compiler.is_compiling()
                 or w.dtype != torch.float32 or x.dtype != w.dtype or w.device.type != "cpu" or w.is_inference()):
             return None
         key = (w.data_ptr(), w._version)
