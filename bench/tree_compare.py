@@ -5,15 +5,14 @@
         --limit 256 --repeat 3 --out bench/results/tree-compare.json
 
 Each run `model:method:batch_size[:flag+flag...]` decodes the first `--limit` sentences of the
-model's test set
-(gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`; `--data` names their folder) through
-the public API (`Translator.translate_batch`, default options but the method, its batch size and,
-for gad, gad++ and blockwise, the shipped drafter), once per tree and repeat, interleaved, each in its own
-process: the engine is imported from that tree, the model files come from this one, so only the code
-differs. Flags are boolean options set in this tree's runs only (`gec-base:greedy:1:compile`: this tree
-compiled against the base tree's default). Per run: the median sentences/s of each tree (after a
-warm-up of 8 sentences or two batches), their ratio, and the share of sentences whose output tokens
-are identical.
+model's test set (gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`; `--data` names
+their folder) through the public API (`Translator.translate_batch`, default options but the method,
+its batch size and, for gad, gad++ and blockwise, the shipped drafter), once per tree and repeat,
+interleaved, each in its own process: the engine is imported from that tree, the model files come
+from this one, so only the code differs. Flags are boolean options set in this tree's runs only
+(`gec-base:greedy:1:compile`: this tree compiled against the base tree's default). Per run: the
+median sentences/s of each tree (after a warm-up of 8 sentences or two batches), their ratio, and
+the share of sentences whose output tokens are identical.
 """
 
 from __future__ import annotations
