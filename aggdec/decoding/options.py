@@ -123,7 +123,8 @@ class CompiledStep:
 
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
                                   "batch slots (aggdec.decoding.slot_loop) instead of eager operators: about 1.5x at "
-                                  "batch size 1, slower from batch size 8 (docs/benchmarks.md). Compiling takes "
+                                  "batch size 1; from batch size 8, where it measured slower, decoding stays eager "
+                                  "(one warning; docs/benchmarks.md). Compiling takes "
                                   "30-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
