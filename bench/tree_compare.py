@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                                      capture_output=True, text=True).stdout.strip()
         this_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True).stdout.strip()
-        a.out.write_text(json.dumps({"command": "python bench/tree_compare.py " + " ".join(argv or sys.argv[1:]),
+        args = [f"<worktree of {base_commit}>" if x == a.base else x for x in (argv or sys.argv[1:])]
+        a.out.write_text(json.dumps({"command": "python bench/tree_compare.py " + " ".join(args),
                                      "base": base_commit, "this": this_commit, "threads": a.threads,
                                      "cpu": platform.processor() or platform.machine(), "rows": rows}, indent=2) + "\n")
     return 0
