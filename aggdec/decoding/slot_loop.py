@@ -92,6 +92,10 @@ class SlotLoop:
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
         self._compiled = torch.compile(self._step, dynamic=True, options=COMPILE_OPTIONS) if compile else None
+        # the output projection's weight transposed and contiguous: a (D, V) right operand, which the
+        # CPU's GEMM takes about twice as fast at a few rows as the (V, D) weight transposed in place
+        self._output_t = (model.output_weight.detach().t().contiguous()
+                          if compile and model.output_int8 is None else None)
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -120,7 +124,12 @@ class SlotLoop:
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width)
-        logits = self.model.output_logits(hidden)  # (B, T, V)
+        if self._output_t is None:
+            logits = self.model.output_logits(hidden)  # (B, T, V)
+        else:
+            logits = hidden @ self._output_t
+            if self.model.output_bias is not None:
+                logits = logits + self.model.output_bias
         offs = torch.arange(t, device=self.device)[None]
         pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
                                 self.min_len, self.forced)
