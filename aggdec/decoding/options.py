@@ -122,7 +122,7 @@ class CompiledStep:
     slower than its packed row loop, so it does not offer it)."""
 
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
-                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators: about 1.5x at "
+                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators: 1.6-2x at "
                                   "batch size 1; from batch size 8, where it measured slower, decoding stays eager "
                                   "(one warning; docs/benchmarks.md). Compiling takes "
                                   "30-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
