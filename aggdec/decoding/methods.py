@@ -117,7 +117,8 @@ def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeO
     on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
     one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
     supported = slots_support(context.model, drafter, acceptance)
-    if getattr(opts, "compile", False) and next(context.model.parameters()).device.type == "cpu":
+    device = next(context.model.parameters()).device
+    if getattr(opts, "compile", False) and device.type == "cpu":
         if not supported:
             raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
         if opts.max_batch_size >= COMPILE_PAYS_BELOW:
@@ -126,7 +127,6 @@ def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeO
                           "decodes eagerly", stacklevel=3)
             return False
         return True
-    device = next(context.model.parameters()).device
     return device.type == "cuda" and not context.projection.certify and supported
 
 

@@ -50,8 +50,9 @@ wrapper, and no guards on the model's modules (a loop's model is fixed). Static 
 once per (width, span, source width), tens of programs a run at 20-30 s each; symbolic ones compile once."""
 
 COMPILE_PAYS_BELOW = 8
-"""Batch sizes below which a compiled CPU step measured faster than the eager row loop (1.5x at batch
-size 1, 0.90x at 8: docs/benchmarks.md); from here on the registry decodes eagerly."""
+"""Batch sizes below which a compiled CPU step measured faster than the eager row loop (greedy at batch
+size 1: 1.64-2.01x; at 8: 0.90x, before the contiguous output weight; docs/benchmarks.md); from here
+on the registry decodes eagerly."""
 
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
