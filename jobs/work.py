@@ -84,8 +84,16 @@ class UnitTask:
             record["tsv"] = self._out.loc.uri_of(f"{unit.name}.tsv") if tsv is not None else None
         record["seconds"] = round(time.perf_counter() - t0, 3)
         record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        record["node"] = _node_id()
         self._out.commit(unit.name, table, record, tsv)
         return record
+
+
+def _node_id() -> str | None:
+    """The Ray node this runs on (None outside Ray): which node decoded a unit."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class UnreadableInput(Exception):

@@ -59,6 +59,17 @@ def _exactly_once(out: Path, rows: int) -> pa.Table:
     return table
 
 
+def _committed_on(out: Path, node: str) -> bool:
+    """Whether a unit of the job in `out` committed on Ray node `node` (the records' `node`)."""
+    for marker in out.glob("_SUCCESS.*"):
+        try:
+            if json.loads(marker.read_text()).get("node") == node:
+                return True
+        except (OSError, ValueError):  # being written
+            pass
+    return False
+
+
 def test_three_one_cpu_nodes_with_the_default_plan(three_nodes, tiny_model_dir, tmp_path):
     inp = write_corpus(tmp_path / "in", shards=3, rows=12, seed=7)
     result = run_job(_spec(tiny_model_dir, inp, tmp_path / "out", "batching.rows_per_task=4"))
@@ -71,25 +82,34 @@ def test_three_one_cpu_nodes_with_the_default_plan(three_nodes, tiny_model_dir, 
 def test_losing_a_node_mid_job_keeps_every_row_exactly_once_and_says_so_in_one_line(three_nodes, tiny_model_dir,
                                                                                      tmp_path):
     cluster, workers = three_nodes
-    inp = write_corpus(tmp_path / "in", shards=3, rows=24, seed=8)
+    inp = write_corpus(tmp_path / "in", shards=3, rows=64, seed=8)
     out = tmp_path / "out"
     proc = subprocess.Popen([*AGGDEC, "run", "--address", cluster.address, "--model", str(tiny_model_dir), "--input",
-                             str(inp), "--output", str(out), "--method", "greedy", "--set", "batching.rows_per_task=3",
-                             "--set", "input.id_column=none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             str(inp), "--output", str(out), "--method", "greedy", "--set", "batching.rows_per_task=8",
+                             "--set", "decode.max_batch_size=1", "--set", "input.id_column=none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"), cwd=REPO)
+    victim = workers[0].node_id
     deadline = time.time() + 180
-    while len(list(out.glob("_SUCCESS.*"))) < 4 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    cluster.remove_node(workers[0])  # mid-job, with the default plan (no restarts in place): 4 of 24 units committed
+    # the node goes once its actor has committed a unit: the actor is in the pool then, with the next unit
+    # in flight or about to be (not an actor still starting up, whose loss the pool never sees)
+    while not _committed_on(out, victim) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job ended before the node could be removed"
+    cluster.remove_node(workers[0])  # mid-job, with the default plan (no restarts in place)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
-    _exactly_once(out, 72)
-    assert json.loads((out / "_manifest.json").read_text())["run"]["attempts"] == 2  # the loss hit a running unit
+    _exactly_once(out, 192)
+    # Ray Data either hands the lost actor's unit to the actors left (one run) or fails the run, and the
+    # driver redoes what did not commit on the nodes left (a second run, said in one line); which one
+    # depends on when the node goes. The driver's redo alone: test_jobs' killed actor.
+    attempts = json.loads((out / "_manifest.json").read_text())["run"]["attempts"]
     said = [line for line in stderr.splitlines() if not re.match(r"\d+/\d+ rows, ", line)]  # not the progress lines
     assert "Traceback" not in stderr and len(said) <= 4, stderr
     lost = [line for line in said if line.startswith("lost a ")]
-    assert len(lost) == 1 and re.search(r"redoing the \d+ unit\(s\) that did not commit", lost[0]), stderr
-    assert "72 rows (" in stdout
+    assert attempts in (1, 2) and len(lost) == attempts - 1, stderr
+    assert all(re.search(r"redoing the \d+ unit\(s\) that did not commit", line) for line in lost), stderr
+    assert "192 rows (" in stdout
 
 
 @pytest.fixture

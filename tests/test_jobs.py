@@ -164,8 +164,12 @@ def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp
     spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out, resources={"actors": "1"},
                                 decode={"method": '"greedy"'}))
     monkeypatch.setattr("jobs.pipeline.DecodeWorker", kill_once_worker(marker))
-    result = run_job(spec)
+    warned: list[str] = []
+    result = run_job(spec, warn=warned.append)
     assert marker.is_file()  # an actor did call os._exit(1) on its first batch
+    # the pool's only actor died with its unit: the driver redid the units that had not committed
+    assert result.attempts == 2 and len(warned) == 1, warned
+    assert re.match(r"lost a decode actor \(\w+\); redoing the \d+ unit\(s\) that did not commit", warned[0]), warned
     table = read_outputs(out)
     assert table.num_rows == result.rows == SHARDS * ROWS
     assert sorted(table.column("n").to_pylist()) == list(range(SHARDS * ROWS))
