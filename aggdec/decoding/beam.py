@@ -108,7 +108,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
 
     src = pad_batch([r.src for r in reqs], pad, device)
     cache = model.start(src, capacity=min(longest + 1, 64))
-    cache.select(torch.arange(bsz, device=device).repeat_interleave(k))
+    cache.share_cross(k)  # k beams per sentence, one cross K/V
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
@@ -134,7 +134,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
         if scores is None:
             scores = torch.zeros(n, longest + 1, dtype=lp_dtype, device=device)
 
-        lprobs[lprobs != lprobs] = neg
+        lprobs.nan_to_num_(nan=neg, posinf=math.inf, neginf=neg)  # NaN -> -inf in one pass
         lprobs[:, pad] = neg
         row_max = sent_max.repeat_interleave(k)  # (n,)
         force = step >= row_max

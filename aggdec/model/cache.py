@@ -46,6 +46,8 @@ class DecoderCache:
         b = cross.src_pad.shape[0]
         ref = cross.k[0]
         self.cross = cross
+        self.group = 1  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
+        self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads'
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
@@ -98,14 +100,40 @@ class DecoderCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (1-D index tensor), in that order: finished rows leave, beams reorder."""
+        if self.group != 1:
+            raise ValueError("select takes rows with their own cross K/V (beam search's rows: reorder)")
         self.lengths = self.lengths.index_select(0, rows)
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
         self.cross = self.cross.take(rows)
 
+    def share_cross(self, group: int) -> None:
+        """Make every row `group` rows that share its cross K/V (row b -> rows b*group .. b*group+group-1),
+        for beam search on an empty cache: each sentence's cross K/V is kept (and read) once for all its
+        beams instead of once per beam."""
+        if self.group != 1 or bool(self.lengths.any()):
+            raise ValueError("share_cross takes an empty cache whose rows share nothing yet")
+        n = self.batch_size * group
+        self.lengths = self.lengths.new_zeros(n)
+        self.k = [t.new_zeros(n, *t.shape[1:]) for t in self.k]
+        self.v = [t.new_zeros(n, *t.shape[1:]) for t in self.v]
+        self.group = group
+
+    def cross_heads(self, layer: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s cross K/V split into `heads` heads, (B', H, S, D/H) each, contiguous: made once
+        per cross K/V (shared-cross attention reads them every step)."""
+        if self._heads is None or self._heads[0] is not self.cross:
+            split = [t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(1, 2).contiguous()
+                     for t in self.cross.k + self.cross.v]
+            n = len(self.cross.k)
+            self._heads = (self.cross, list(zip(split[:n], split[n:])))
+        return self._heads[1][layer]
+
     def reorder(self, rows: torch.Tensor, prefix: int, take_cross: bool) -> None:
         """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave), copying only
-        the first `prefix` positions of the self-attention buffers (prefix >= every row's length).
+        the first `prefix` positions of the self-attention buffers (prefix >= every row's length). With
+        cross K/V shared by groups of rows (`share_cross`), rows keep their groups: the rows of a new
+        group come from one old group.
 
         The copy goes into a second set of buffers that then swaps with the first, so no memory is
         allocated once both exist; positions at or past a row's length hold stale finite values,
@@ -123,8 +151,8 @@ class DecoderCache:
         self._full, self._spare = self._spare, full
         self.k, self.v = moved[:layers], moved[layers:]
         self.lengths = self.lengths.index_select(0, rows)
-        if take_cross:
-            self.cross = self.cross.take(rows)
+        if take_cross:  # with shared cross K/V, each group's rows come from one sentence
+            self.cross = self.cross.take(rows if self.group == 1 else rows[:: self.group] // self.group)
 
     def trim_cross(self, keep: float = 0.75) -> None:
         """Drop the source positions that are padding in every row once they are more than 1 - `keep`

@@ -93,6 +93,19 @@ class MultiheadAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
         return out.transpose(1, 2).reshape(b, t, d)
 
+    def core_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                    group: int) -> torch.Tensor:
+        """`core` where each `group` consecutive query rows share one row of keys/values: q (B,T,D) with
+        B = G * group; k, v (G,H,L,Dh), split by head; keep (G,1,1,L) -> (B,T,D). A group's queries
+        are one (group*T)-row product against its keys, which are read once (beam search's
+        cross-attention: a sentence's beams against its source), computed as fairseq computes
+        attention: scaled queries, products, softmax."""
+        b, t, d = q.shape
+        h, g = self.heads, b // group
+        q = (q * (d // h) ** -0.5).reshape(g, group * t, h, d // h).transpose(1, 2)  # (G,H,group*T,Dh)
+        weights = torch.matmul(q, k.transpose(-1, -2)).masked_fill_(~keep, float("-inf")).softmax(dim=-1)
+        return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, d)
+
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """x (B,T,D) queries -> (B,T,D): q_proj, attention over projected k/v, out_proj."""
         return self.out_proj(self.core(self.q_proj(x), k, v, keep))
@@ -342,6 +355,9 @@ class Transformer(nn.Module):
                 return sa.out_proj(pack(sa.core(unpack(sa.q_proj(h)), k, v, self_keep)))
 
             def cross_attn(h, i=i, ca=ca):
+                if cache.group > 1:  # beams sharing their sentence's cross K/V (never packed: beam search)
+                    return ca.out_proj(ca.core_shared(ca.q_proj(h), *cache.cross_heads(i, ca.heads), cross_keep,
+                                                      cache.group))
                 return ca.out_proj(pack(ca.core(unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i], cross_keep)))
 
             x = layer(x, self_attn, cross_attn)
