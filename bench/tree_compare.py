@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
+        sys.path.insert(0, str(REPO))
+        from aggdec.model.precision import cpu_isa
+
         base_commit = subprocess.run(["git", "-C", trees["base"], "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True).stdout.strip()
         this_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         args = [f"<worktree of {base_commit}>" if x == a.base else x for x in (argv or sys.argv[1:])]
         a.out.write_text(json.dumps({"command": "python bench/tree_compare.py " + " ".join(args),
                                      "base": base_commit, "this": this_commit, "threads": a.threads,
-                                     "cpu": platform.processor() or platform.machine(), "rows": rows}, indent=2) + "\n")
+                                     "cpu": platform.processor() or platform.machine(), "cpu_isa": cpu_isa(),
+                                     "rows": rows}, indent=2) + "\n")
     return 0
 
 

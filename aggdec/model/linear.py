@@ -93,6 +93,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.relu(y) if relu else y
 
 
+def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `MIN_MACS`
+    multiply-adds, else None. Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
+    and again whenever the weight changes (its storage or version counter moves)."""
+    # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
+    if (x.numel() * weight.shape[0] < MIN_MACS or not _enabled or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or weight.dtype != torch.float32 or x.dtype != weight.dtype
+            or weight.device.type != "cpu" or weight.is_inference()):
+        return None
+    key = (weight.data_ptr(), weight._version)
+    if getattr(holder, "_pack_key", None) != key:
+        holder._pack, holder._pack_key = prepack(weight), key
+    return holder._pack
+
+
+class PackedWeight:
+    """Holds a weight's `packed_for` layout apart from the weight's owner; copies and pickles leave it
+    out (it is packed again on first use)."""
+
+    _pack: torch.Tensor | None = None
+    _pack_key: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        pass
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict keys) whose inference goes through `linear`.
 
@@ -111,16 +140,7 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self._packed(x), relu=True)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor | None:
-        w = self.weight
-        # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
-        if (x.numel() * self.out_features < MIN_MACS or not _enabled or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()
-                or w.dtype != torch.float32 or x.dtype != w.dtype or w.device.type != "cpu" or w.is_inference()):
-            return None
-        key = (w.data_ptr(), w._version)
-        if self._pack_key != key:
-            self._pack, self._pack_key = prepack(w), key
-        return self._pack
+        return packed_for(self, self.weight, x)
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())

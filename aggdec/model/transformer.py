@@ -16,7 +16,7 @@ from torch import nn
 from aggdec.double_token import pair_limit
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
-from aggdec.model.linear import Linear, linear
+from aggdec.model.linear import Linear, PackedWeight, linear, packed_for
 from aggdec.model.slots import SlotCache
 
 
@@ -226,6 +226,7 @@ class Transformer(nn.Module):
             self.decoder.output_projection = Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
             nn.init.normal_(self.decoder.output_projection.weight, mean=0, std=cfg.d_model**-0.5)
         self.decoder.output_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab)) if cfg.output_bias else None
+        self._output_pack = PackedWeight()  # output_logits' prepacked weight
 
     # -- encoder ---------------------------------------------------------------------------------
 
@@ -289,9 +290,14 @@ class Transformer(nn.Module):
         return self.decoder.output_bias
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> logits (..., V). From 2 rows on, the fp32 CPU product multiplies by the weight
+        prepacked once (equal to the unpacked product there, and faster: beam search's 320 rows at
+        batch 64 x beam 5, 2.7 against 3.5 ms); one row keeps the unpacked product, which differs."""
         if self.output_int8 is not None:
             return self.output_int8(x)
-        return linear(x, self.output_weight, self.output_bias)
+        w = self.output_weight
+        packed = packed_for(self._output_pack, w, x) if x.numel() >= 2 * x.shape[-1] else None
+        return linear(x, w, self.output_bias, packed=packed)
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Score a block of T new tokens per row on top of each row's cached prefix.
