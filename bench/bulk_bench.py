@@ -5,8 +5,9 @@ CTranslate2 float32 and int8 on the same weights, every system and batch size in
         --column noisy --ref-column clean --batch-sizes 1,8,32,64,128,256 --repeat 3 \
         --out bench/results/bulk-gec.json
 
-Systems (`--systems`): `METHOD@PRECISION` for aggdec (METHOD greedy, iad, gad; PRECISION fp32, bf16,
-int8) and `ct2@COMPUTE` (float32, int8, int8_float32). Each (system, batch size) runs in a fresh
+Systems (`--systems`): `METHOD@PRECISION` for aggdec (METHOD greedy, iad, gad, beam; PRECISION fp32,
+bf16, int8), `ct2@COMPUTE` (CTranslate2 greedy; float32, int8, int8_float32) and `ct2-beam@COMPUTE`
+(CTranslate2 beam search; `--beam` sets both beams, default 5). Each (system, batch size) runs in a fresh
 process (two OpenMP runtimes in one process slow each other down), repeats interleaved; reported:
 median sentences/s, share of outputs identical to our fp32 greedy's, BLEU and chrF against the
 references, ERRANT F0.5 for gec (`--errant`), and each system's best batch size. IAD runs with a
@@ -38,7 +39,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     sents = read_tsv(a.data, a.column, a.column)[0][: a.limit]
     system, bs = a.worker, a.batch_size
-    if system.startswith("ct2@"):
+    if system.startswith(("ct2@", "ct2-beam@")):
         import ctranslate2
 
         from baseline_bench import export_ct2
@@ -48,7 +49,8 @@ def worker(a: argparse.Namespace) -> None:
         pieces = [sp.id_to_piece(tr.prepare(s)[0][:-1]) for s in sents]
         ct2 = ctranslate2.Translator(str(export_ct2(Path(a.export), Path(a.export).parent)), device="cpu",
                                      compute_type=system.split("@")[1], inter_threads=1, intra_threads=a.threads)
-        run = lambda xs: ct2.translate_batch(xs, beam_size=1, max_batch_size=bs, max_decoding_length=256,  # noqa: E731
+        beam = a.beam if system.startswith("ct2-beam@") else 1
+        run = lambda xs: ct2.translate_batch(xs, beam_size=beam, max_batch_size=bs, max_decoding_length=256,  # noqa: E731
                                              min_decoding_length=1)
         run(pieces[:8])
         t0 = time.perf_counter()
@@ -58,7 +60,8 @@ def worker(a: argparse.Namespace) -> None:
     else:
         method, precision = system.split("@")
         tr = Translator.load(a.model)
-        extra = json.loads(a.iad_options) if method == "iad" else {"drafter": a.drafter} if method != "greedy" else {}
+        extra = (json.loads(a.iad_options) if method == "iad" else {"beam": a.beam} if method == "beam"
+                 else {"drafter": a.drafter} if method != "greedy" else {})
         kw = dict(method=method, max_batch_size=bs, precision=precision, **extra)
         tr.translate_batch(sents[:16], **kw)  # warm-up: conversion, packing, the draft budget's first estimates
         t0 = time.perf_counter()
@@ -81,6 +84,7 @@ def main(argv=None) -> int:
                                          "ct2@float32,ct2@int8")
     ap.add_argument("--iad-options", default='{"draft_cap": 16, "substitution": true, "nearest_match": true}')
     ap.add_argument("--drafter", default=None, help="draft head for gad systems")
+    ap.add_argument("--beam", type=int, default=5, help="beam size of beam@... and ct2-beam@... systems")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--errant", action="store_true", help="ERRANT F0.5 against the references (gec)")
@@ -101,7 +105,8 @@ def main(argv=None) -> int:
     srcs, refs = read_tsv(a.data, a.column, a.ref_column)
     srcs, refs = srcs[: a.limit], refs[: a.limit]
     work = Path(tempfile.mkdtemp(prefix="aggdec-bulk-"))
-    export = save_fairseq(a.model, work / "fairseq") if any(s.startswith("ct2@") for s in a.systems.split(",")) else work
+    export = (save_fairseq(a.model, work / "fairseq") if any(s.startswith(("ct2@", "ct2-beam@")) for s in a.systems.split(","))
+              else work)
     systems, sizes = a.systems.split(","), [int(b) for b in a.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     texts: dict[tuple[str, int], list[str]] = {}
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
                 out = work / "result.json"
                 cmd = [sys.executable, str(HERE), "--worker", system, "--batch-size", str(bs), "--result", str(out),
                        "--model", a.model, "--data", a.data, "--column", a.column, "--limit", str(n),
-                       "--threads", str(a.threads), "--iad-options", a.iad_options, "--export", str(export)]
+                       "--threads", str(a.threads), "--iad-options", a.iad_options, "--export", str(export),
+                       "--beam", str(a.beam)]
                 if a.drafter:
                     cmd += ["--drafter", a.drafter]
                 subprocess.run(cmd, check=True)
@@ -126,10 +132,10 @@ def main(argv=None) -> int:
     for (system, bs), speeds in times.items():
         hyps = texts[(system, bs)]
         n = len(hyps)
-        base = texts.get(ref_sys) or hyps
+        base = texts.get(ref_sys)  # None where greedy@fp32 did not run
         run = {"system": system, "batch_size": bs, "sentences": n, "sentences_per_s": statistics.median(speeds),
                "all_sentences_per_s": speeds,
-               "identical_to_fp32_greedy": sum(h == g for h, g in zip(hyps, base)) / n}
+               "identical_to_fp32_greedy": None if base is None else sum(h == g for h, g in zip(hyps, base)) / n}
         run.update({k: v for k, v in bleu_chrf(hyps, refs[:n]).items() if k in ("bleu", "chrf", "bleu_signature")})
         if a.errant and bs != 1:
             key = tuple(hyps)
@@ -144,13 +150,14 @@ def main(argv=None) -> int:
             if b is None or run["sentences_per_s"] > b["sentences_per_s"]:
                 best[run["system"]] = run
     result = {"model": a.model, "data": a.data, "threads": a.threads, "machine": machine("cpu"), "torch": torch.__version__,
-              "iad_options": json.loads(a.iad_options), "repeat": a.repeat, "runs": runs,
+              "iad_options": json.loads(a.iad_options), "beam": a.beam, "repeat": a.repeat, "runs": runs,
               "best": {s: {"batch_size": r["batch_size"], "sentences_per_s": r["sentences_per_s"]} for s, r in best.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     for run in sorted(runs, key=lambda r: (r["batch_size"], r["system"])):
-        print(f"bs {run['batch_size']:>3} {run['system']:<14} {run['sentences_per_s']:8.1f} sent/s  "
-              f"identical {run['identical_to_fp32_greedy']:.3f}  BLEU {run['bleu']:.2f}")
+        same = run["identical_to_fp32_greedy"]
+        print(f"bs {run['batch_size']:>3} {run['system']:<16} {run['sentences_per_s']:8.1f} sent/s  "
+              f"identical {'-' if same is None else f'{same:.3f}'}  BLEU {run['bleu']:.2f}")
     print("best:", json.dumps(result["best"]))
     print(f"wrote {a.out}")
     return 0
