@@ -104,7 +104,8 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
     bsz = len(reqs)
     n_sent = bsz
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)  # (bsz,)
-    longest = int(sent_max.max())
+    max_host = [r.max_len for r in reqs]  # sent_max on the host: the step rules below read no tensor
+    longest = max(max_host)
 
     src = pad_batch([r.src for r in reqs], pad, device)
     cache = model.start(src, capacity=min(longest + 1, 64))
@@ -136,9 +137,8 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
 
         lprobs.nan_to_num_(nan=neg, posinf=math.inf, neginf=neg)  # NaN -> -inf in one pass
         lprobs[:, pad] = neg
-        row_max = sent_max.repeat_interleave(k)  # (n,)
-        force = step >= row_max
-        if bool(force.any()):
+        if step >= min(max_host):  # some sentence at its max_len: eos only
+            force = (step >= sent_max).repeat_interleave(k)  # (n,)
             lprobs[force, :eos] = neg
             lprobs[force, eos + 1:] = neg
         if step < min_len:
@@ -161,7 +161,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
         cand_bbsz_idx = cand_beams + bbsz_offsets
 
         eos_mask = cand_indices.eq(eos) & cand_scores.ne(neg)
-        eos_mask[:, :k][cands_to_ignore] = False  # fairseq's quirk: beam-indexed mask on candidate positions
+        eos_mask[:, :k].masked_fill_(cands_to_ignore, False)  # fairseq's quirk: beam-indexed mask on candidate positions
         eos_bbsz_idx = torch.masked_select(cand_bbsz_idx[:, :k], mask=eos_mask[:, :k])
 
         newly: list[int] = []
@@ -169,7 +169,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
             eos_scores = torch.masked_select(cand_scores[:, :k], mask=eos_mask[:, :k])
             newly = _finalize(step, eos_bbsz_idx, eos_scores, tokens, k, lenpen, eos, sent_ids, finalized, sent_max)
         # A sentence at its max_len always gets an eos finalized above; this guards the impossible.
-        if step >= int(sent_max.min()):
+        if step >= min(max_host):
             newly += [b for b in (step >= sent_max).nonzero().flatten().tolist() if b not in newly]
 
         elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
@@ -201,6 +201,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
             tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
             sent_max = sent_max[batch_idxs]
             keep = batch_idxs.tolist()
+            max_host = [max_host[i] for i in keep]
             sent_ids = [sent_ids[i] for i in keep]
             bsz = new_bsz
 
