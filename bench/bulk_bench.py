@@ -32,6 +32,7 @@ from aggdec.evaluate import bleu_chrf, gec_scores
 from aggdec.train.ar import read_tsv
 
 HERE = Path(__file__).resolve()
+CT2 = ("ct2@", "ct2-beam@")  # CTranslate2 systems: greedy, beam search
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -39,7 +40,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     sents = read_tsv(a.data, a.column, a.column)[0][: a.limit]
     system, bs = a.worker, a.batch_size
-    if system.startswith(("ct2@", "ct2-beam@")):
+    if system.startswith(CT2):
         import ctranslate2
 
         from baseline_bench import export_ct2
@@ -50,8 +51,8 @@ def worker(a: argparse.Namespace) -> None:
         ct2 = ctranslate2.Translator(str(export_ct2(Path(a.export), Path(a.export).parent)), device="cpu",
                                      compute_type=system.split("@")[1], inter_threads=1, intra_threads=a.threads)
         beam = a.beam if system.startswith("ct2-beam@") else 1
-        run = lambda xs: ct2.translate_batch(xs, beam_size=beam, max_batch_size=bs, max_decoding_length=256,  # noqa: E731
-                                             min_decoding_length=1)
+        run = lambda xs: ct2.translate_batch(xs, beam_size=beam, max_batch_size=bs,  # noqa: E731
+                                             max_decoding_length=256, min_decoding_length=1)
         run(pieces[:8])
         t0 = time.perf_counter()
         res = run(pieces)
@@ -105,8 +106,7 @@ def main(argv=None) -> int:
     srcs, refs = read_tsv(a.data, a.column, a.ref_column)
     srcs, refs = srcs[: a.limit], refs[: a.limit]
     work = Path(tempfile.mkdtemp(prefix="aggdec-bulk-"))
-    export = (save_fairseq(a.model, work / "fairseq") if any(s.startswith(("ct2@", "ct2-beam@")) for s in a.systems.split(","))
-              else work)
+    export = save_fairseq(a.model, work / "fairseq") if any(s.startswith(CT2) for s in a.systems.split(",")) else work
     systems, sizes = a.systems.split(","), [int(b) for b in a.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     texts: dict[tuple[str, int], list[str]] = {}

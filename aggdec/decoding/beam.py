@@ -105,7 +105,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
     n_sent = bsz
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)  # (bsz,)
     max_host = [r.max_len for r in reqs]  # sent_max on the host: the step rules below read no tensor
-    longest = max(max_host)
+    longest, shortest = max(max_host), min(max_host)
 
     src = pad_batch([r.src for r in reqs], pad, device)
     cache = model.start(src, capacity=min(longest + 1, 64))
@@ -137,7 +137,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
 
         lprobs.nan_to_num_(nan=neg, posinf=math.inf, neginf=neg)  # NaN -> -inf in one pass
         lprobs[:, pad] = neg
-        if step >= min(max_host):  # some sentence at its max_len: eos only
+        if step >= shortest:  # some sentence at its max_len: eos only
             force = (step >= sent_max).repeat_interleave(k)  # (n,)
             lprobs[force, :eos] = neg
             lprobs[force, eos + 1:] = neg
@@ -161,15 +161,16 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
         cand_bbsz_idx = cand_beams + bbsz_offsets
 
         eos_mask = cand_indices.eq(eos) & cand_scores.ne(neg)
-        eos_mask[:, :k].masked_fill_(cands_to_ignore, False)  # fairseq's quirk: beam-indexed mask on candidate positions
+        # fairseq's quirk: a beam-indexed mask on candidate positions
+        eos_mask[:, :k].masked_fill_(cands_to_ignore, False)
         eos_bbsz_idx = torch.masked_select(cand_bbsz_idx[:, :k], mask=eos_mask[:, :k])
 
         newly: list[int] = []
         if eos_bbsz_idx.numel() > 0:
             eos_scores = torch.masked_select(cand_scores[:, :k], mask=eos_mask[:, :k])
-            newly = _finalize(step, eos_bbsz_idx, eos_scores, tokens, k, lenpen, eos, sent_ids, finalized, sent_max)
+            newly = _finalize(step, eos_bbsz_idx, eos_scores, tokens, k, lenpen, eos, sent_ids, finalized, max_host)
         # A sentence at its max_len always gets an eos finalized above; this guards the impossible.
-        if step >= min(max_host):
+        if step >= shortest:
             newly += [b for b in (step >= sent_max).nonzero().flatten().tolist() if b not in newly]
 
         elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
@@ -202,6 +203,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
             sent_max = sent_max[batch_idxs]
             keep = batch_idxs.tolist()
             max_host = [max_host[i] for i in keep]
+            shortest = min(max_host)
             sent_ids = [sent_ids[i] for i in keep]
             bsz = new_bsz
 
@@ -223,7 +225,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
 
 
 def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, tokens: torch.Tensor, k: int,
-              lenpen: float, eos: int, sent_ids: list[int], finalized: list[list], sent_max: torch.Tensor) -> list[int]:
+              lenpen: float, eos: int, sent_ids: list[int], finalized: list[list], max_len: list[int]) -> list[int]:
     """fairseq's finalize_hypos: store eos-ending hypotheses; return batch positions now finished."""
     toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the decoder start token
     toks[:, step] = eos
@@ -236,7 +238,7 @@ def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, token
             slot.append((toks[i], score_list[i]))
     newly = []
     for b in sorted(set(unfin)):
-        if len(finalized[sent_ids[b]]) == k or step == int(sent_max[b]):
+        if len(finalized[sent_ids[b]]) == k or step == max_len[b]:
             newly.append(b)
     return newly
 

@@ -47,7 +47,7 @@ class DecoderCache:
         ref = cross.k[0]
         self.cross = cross
         self.group = 1  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
-        self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads'
+        self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
