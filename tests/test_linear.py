@@ -108,3 +108,46 @@ def test_linear_layer_prepacks_and_follows_weight_changes():
         assert clone._pack is None
         with torch.no_grad():
             assert torch.equal(clone(x), layer(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 24])
+def test_fused_layers_give_each_layers_product_and_follow_weight_changes(rows):
+    """FusedLinear: one product for q/k/v, each output as its own layer's (fp32 rounding apart),
+    rebuilt after an in-place update, not kept in copies; with gradients the layers run alone."""
+    g = torch.Generator().manual_seed(3)
+    layers = tuple(lin.Linear(256, n) for n in (256, 256, 128))
+    fused = lin.FusedLinear()
+    x = torch.randn(2, rows, 256, generator=g)
+
+    def check(outs):
+        assert len(outs) == 3
+        for y, layer in zip(outs, layers):
+            assert y.shape == (2, rows, layer.out_features)
+            assert torch.allclose(y, F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+    with torch.no_grad():
+        check(fused(layers, x))
+        built = fused.weight
+        assert built is not None and built.shape == (640, 256)
+        layers[2].bias.add_(1.0)  # as an optimizer step or load_state_dict would
+        check(fused(layers, x))
+        assert fused.weight is not built
+    for clone in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert clone.weight is None
+    fresh = lin.FusedLinear()
+    x.requires_grad_(True)
+    outs = fresh(layers, x)
+    assert fresh.weight is None  # layer by layer, so autograd reaches each weight
+    sum(y.sum() for y in outs).backward()
+    assert all(layer.weight.grad is not None for layer in layers) and x.grad is not None
+
+
+def test_fused_layers_run_one_by_one_where_a_layer_is_not_a_linear():
+    layers = (lin.Linear(8, 8), torch.nn.Identity())
+    fused = lin.FusedLinear()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        a, b = fused(layers, x)
+    assert fused.weight is None and torch.equal(b, x)
+    with torch.no_grad():
+        assert torch.equal(a, layers[0](x))

@@ -32,7 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_MACS = 1 << 20
-"""Products with fewer multiply-adds (rows x in x out) stay on `F.linear`."""
+"""Products with an unpacked weight and fewer multiply-adds (rows x in x out) stay on `F.linear`."""
+
+PACKED_MIN_MACS = 1 << 19
+"""Products of 2+ rows with a prepacked weight (`packed_for`) take oneDNN from this many
+multiply-adds: packing once removes the per-call reorder that made small products slower there
+(`bench/linear_bench.py`: 256x1024 at 2 rows, 256x256 from 8)."""
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
@@ -94,11 +99,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `MIN_MACS`
-    multiply-adds, else None. Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
+    """`prepack(weight)` for an fp32 inference product x @ weight.T of 2+ rows and at least
+    `PACKED_MIN_MACS` multiply-adds, else None. Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
     and again whenever the weight changes (its storage or version counter moves)."""
     # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
-    if (x.numel() * weight.shape[0] < MIN_MACS or not _enabled or torch.is_grad_enabled()
+    if (x.numel() * weight.shape[0] < PACKED_MIN_MACS or x.numel() < 2 * weight.shape[1] or not _enabled or torch.is_grad_enabled()
             or torch.compiler.is_compiling() or weight.dtype != torch.float32 or x.dtype != weight.dtype
             or weight.device.type != "cpu" or weight.is_inference()):
         return None
@@ -125,9 +130,10 @@ class PackedWeight:
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict keys) whose inference goes through `linear`.
 
-    An fp32 layer keeps its weight prepacked for products of at least `MIN_MACS` multiply-adds:
-    packed on first use and again whenever the weight changes (its storage or version counter moves,
-    as after an optimizer step or `load_state_dict`). Copies and pickles leave the packed layout out."""
+    An fp32 layer keeps its weight prepacked for products of 2+ rows and at least `PACKED_MIN_MACS`
+    multiply-adds: packed on first use and again whenever the weight changes (its storage or version
+    counter moves, as after an optimizer step or `load_state_dict`). Copies and pickles leave the
+    packed layout out."""
 
     _pack: torch.Tensor | None = None
     _pack_key: tuple | None = None
@@ -147,3 +153,45 @@ class Linear(nn.Linear):
         state.pop("_pack", None)
         state.pop("_pack_key", None)
         return state
+
+
+class FusedLinear:
+    """Several `Linear` layers applied to the same input as one product at inference: their weights
+    (and biases) concatenated by output rows once, and again whenever one of them changes, then one
+    `linear` (prepacked from `PACKED_MIN_MACS`) split back into each layer's output. One product of
+    3 x 256 outputs costs about what one of 256 does at 1-24 rows (attention's q/k/v projections).
+
+    With gradients, under torch.compile, or where a layer is not an fp32/bf16 `Linear` of one dtype
+    and device (an int8 model's), the layers run one by one. Copies and pickles leave the fused
+    weight out (it is built again on first use)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._key: tuple | None = None
+        self.weight = self.bias = None
+        self._pack = self._pack_key = None
+
+    def __call__(self, layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(layer(x) for layer in layers), each (..., layer.out_features)."""
+        first = layers[0].weight if isinstance(layers[0], Linear) else None
+        if (first is None or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or any(not isinstance(l, Linear) or l.bias is None or l.weight.dtype != first.dtype
+                       or l.weight.device != first.device or l.weight.is_inference() for l in layers)):
+            return tuple(layer(x) for layer in layers)
+        key = tuple((p.data_ptr(), p._version) for l in layers for p in (l.weight, l.bias))
+        if key != self._key:
+            self._reset()
+            with torch.inference_mode(False):  # a plain tensor, so that it can be prepacked
+                self.weight = torch.cat([l.weight.detach() for l in layers])
+                self.bias = torch.cat([l.bias.detach() for l in layers])
+            self._key = key
+        y = linear(x, self.weight, self.bias, packed_for(self, self.weight, x))
+        return y.split([l.out_features for l in layers], dim=-1)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._reset()

@@ -16,7 +16,7 @@ from torch import nn
 from aggdec.double_token import pair_limit
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
-from aggdec.model.linear import Linear, PackedWeight, linear, packed_for
+from aggdec.model.linear import FusedLinear, Linear, PackedWeight, linear, packed_for
 from aggdec.model.slots import SlotCache
 
 
@@ -78,6 +78,15 @@ class MultiheadAttention(nn.Module):
         self.k_proj = Linear(dim, dim)
         self.v_proj = Linear(dim, dim)
         self.out_proj = Linear(dim, dim)
+        self._qkv, self._kv = FusedLinear(), FusedLinear()
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_proj(x), k_proj(x), v_proj(x)), one product at inference (`FusedLinear`)."""
+        return self._qkv((self.q_proj, self.k_proj, self.v_proj), x)
+
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_proj(x), v_proj(x)), one product at inference (`FusedLinear`)."""
+        return self._kv((self.k_proj, self.v_proj), x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
@@ -252,7 +261,7 @@ class Transformer(nn.Module):
             return full
 
         def self_attn(h: torch.Tensor, sa: MultiheadAttention) -> torch.Tensor:
-            out = sa.core(unpack(sa.q_proj(h)), unpack(sa.k_proj(h)), unpack(sa.v_proj(h)), keep)
+            out = sa.core(*(unpack(y) for y in sa.qkv(h)), keep)
             return sa.out_proj(out[valid] if packed else out)
 
         for layer in self.encoder.layers:
@@ -263,9 +272,8 @@ class Transformer(nn.Module):
 
     def cross_kv(self, memory: torch.Tensor, src_pad: torch.Tensor) -> CrossKV:
         """Project encoder output to each decoder layer's cross-attention K/V, once per sentence."""
-        ks = [layer.encoder_attn.k_proj(memory) for layer in self.decoder.layers]
-        vs = [layer.encoder_attn.v_proj(memory) for layer in self.decoder.layers]
-        return CrossKV(k=ks, v=vs, src_pad=src_pad)
+        kvs = [layer.encoder_attn.kv(memory) for layer in self.decoder.layers]
+        return CrossKV(k=[k.contiguous() for k, _ in kvs], v=[v.contiguous() for _, v in kvs], src_pad=src_pad)
 
     def start(self, src: torch.Tensor, capacity: int = 64) -> DecoderCache:
         """Encode `src` and return an empty decoder cache for it."""
@@ -357,8 +365,9 @@ class Transformer(nn.Module):
             sa, ca = layer.self_attn, layer.encoder_attn
 
             def self_attn(h, i=i, sa=sa):
-                k, v = cache.write(i, sa.k_proj(h), sa.v_proj(h), where if valid is not None else None, span)
-                return sa.out_proj(pack(sa.core(unpack(sa.q_proj(h)), k, v, self_keep)))
+                q, k, v = sa.qkv(h)
+                k, v = cache.write(i, k, v, where if valid is not None else None, span)
+                return sa.out_proj(pack(sa.core(unpack(q), k, v, self_keep)))
 
             def cross_attn(h, i=i, ca=ca):
                 if cache.group > 1:  # beams sharing their sentence's cross K/V (never packed: beam search)
@@ -394,9 +403,10 @@ class Transformer(nn.Module):
             sa, ca = layer.self_attn, layer.encoder_attn
 
             def self_attn(h, i=i, sa=sa):
-                cache.k[i].scatter_(1, at, sa.k_proj(h).to(cache.k[i].dtype))
-                cache.v[i].scatter_(1, at, sa.v_proj(h).to(cache.v[i].dtype))
-                return sa.out_proj(sa.core(sa.q_proj(h), cache.k[i][:, :span], cache.v[i][:, :span], self_keep))
+                q, k, v = sa.qkv(h)
+                cache.k[i].scatter_(1, at, k.to(cache.k[i].dtype))
+                cache.v[i].scatter_(1, at, v.to(cache.v[i].dtype))
+                return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep))
 
             def cross_attn(h, i=i, ca=ca):
                 return ca.out_proj(ca.core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
