@@ -10,7 +10,9 @@ their folder) through the public API (`Translator.translate_batch`, default opti
 its batch size and, for gad, gad++ and blockwise, the shipped drafter), once per tree and repeat,
 interleaved, each in its own process: the engine is imported from that tree, the model files come
 from this one, so only the code differs. Flags are boolean options set in this tree's runs only
-(`gec-base:greedy:1:compile`: this tree compiled against the base tree's default). Per run: the
+(`gec-base:greedy:1:compile`: this tree compiled against the base tree's default); `name=value`
+items set an option in both trees' runs (`ende-base:gad++:64:draft_length=max`, the setting under
+which a lossy method's output does not depend on timing). `--limit 0` decodes the whole set. Per run: the
 median sentences/s of each tree (after a warm-up of 8 sentences or two batches), their ratio, and
 the share of sentences whose output tokens are identical.
 """
@@ -44,18 +46,30 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(a.threads)
     path, column = SETS[a.model]
-    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit]
+    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit or None]
     tr = Translator.load(str(REPO / "models" / a.model))
     opts = {"method": a.method, "max_batch_size": a.batch_size}
     if a.method in DRAFTERS:
         opts["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
-    opts.update({flag: True for flag in a.flags.split("+") if flag})
+    for flag in filter(None, a.flags.split("+")):
+        name, _, value = flag.partition("=")
+        opts[name] = _value(value) if value else True
     tr.translate_batch(sources[: max(2 * a.batch_size, 8)], **opts)  # warm-up
     t0 = time.perf_counter()
     results = tr.translate_batch(sources, **opts)
     seconds = time.perf_counter() - t0
     Path(a.tokens).write_text(json.dumps([r.tokens for r in results]))
     print(json.dumps({"sentences": len(sources), "seconds": seconds}))
+
+
+def _value(text: str):
+    """An option value from the command line: int, float, true/false, or the text itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def run_one(tree: str, model: str, method: str, bs: int, flags: str, a: argparse.Namespace, tokens: Path) -> float:
@@ -73,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="the other source tree (a git worktree of the base commit); required")
     ap.add_argument("--runs", default="ende-base:greedy:1,ende-base:beam:64,gec-base:iad:1,gec-base:greedy:64")
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
-    ap.add_argument("--limit", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=256, help="first N sentences (0: all)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
@@ -96,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         for spec in a.runs.split(","):
             model, method, bs, *flags = spec.split(":")
             flags = flags[0] if flags else ""
+            shared = "+".join(f for f in flags.split("+") if "=" in f)  # options set in both trees
             speeds: dict[str, list[float]] = {k: [] for k in trees}
             for _ in range(a.repeat):
                 for name, tree in trees.items():
-                    speeds[name].append(run_one(tree, model, method, int(bs), flags if name == "this" else "", a,
+                    speeds[name].append(run_one(tree, model, method, int(bs), flags if name == "this" else shared, a,
                                                 Path(tmp) / f"{name}.json"))
             base, this = (json.loads((Path(tmp) / f"{k}.json").read_text()) for k in trees)
             row = {"model": model, "method": method, "batch_size": int(bs), "this_flags": flags, "sentences": len(base),
