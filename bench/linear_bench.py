@@ -2,7 +2,9 @@
 
     python bench/linear_bench.py --out bench/results/linear.json
 
-Part 1, products: median microseconds of `F.linear` and `linear` for the shapes the models use.
+Part 1, products: median microseconds of `F.linear`, `linear` (unpacked weight) and `linear` with
+the weight prepacked for the shapes the models use (q/k/v fused: 256x768), and whether a `Linear`
+layer takes its prepacked weight there (`packed_for`). `--products-only` stops after part 1.
 Part 2, end to end, in one process with the two routes interleaved (`--repeat` medians): greedy and
 IAD on gec/test with gec-base, greedy and GAD k=4 on ende/test with ende-base and its draft head, at
 `--batch-sizes` 1 (`--bs1-limit` sentences) and 64 (`--limit`), each verify precision. The oneDNN
@@ -27,7 +29,8 @@ from aggdec.api import Translator, decode_options
 from aggdec.model import linear as lin
 from aggdec.train.ar import read_tsv
 
-SHAPES = [(m, d_in, d_out) for d_in, d_out in ((256, 256), (256, 1024), (1024, 256), (256, 8000)) for m in (1, 8, 20, 64)]
+SHAPES = [(m, d_in, d_out) for d_in, d_out in ((256, 256), (256, 768), (256, 1024), (1024, 256), (256, 8000))
+          for m in (1, 2, 4, 8, 20, 64)]
 
 
 def time_us(fn, n: int) -> float:
@@ -49,10 +52,16 @@ def products() -> list[dict]:
         for m, d_in, d_out in SHAPES:
             x, w, b = torch.randn(m, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
             n = max(50, 200_000 // max(1, m * d_out // 64))
+            packed = lin.prepack(w)
             ref = time_us(lambda: F.linear(x, w, b), n)
             ours = time_us(lambda: lin.linear(x, w, b), n)
+            pre = time_us(lambda: lin.linear(x, w, b, packed=packed), n)
+            layer = lin.Linear(d_in, d_out)
+            layer.weight.data, layer.bias.data = w, b
             rows.append({"rows": m, "in": d_in, "out": d_out, "f_linear_us": round(ref, 1), "linear_us": round(ours, 1),
-                         "speedup": round(ref / ours, 2), "onednn": x.numel() * d_out >= lin.MIN_MACS})
+                         "speedup": round(ref / ours, 2), "onednn": x.numel() * d_out >= lin.MIN_MACS,
+                         "prepacked_us": round(pre, 1), "prepacked_speedup": round(ref / pre, 2),
+                         "layer_takes_prepacked": lin.packed_for(layer, w, x) is not None})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -66,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ende-data", default="../shared/data/ende/test.tsv")
     add_run_args(ap, batch_sizes="1,64")
     ap.set_defaults(limit=1000, bs1_limit=100, precisions="fp32,bf16-certified", repeat=3)
+    ap.add_argument("--products-only", action="store_true", help="part 1 only")
     ap.add_argument("--out", default="bench/results/linear.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -77,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [("gec", args.gec, args.gec_data, "noisy", {"greedy": decode_options(), "iad": decode_options("iad")}),
              ("ende", args.ende, args.ende_data, "en",
               {"greedy": decode_options(), "gad-k4": decode_options("gad", drafter=args.drafter, block_size=4)})]
-    for corpus, model, data, col, methods in tasks:
+    for corpus, model, data, col, methods in [] if args.products_only else tasks:
         tr = Translator.load(model)
         src = read_tsv(data, col, col)[0][: args.limit]
         for bs in [int(b) for b in args.batch_sizes.split(",")]:

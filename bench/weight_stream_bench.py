@@ -8,10 +8,11 @@ K/V, which are computed once per sentence) and the output projection, one row ea
 model's weights, in the order a step runs them. Timed (medians of 5 rounds) three ways: back to back
 (`hot`: the weights stay in the caches between steps); with `--evict-mb` of other data written
 before each step (`evicted`, that write timed alone and subtracted), as a real decode's encoder,
-caches and other processes on the machine do; each also with every product on MKL (`F.linear`) and
-every product on oneDNN's prepacked weights (`*_mkl_us`, `*_onednn_us`); and a plain sum over a buffer of the weights' size,
-in and out of the caches (`read_*`: the memory bandwidth those bytes need). Also the same products
-at `--rows` rows (IAD and beam search multiply many rows by each weight read).
+caches and other processes on the machine do; each also with every product on MKL (`F.linear`)
+and every product on oneDNN's prepacked weights (`*_mkl_us`, `*_onednn_us`); and a plain sum over
+a buffer of the weights' size, in and out of the caches (`read_*`: the memory bandwidth those bytes
+need). Also the same products at `--rows` rows (IAD and beam search multiply many rows by each
+weight read).
 """
 
 from __future__ import annotations

@@ -151,3 +151,17 @@ def test_fused_layers_run_one_by_one_where_a_layer_is_not_a_linear():
     assert fused.weight is None and torch.equal(b, x)
     with torch.no_grad():
         assert torch.equal(a, layers[0](x))
+
+
+@needs_onednn
+def test_prepacked_weights_from_two_rows_where_a_row_is_wide():
+    """packed_for: wide products (>= WIDE_ROW_MACS a row) from 2 rows, narrow ones from MIN_MACS in all."""
+    holder = lin.PackedWeight()
+    wide, narrow, big = torch.randn(1024, 256), torch.randn(256, 256), torch.randn(1024, 1024)
+    with torch.no_grad():
+        assert lin.packed_for(holder, wide, torch.randn(1, 256)) is None
+        assert lin.packed_for(holder, wide, torch.randn(2, 256)) is not None
+        assert lin.packed_for(lin.PackedWeight(), narrow, torch.randn(8, 256)) is None
+        assert lin.packed_for(lin.PackedWeight(), narrow, torch.randn(16, 256)) is not None  # 2^20
+        assert lin.packed_for(lin.PackedWeight(), big, torch.randn(1, 1024)) is not None  # 2^20 at one row
+    assert lin.packed_for(lin.PackedWeight(), wide, torch.randn(2, 256)) is None  # gradients: F.linear

@@ -34,10 +34,13 @@ from torch import nn
 MIN_MACS = 1 << 20
 """Products with an unpacked weight and fewer multiply-adds (rows x in x out) stay on `F.linear`."""
 
-PACKED_MIN_MACS = 1 << 19
-"""Products of 2+ rows with a prepacked weight (`packed_for`) take oneDNN from this many
-multiply-adds: packing once removes the per-call reorder that made small products slower there
-(`bench/linear_bench.py`: 256x1024 at 2 rows, 256x256 from 8)."""
+WIDE_ROW_MACS = 1 << 17
+"""A prepacked weight (`packed_for`) with at least this many multiply-adds per row (in x out: the
+256x768 fused q/k/v, 256x1024, 1024x256, the output projection) is used from 2 rows; any from
+`MIN_MACS` multiply-adds in all, as unpacked ones. Packing once removes the per-call reorder that made small
+products slower on oneDNN (`bench/linear_bench.py --products-only`, AVX-512 EPYC, 2 threads:
+256x1024 at 2 rows 19 against 31 us on MKL, 256x256 at 8 rows 16 against 12 us, at 20 rows 19
+against 22 us)."""
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
@@ -99,11 +102,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """`prepack(weight)` for an fp32 inference product x @ weight.T of 2+ rows and at least
-    `PACKED_MIN_MACS` multiply-adds, else None. Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
-    and again whenever the weight changes (its storage or version counter moves)."""
+    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `MIN_MACS`
+    multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None. Kept on `holder`
+    (attributes `_pack`, `_pack_key`): packed on first use and again whenever the weight changes (its
+    storage or version counter moves)."""
     # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
-    if (x.numel() * weight.shape[0] < PACKED_MIN_MACS or x.numel() < 2 * weight.shape[1] or not _enabled or torch.is_grad_enabled()
+    wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]
+    if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or not _enabled or torch.is_grad_enabled()
             or torch.compiler.is_compiling() or weight.dtype != torch.float32 or x.dtype != weight.dtype
             or weight.device.type != "cpu" or weight.is_inference()):
         return None
@@ -130,10 +135,9 @@ class PackedWeight:
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict keys) whose inference goes through `linear`.
 
-    An fp32 layer keeps its weight prepacked for products of 2+ rows and at least `PACKED_MIN_MACS`
-    multiply-adds: packed on first use and again whenever the weight changes (its storage or version
-    counter moves, as after an optimizer step or `load_state_dict`). Copies and pickles leave the
-    packed layout out."""
+    An fp32 layer keeps its weight prepacked for the products `packed_for` takes: packed on first use
+    and again whenever the weight changes (its storage or version counter moves, as after an
+    optimizer step or `load_state_dict`). Copies and pickles leave the packed layout out."""
 
     _pack: torch.Tensor | None = None
     _pack_key: tuple | None = None
@@ -158,8 +162,8 @@ class Linear(nn.Linear):
 class FusedLinear:
     """Several `Linear` layers applied to the same input as one product at inference: their weights
     (and biases) concatenated by output rows once, and again whenever one of them changes, then one
-    `linear` (prepacked from `PACKED_MIN_MACS`) split back into each layer's output. One product of
-    3 x 256 outputs costs about what one of 256 does at 1-24 rows (attention's q/k/v projections).
+    `linear` (prepacked as `packed_for` decides) split back into each layer's output: one 256x768
+    product costs less than three 256x256 ones (20 rows: 31 against 3 x 22 us on an AVX-512 CPU).
 
     With gradients, under torch.compile, or where a layer is not an fp32/bf16 `Linear` of one dtype
     and device (an int8 model's), the layers run one by one. Copies and pickles leave the fused
