@@ -89,3 +89,29 @@ def test_a_translator_keeps_the_budgets_of_its_recent_options(tiny_model_dir):
         tr.translate_batch(["The cat ."], method="iad", max_len_b=10 + b)
     assert len(tr._budgets) == KEPT_BUDGETS
     assert [o.max_len_b for o in tr._budgets] == list(range(14, 14 + KEPT_BUDGETS))  # oldest first
+
+
+def test_lengths_that_draft_alike_are_not_compared_on_noise():
+    """IAD-like: drafts end with the source (at most 20 tokens offered) and are all accepted, under
+    noisy timing. Lengths from 20 up draft the same tokens: they are never judged against each other
+    (noise would decide), so the length never walks down to where drafts are cut."""
+    gen = torch.Generator().manual_seed(1)
+
+    def run(informed: bool) -> tuple[DraftBudget, list[int]]:
+        budget = DraftBudget(64)
+        lengths, length = [], budget.next_length(1, 64)
+        for _ in range(3000):
+            offered = int(torch.randint(4, 21, (1,), generator=gen))
+            drafted = min(length, offered)
+            noise = float(torch.empty(1).uniform_(0.5, 1.5, generator=gen))
+            seconds = noise * (1e-3 + 5e-5 * drafted)
+            budget.record(length, drafted + 1, seconds, 1, offered=offered if informed else None)
+            lengths.append(length)
+            length = budget.next_length(1, 64)
+        return budget, lengths
+
+    budget, lengths = run(informed=True)
+    assert all(c < 20 for c in budget.score)  # only greedy (0) was judged against 64
+    assert min(n for n in lengths if n) >= 20  # no draft was ever cut
+    blind, _ = run(informed=False)
+    assert any(c >= 20 for c in blind.score)  # without what was offered, equal lengths were judged

@@ -14,7 +14,10 @@ the best-length blocks just before and just after it. Lengths not yet compared w
 are tried first, none (greedy decoding) first of all, so that a start where drafting does not pay is
 short. The paired comparison cancels what drifts during a run (sentence lengths, the machine's
 load); a comparison across a change of batch size is dropped, and no challenger is tried while a
-batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
+batch drains at the end of a run, nor where no draft of the challenger's block was as long as
+the shorter of the two lengths (IAD's drafts end with the source, so lengths past the longest
+sentence draft the same tokens: comparing them would be comparing noise, and a walk down such
+equal lengths cut drafts short in the end). A challenger whose running log-ratio is ahead takes over. The gap
 between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
@@ -31,11 +34,13 @@ from typing import NamedTuple
 
 
 class Block(NamedTuple):
-    """A measured block of calls: output tokens per second, and the fewest and most rows of its calls."""
+    """A measured block of calls: output tokens per second, the fewest and most rows of its calls,
+    and the longest draft any of its calls was offered (before the length cap)."""
 
     rate: float
     fewest: int
     most: int
+    longest: int = 1 << 30
 
 
 class DraftBudget:
@@ -62,6 +67,7 @@ class DraftBudget:
         self._tokens = self._seconds = 0.0
         self._count = self._judged = 0
         self._rows = (0, 0)  # fewest and most rows of the block's calls
+        self._longest = 0  # the longest draft offered to the block's calls
         self._widest = 0  # the most rows of any call so far
         self._before: Block | None = None  # the last best-length block
         self._pending: tuple[int, Block, Block | None] | None = None  # (challenger, its block, the one before)
@@ -72,20 +78,23 @@ class DraftBudget:
             return 0
         return min(self._current, limit, self.max_length)
 
-    def record(self, length: int, tokens: int, seconds: float, rows: int = 1) -> None:
+    def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
-        `seconds`. Calls made before the current block began (the loop decides one call
-        ahead) are not counted."""
+        `seconds`; `offered`: the longest draft the drafter proposed for it before the length cap
+        (None: unknown, as if every draft had been cut). Calls made before the current block began
+        (the loop decides one call ahead) are not counted."""
         self.calls += 1
         if min(length, self.max_length) != self._current:
             return
         self._tokens += tokens
         self._seconds += seconds
         self._rows = (min(self._rows[0], rows) if self._count else rows, max(self._rows[1], rows))
+        offered = 1 << 30 if offered is None else offered
+        self._longest = max(self._longest, offered) if self._count else offered
         self._widest = max(self._widest, rows)
         self._count += 1
         if self._count >= self._block_length():
-            block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows)
+            block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest)
             self._tokens = self._seconds = 0.0
             self._count = 0
             self._current = self._close(self._current, block)
@@ -107,8 +116,10 @@ class DraftBudget:
             challenger, c, before = self._pending
             self._pending = None
             pair = [block] if before is None else [before, block]
-            # compared only where the batch kept its size: a draining batch changes the rate by itself
-            if max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
+            # compared only where the batch kept its size (a draining batch changes the rate by itself)
+            # and where the two lengths drafted differently (some draft reached the shorter one)
+            if (max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair])
+                    and c.longest >= min(challenger, self.choice)):
                 if self._judge(challenger, math.log(c.rate / (sum(b.rate for b in pair) / len(pair)))):
                     return self.choice
         self._before = block

@@ -266,7 +266,8 @@ class DraftVerifyLoop:
             seconds = time.perf_counter() - t0
             if self.budget is not None:  # drafting and bookkeeping included; encoding refills (the
                 # same per sentence whatever the draft length) left out
-                self.budget.record(length, int(n_new.sum()), seconds, state.batch_size)
+                tokens, offered = torch.stack([n_new.sum(), draft.num_draft.max()]).tolist()
+                self.budget.record(length, tokens, seconds, state.batch_size, offered=offered)
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
             self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
             self.counters.calls += 1
