@@ -13,11 +13,11 @@ quarter less or a quarter more, at least one token), and its rate is compared wi
 the best-length blocks just before and just after it. Lengths not yet compared with the current best
 are tried first, none (greedy decoding) first of all, so that a start where drafting does not pay is
 short. The paired comparison cancels what drifts during a run (sentence lengths, the machine's
-load); a comparison across a change of batch size is dropped, and no challenger is tried while a
-batch drains at the end of a run, nor where no draft of the challenger's block was as long as
-the shorter of the two lengths (IAD's drafts end with the source, so lengths past the longest
-sentence draft the same tokens: comparing them would be comparing noise, and a walk down such
-equal lengths cut drafts short in the end). A challenger whose running log-ratio is ahead takes over. The gap
+load). A comparison is dropped across a change of batch size, and where no draft offered to the
+challenger's block reached the shorter of the two lengths: IAD's drafts end with the source, so
+lengths past the longest sentence draft the same tokens, and comparing them compares noise (a walk
+down such equal lengths ended by cutting drafts short). No challenger is tried while a batch drains
+at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
 between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
