@@ -101,7 +101,7 @@ def test_select_and_replace_rows():
 def test_beam_reorder_equals_select_on_the_prefix():
     """reorder (beam search's select) gives every row its parent's prefix, lengths and cross K/V, as
     select does, and after its first call reuses two sets of buffers instead of allocating. With the
-    cross K/V shared by each sentence's beams (share_cross, as beam search runs), decoding equals
+    cross K/V shared by each sentence's beams (`group`, as beam search runs), decoding equals
     decoding with a copy per beam (float64: up to the summation order of the attention)."""
     model = tiny_model(seed=5).double().eval()
     rng = __import__("random").Random(5)
@@ -109,8 +109,7 @@ def test_beam_reorder_equals_select_on_the_prefix():
     close = dict(rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         beams = torch.arange(3).repeat_interleave(2)  # 3 sentences x 2 beams, as beam search starts
-        cache, ref = model.start(src), model.start(src)
-        cache.share_cross(2)
+        cache, ref = model.start(src, group=2), model.start(src)
         ref.select(beams)
         for c in (cache, ref):
             model.decode(tgt[beams], c)

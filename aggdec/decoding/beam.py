@@ -108,8 +108,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
     longest, shortest = max(max_host), min(max_host)
 
     src = pad_batch([r.src for r in reqs], pad, device)
-    cache = model.start(src, capacity=min(longest + 1, 64))
-    cache.share_cross(k)  # k beams per sentence, one cross K/V
+    cache = model.start(src, capacity=min(longest + 1, 64), group=k)  # k beams per sentence, one cross K/V
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs

@@ -33,6 +33,10 @@ import math
 from typing import NamedTuple
 
 
+UNKNOWN_OFFER = 1 << 30
+"""`Block.longest` where the drafts offered are unknown: as if every draft had been cut."""
+
+
 class Block(NamedTuple):
     """A measured block of calls: output tokens per second, the fewest and most rows of its calls,
     and the longest draft any of its calls was offered (before the length cap)."""
@@ -40,7 +44,7 @@ class Block(NamedTuple):
     rate: float
     fewest: int
     most: int
-    longest: int = 1 << 30
+    longest: int = UNKNOWN_OFFER
 
 
 class DraftBudget:
@@ -89,7 +93,7 @@ class DraftBudget:
         self._tokens += tokens
         self._seconds += seconds
         self._rows = (min(self._rows[0], rows) if self._count else rows, max(self._rows[1], rows))
-        offered = 1 << 30 if offered is None else offered
+        offered = UNKNOWN_OFFER if offered is None else offered
         self._longest = max(self._longest, offered) if self._count else offered
         self._widest = max(self._widest, rows)
         self._count += 1

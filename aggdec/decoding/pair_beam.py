@@ -62,8 +62,7 @@ def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_
     bsz = len(reqs)
     ids = list(range(bsz))  # batch position -> position in reqs
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)
-    cache = model.start(pad_batch([r.src for r in reqs], pad, device), capacity=64)
-    cache.share_cross(w)  # w beams per sentence, one cross K/V
+    cache = model.start(pad_batch([r.src for r in reqs], pad, device), capacity=64, group=w)  # w beams, one cross K/V
     tokens = torch.full((bsz * w, STRIDE), pad, dtype=torch.long, device=device)
     tokens[:, 0], tokens[:, 1] = cfg.bos, start
     neg = -math.inf

@@ -42,11 +42,14 @@ class DecoderCache:
     positions < lengths[b]; `capacity >= lengths.max()`.
     """
 
-    def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64):
-        b = cross.src_pad.shape[0]
+    def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1):
+        """group: every row of `cross` serves `group` consecutive rows (row b -> rows b*group ..
+        b*group+group-1), for beam search: each sentence's cross K/V is kept (and read) once for all
+        its beams instead of once per beam."""
+        b = cross.src_pad.shape[0] * group
         ref = cross.k[0]
         self.cross = cross
-        self.group = 1  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
+        self.group = group  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
@@ -107,18 +110,6 @@ class DecoderCache:
         self.v = [t.index_select(0, rows) for t in self.v]
         self.cross = self.cross.take(rows)
 
-    def share_cross(self, group: int) -> None:
-        """Make every row `group` rows that share its cross K/V (row b -> rows b*group .. b*group+group-1),
-        for beam search on an empty cache: each sentence's cross K/V is kept (and read) once for all its
-        beams instead of once per beam."""
-        if self.group != 1 or bool(self.lengths.any()):
-            raise ValueError("share_cross takes an empty cache whose rows share nothing yet")
-        n = self.batch_size * group
-        self.lengths = self.lengths.new_zeros(n)
-        self.k = [t.new_zeros(n, *t.shape[1:]) for t in self.k]
-        self.v = [t.new_zeros(n, *t.shape[1:]) for t in self.v]
-        self.group = group
-
     def cross_heads(self, layer: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s cross K/V split into `heads` heads, (B', H, S, D/H) each, contiguous: made once
         per cross K/V (shared-cross attention reads them every step)."""
@@ -132,7 +123,7 @@ class DecoderCache:
     def reorder(self, rows: torch.Tensor, prefix: int, take_cross: bool) -> None:
         """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave), copying only
         the first `prefix` positions of the self-attention buffers (prefix >= every row's length). With
-        cross K/V shared by groups of rows (`share_cross`), rows keep their groups: the rows of a new
+        cross K/V shared by groups of rows (`group`), rows keep their groups: the rows of a new
         group come from one old group.
 
         The copy goes into a second set of buffers that then swaps with the first, so no memory is

@@ -275,13 +275,15 @@ class Transformer(nn.Module):
         kvs = [layer.encoder_attn.kv(memory) for layer in self.decoder.layers]
         return CrossKV(k=[k.contiguous() for k, _ in kvs], v=[v.contiguous() for _, v in kvs], src_pad=src_pad)
 
-    def start(self, src: torch.Tensor, capacity: int = 64) -> DecoderCache:
-        """Encode `src` and return an empty decoder cache for it."""
-        return self.start_from(*self.encode(src), capacity=capacity)
+    def start(self, src: torch.Tensor, capacity: int = 64, group: int = 1) -> DecoderCache:
+        """Encode `src` and return an empty decoder cache for it (`group` rows per source: beams
+        sharing its cross K/V, `DecoderCache`)."""
+        return self.start_from(*self.encode(src), capacity=capacity, group=group)
 
-    def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64) -> DecoderCache:
+    def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64,
+                   group: int = 1) -> DecoderCache:
         """An empty decoder cache for encoder output `memory` (B,S,D) with padding mask `src_pad`."""
-        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity)
+        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity, group)
 
     # -- decoder ---------------------------------------------------------------------------------
 
