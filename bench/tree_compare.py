@@ -42,34 +42,26 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     from aggdec.api import Translator
+    from aggdec.decoding.methods import options_from_mapping
     from aggdec.train.ar import read_tsv
 
     torch.set_num_threads(a.threads)
     path, column = SETS[a.model]
     sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit or None]
     tr = Translator.load(str(REPO / "models" / a.model))
-    opts = {"method": a.method, "max_batch_size": a.batch_size}
+    table = {"method": a.method, "max_batch_size": a.batch_size}
     if a.method in DRAFTERS:
-        opts["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
+        table["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
     for flag in filter(None, a.flags.split("+")):
         name, _, value = flag.partition("=")
-        opts[name] = _value(value) if value else True
-    tr.translate_batch(sources[: max(2 * a.batch_size, 8)], **opts)  # warm-up
+        table[name] = value or "true"  # typed as a job spec's [decode] values are
+    opts = options_from_mapping(table, a.method)[0]
+    tr.translate_batch(sources[: max(2 * a.batch_size, 8)], opts)  # warm-up
     t0 = time.perf_counter()
-    results = tr.translate_batch(sources, **opts)
+    results = tr.translate_batch(sources, opts)
     seconds = time.perf_counter() - t0
     Path(a.tokens).write_text(json.dumps([r.tokens for r in results]))
     print(json.dumps({"sentences": len(sources), "seconds": seconds}))
-
-
-def _value(text: str):
-    """An option value from the command line: int, float, true/false, or the text itself."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def run_one(tree: str, model: str, method: str, bs: int, flags: str, a: argparse.Namespace, tokens: Path) -> float:
