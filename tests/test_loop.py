@@ -14,6 +14,7 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
+from aggdec.decoding import loop as loop_module
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import DraftBatch, Request
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
@@ -142,6 +143,26 @@ def test_refills_are_encoded_ahead_in_batches(monkeypatch):
         calls.append(len(sizes))
     assert outs[0] == outs[1]
     assert calls[1] < calls[0] / 2, calls
+
+
+def test_small_batches_encode_refills_ahead_within_a_token_limit(monkeypatch):
+    """By default even batch 1 encodes ENCODE_AHEAD pending sentences together, fewer where their
+    padded source tokens would pass ENCODE_AHEAD_TOKENS; outputs are those of encoding one by one."""
+    model = tiny_model("shallow-decoder-tied-output", vocab=9)
+    reqs = _requests(random.Random(7), 90, model.cfg.src_vocab, model.cfg.eos)
+    shapes: list[tuple[int, int]] = []
+    encode = type(model).encode
+    monkeypatch.setattr(type(model), "encode", lambda self, src: shapes.append(tuple(src.shape)) or encode(self, src))
+    monkeypatch.setattr(loop_module, "ENCODE_AHEAD_TOKENS", 120)
+    alone = {h.index: h.tokens for h in DraftVerifyLoop(model, NoDraft(), max_batch_size=1, encode_batch=1).run(reqs)}
+    shapes.clear()
+    loop = DraftVerifyLoop(model, NoDraft(), max_batch_size=1)
+    assert {h.index: h.tokens for h in loop.run(reqs)} == alone
+    assert sum(b for b, _ in shapes) == loop.counters.encoded_rows == len(reqs)
+    assert all(b == 1 or b <= loop_module.ENCODE_AHEAD and b * width <= 120 for b, width in shapes), shapes
+    assert max(b for b, _ in shapes) == loop_module.ENCODE_AHEAD  # short sentences fill a whole batch
+    assert len(shapes) < len(reqs) / 4, shapes
+
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 12), corrupt=st.floats(0, 0.5))

@@ -56,13 +56,26 @@ def take(queue: list[Request], free_slots: int, used_tokens: int, max_tokens: in
     return taken
 
 
+ENCODE_AHEAD = 32
+"""Sentences a refill is encoded with at least, by default, at any batch size (fewer where they
+would exceed ENCODE_AHEAD_TOKENS): at batch 1 a sentence encoded alone streams all the encoder's
+weights from memory for its 20-odd tokens (gec-base: 12.6 MB), 32 sentences share one pass
+(docs/design.md, "Encode-ahead refills")."""
+ENCODE_AHEAD_TOKENS = 4096
+"""Source tokens (padded to the longest) that ENCODE_AHEAD's sentences may reach: what waits as
+cross K/V beyond the batch stays small for long sentences and large models."""
+
+
 class EncodeAhead:
     """Cross K/V for refilled slots, encoded `batch` at a time ahead of admission (docs/design.md,
     "Encode-ahead refills"): a refill that was encoded ahead takes its rows; the others are encoded
-    now together with the next pending requests of the queue, which then wait as cross K/V."""
+    now together with the next pending requests of the queue, which then wait as cross K/V.
+    `batch=None`: the loop's default, max_batch_size or ENCODE_AHEAD within ENCODE_AHEAD_TOKENS,
+    whichever is more."""
 
-    def __init__(self, model: Transformer, batch: int, counters: "LoopCounters"):
-        self.model, self.batch, self.counters = model, batch, counters
+    def __init__(self, model: Transformer, batch: int | None, counters: "LoopCounters", max_batch_size: int):
+        self.model, self.counters = model, counters
+        self.batch, self.floor = (max_batch_size, ENCODE_AHEAD) if batch is None else (batch, 0)
         self.reset()
 
     def reset(self) -> None:
@@ -78,7 +91,9 @@ class EncodeAhead:
             rows = torch.tensor([self.rows.pop(id(reqs[i])) for i in hit], device=device)
             put(hit, self.cross.take(rows, trim=True))
         if miss:
-            ahead = queue[-1: -1 - max(0, self.batch - len(miss)): -1]  # admitted next (pop order)
+            longest = max(len(reqs[i].src) for i in miss)  # the queue's are no longer
+            batch = max(self.batch, min(self.floor, ENCODE_AHEAD_TOKENS // longest))
+            ahead = queue[-1: -1 - max(0, batch - len(miss)): -1]  # admitted next (pop order)
             batch = [reqs[i] for i in miss] + ahead
             memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
             self.counters.encoded_rows += len(batch)
@@ -106,11 +121,12 @@ class DraftVerifyLoop:
     the whole batch to finish before admitting more (static batching, for comparison).
     `projection` computes the verifier's top-1 and logits (default: plain fp32); one built with
     `certify=True` gives the certified bf16 top-1, which leaves every output unchanged.
-    `encode_batch`: refills are encoded at least this many at a time (default max_batch_size): when a
-    slot frees up, the next pending sentences are encoded with it and wait, as cross-attention K/V,
-    for their own slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder
-    several times more per sentence than a full one (docs/design.md). Admission order is unchanged;
-    0 or 1 encodes each refill alone.
+    `encode_batch`: refills are encoded at least this many at a time (default: max_batch_size, or
+    ENCODE_AHEAD sentences where their tokens allow, whichever is more): when a slot frees up, the
+    next pending sentences are encoded with it and wait, as cross-attention K/V, for their own
+    slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder several times
+    more per sentence than a full one (docs/design.md). Admission order is unchanged; 0 or 1
+    encodes each refill alone.
     `budget`: chooses each call's draft length from measured costs and acceptance (DraftBudget);
     None verifies every drafted token.
     `prompt`: (decoder start token, forced first output tokens...), aggdec.conventions.Framing.prompt;
@@ -135,7 +151,6 @@ class DraftVerifyLoop:
                                                          int8=model.output_int8)
         self.device = next(model.parameters()).device
         self.counters = LoopCounters()
-        self.encode_batch = max_batch_size if encode_batch is None else encode_batch
         self.budget = budget
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
@@ -145,7 +160,7 @@ class DraftVerifyLoop:
             raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
-        self._refills = EncodeAhead(model, self.encode_batch, self.counters)
+        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
 
     # -- admission -------------------------------------------------------------------------------
 

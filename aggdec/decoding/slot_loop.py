@@ -85,7 +85,6 @@ class SlotLoop:
         self.model = model
         self.drafter = drafter or NoDraft()
         self.max_batch_size, self.max_tokens, self.min_len = max_batch_size, max_tokens, min_len
-        self.encode_batch = max_batch_size if encode_batch is None else encode_batch
         self.budget = budget
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -101,7 +100,7 @@ class SlotLoop:
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.counters = LoopCounters()
-        self._refills = EncodeAhead(model, self.encode_batch, self.counters)
+        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
         self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
