@@ -207,7 +207,8 @@ def _reference_match(x: list[int], o: list[int], anchor: int = -1) -> int:
 @given(src=st.lists(st.integers(4, 7), max_size=12), outs=st.lists(st.lists(st.integers(4, 7), max_size=10), min_size=1, max_size=4),
        anchor_seed=st.integers(0, 10**6))
 def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
-    """Vectorized suffix matching equals the brute-force definition, row by row (also with anchors)."""
+    """Vectorized and host suffix matching equal the brute-force definition, row by row (also with
+    anchors)."""
     from aggdec.decoding.state import DecodeState
     from tiny_models import tiny_model as _m
 
@@ -227,10 +228,12 @@ def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
     BOS = -1
     want = [_reference_match([BOS] + s, [BOS] + o) for o in outs]
     assert got == want
+    assert InputCopy().match_rows(state).tolist() == want  # the host version (few rows on the CPU)
     rng = random.Random(anchor_seed)
     anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
     got = InputCopy().match(state, torch.tensor(anchors)).tolist()
     assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
+    assert InputCopy().match_rows(state, torch.tensor(anchors)).tolist() == got
     # the fixed-shape version (slot loop) is the same wherever its depth covers the whole output
     assert InputCopy().match_fixed(state, width + 1).tolist() == want
     assert InputCopy().match_fixed(state, width + 1, torch.tensor(anchors)).tolist() == got
