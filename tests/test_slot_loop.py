@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from test_loop import RandomBudget, _requests
 from tiny_models import naive_greedy, tiny_model
 
+from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.iad import InputCopy
+from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.slot_loop import SlotLoop, slot_count
 
@@ -117,6 +119,34 @@ def test_one_host_read_per_iteration(monkeypatch):
         with Reads():
             list(loop.run(reqs))
         assert Reads.n == loop.counters.calls
+
+
+class OfferLog(RandomBudget):
+    """RandomBudget that keeps what each call reports: (draft length, tokens committed, offered)."""
+
+    def __init__(self, seed: int, max_length: int):
+        super().__init__(seed, max_length)
+        self.log: list[tuple[int, int, int | None]] = []
+
+    def record(self, length, tokens, seconds, rows=1, offered=None):
+        self.log.append((length, tokens, offered))
+        super().record(length, tokens, seconds, rows, offered)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_is_told_the_drafts_offered_as_by_the_row_loop(seed):
+    """The slot loop reports the longest draft offered before its width's cut, from its one read per
+    iteration: the draft budget hears what the row loop tells it, call by call."""
+    model = tiny_model(KINDS[seed % len(KINDS)], seed=seed, vocab=9)
+    reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos)
+    logs = []
+    for make in (DraftVerifyLoop, SlotLoop):
+        budget = OfferLog(seed, DraftBudget.LONGEST)
+        list(make(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))  # slots: a power of 2
+        logs.append(budget.log)
+    assert logs[0] == logs[1]
+    assert all(offered is not None for _, _, offered in logs[1])
+    assert any(0 < length < offered for length, _, offered in logs[1])  # some drafts were cut
 
 
 def test_slot_count():

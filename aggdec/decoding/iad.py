@@ -201,13 +201,14 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
-    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> DraftBatch:
+    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> tuple[DraftBatch, torch.Tensor]:
         """`propose` as a fixed-shape tensor program: drafts (B, width) from suffixes of at most
-        `depth` tokens (`match_fixed`), with no host reads, for the slot loop."""
+        `depth` tokens (`match_fixed`), with no host reads, for the slot loop; and each row's draft
+        length before the cut at `width` (B,), what the draft budget is told was offered."""
         rows = self.rows
         start, num = self._drafts(state, self.match_fixed(state, depth, rows.resume if self.nearest_match else None))
         rows.start.copy_(start)
-        return _copy(state, start, num.clamp(max=width), width)
+        return _copy(state, start, num.clamp(max=width), width), num
 
     def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of

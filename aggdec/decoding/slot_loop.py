@@ -109,17 +109,19 @@ class SlotLoop:
 
     def _step(self, width: int, span: int, src_width: int) -> None:
         """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
-        committed tokens, fed tokens)."""
+        committed tokens, fed tokens, the longest draft offered before the cut at `width`)."""
         st, cfg = self.state, self.model.cfg
         active = self.active
         if width:
-            draft = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
+            draft, offered = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
             tokens = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
+            offered = torch.where(active, offered, 0).max()
         else:
             tokens = st.out.new_zeros(st.out.shape[0], 0)
             num = torch.zeros_like(st.out_len)
+            offered = torch.zeros_like(st.out_len[0])
         # 2. Verify [last token ; draft] for every slot.
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
@@ -159,7 +161,7 @@ class SlotLoop:
         # 5. Observe.
         if width:
             self.drafter.observe_fixed(st, num, accepted)
-        self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None]]))
+        self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None], offered[None]]))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self._compiled is not None:
@@ -236,7 +238,7 @@ class SlotLoop:
         self.ms = torch.zeros(b, dtype=torch.float64, device=dev)
         self.fed_before = torch.zeros(b, dtype=torch.long, device=dev)
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
-        self._summary = torch.zeros(2 * b + 2, dtype=torch.long, device=dev)
+        self._summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._captured, self._pool = {}, None
         self._reset()
 
@@ -326,14 +328,14 @@ class SlotLoop:
             self._run_step(width, span, src_width)
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:b], summary[b: 2 * b]
-            tokens, fed = summary[2 * b], summary[2 * b + 1]
+            tokens, fed, offered = summary[2 * b: 2 * b + 3]
             seconds = time.perf_counter() - t0
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
             self.counters.padded += b * (width + 1)
             if self.budget is not None and self.max_draft:
-                self.budget.record(length, tokens, seconds, len(live))
+                self.budget.record(length, tokens, seconds, len(live), offered=offered)
                 length = self.budget.next_length(len(live), self.max_draft)
             finished = [s for s in range(b) if done[s]]
             if finished:
