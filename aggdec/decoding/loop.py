@@ -92,8 +92,8 @@ class EncodeAhead:
             put(hit, self.cross.take(rows, trim=True))
         if miss:
             longest = max(len(reqs[i].src) for i in miss)  # the queue's are no longer
-            batch = max(self.batch, min(self.floor, ENCODE_AHEAD_TOKENS // longest))
-            ahead = queue[-1: -1 - max(0, batch - len(miss)): -1]  # admitted next (pop order)
+            count = max(self.batch, min(self.floor, ENCODE_AHEAD_TOKENS // longest))
+            ahead = queue[-1: -1 - max(0, count - len(miss)): -1]  # admitted next (pop order)
             batch = [reqs[i] for i in miss] + ahead
             memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
             self.counters.encoded_rows += len(batch)
