@@ -151,7 +151,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
         if step == 0:
             lp = lp[:, ::k, :].contiguous()
         else:
-            lp = lp + scores.view(bsz, k, -1)[:, :, step - 1].unsqueeze(-1)
+            lp = lp.add_(scores.view(bsz, k, -1)[:, :, step - 1].unsqueeze(-1))  # lprobs is not read again
         flat = lp.view(bsz, -1)
         cand_scores, cand_flat = torch.topk(flat, k=min(cand_size, flat.size(1) - 1))
         cand_beams = torch.div(cand_flat, vocab, rounding_mode="trunc")
