@@ -16,6 +16,7 @@ from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 from aggdec.checkpoint import Bundle
 from aggdec.decoding.beam import beam_search
 from aggdec.decoding.limits import max_len_for
+from aggdec.decoding import loop as loop_module
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.fairseq_io import convert_fairseq, load_fairseq, save_fairseq
@@ -77,6 +78,26 @@ def test_beam_batch_composition_does_not_matter(kind):
             assert len(h.tokens) <= r.max_len
             assert len(h.tokens) + 1 <= h.stats.iterations <= r.max_len + 1
             assert model.cfg.pad not in h.tokens and model.cfg.eos not in h.tokens
+
+
+def test_beam_batches_are_encoded_ahead(monkeypatch):
+    """Static beam batches are encoded several at a time (whole batches, at most ENCODE_AHEAD
+    sentences within ENCODE_AHEAD_TOKENS); outputs are those of encoding each batch alone."""
+    model = tiny_model("marian-like", seed=3)
+    reqs = _requests(model, n=45, seed=11, max_src=30)
+    rows: list[tuple[int, int]] = []
+    encode = type(model).encode
+    monkeypatch.setattr(type(model), "encode", lambda self, src: rows.append(tuple(src.shape)) or encode(self, src))
+    monkeypatch.setattr(loop_module, "ENCODE_AHEAD_TOKENS", 200)
+    monkeypatch.setattr(loop_module, "ENCODE_AHEAD", 1)
+    alone = [h.tokens for h in beam_search(model, reqs, beam=3, max_batch_size=2)]
+    assert len(rows) == 23
+    rows.clear()
+    monkeypatch.setattr(loop_module, "ENCODE_AHEAD", 32)
+    assert [h.tokens for h in beam_search(model, reqs, beam=3, max_batch_size=2)] == alone
+    assert sum(b for b, _ in rows) == len(reqs) and len(rows) < 23 / 2, rows
+    assert all(b % 2 == 0 or b == rows[-1][0] for b, _ in rows)  # whole batches, the last one aside
+    assert all(b == 2 or b * width <= 200 for b, width in rows), rows
 
 
 def test_beam_differs_from_greedy_sometimes_and_lenpen_matters():

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from aggdec.decoding.loop import pad_batch
+from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
 from aggdec.decoding.options import DecodeOptions, OptionError, option
 from aggdec.decoding.pair_beam import pair_beam_search
@@ -86,16 +86,17 @@ def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, l
             raise ValueError(f"request {r.index}: empty source (it must at least hold eos)")
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
     results: dict[int, BeamHypothesis] = {}
-    for start in range(0, len(order), max_batch_size):
-        batch = [requests[i] for i in order[start: start + max_batch_size]]
-        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest, prompt or (model.cfg.eos,)):
+    for start, batch, memory, src_pad in encoded_batches(model, [requests[i] for i in order], max_batch_size):
+        for pos, hyp in _search(model, batch, memory, src_pad, beam, lenpen, min_len, nbest,
+                                prompt or (model.cfg.eos,)):
             results[order[start + pos]] = hyp
     return [results[i] for i in range(len(requests))]
 
 
-def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, min_len: int, nbest: int,
-            prompt: tuple[int, ...]):
-    """Yield (position in reqs, BeamHypothesis) for one static batch; mirrors SequenceGenerator._generate."""
+def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_pad: torch.Tensor, beam: int,
+            lenpen: float, min_len: int, nbest: int, prompt: tuple[int, ...]):
+    """Yield (position in reqs, BeamHypothesis) for one static batch, given its encoder output;
+    mirrors SequenceGenerator._generate."""
     cfg = model.cfg
     pad, eos = cfg.pad, cfg.eos
     vocab = cfg.tgt_vocab
@@ -107,8 +108,7 @@ def _search(model: Transformer, reqs: list[Request], beam: int, lenpen: float, m
     max_host = [r.max_len for r in reqs]  # sent_max on the host: the step rules below read no tensor
     longest, shortest = max(max_host), min(max_host)
 
-    src = pad_batch([r.src for r in reqs], pad, device)
-    cache = model.start(src, capacity=min(longest + 1, 64), group=k)  # k beams per sentence, one cross K/V
+    cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k)  # k beams per sentence, one cross K/V
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs

@@ -102,6 +102,26 @@ class EncodeAhead:
             self.cross, self.rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
 
 
+def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
+                    ) -> Iterator[tuple[int, list[Request], torch.Tensor, torch.Tensor]]:
+    """Static batches of `reqs` (in order: beam search takes them longest first), `max_batch_size`
+    at a time, with their encoder output: (index of the batch's first request, the batch, memory,
+    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, at least
+    ENCODE_AHEAD sentences where their padded tokens stay within ENCODE_AHEAD_TOKENS, as the
+    loops encode refills ahead."""
+    device = next(model.parameters()).device
+    at = 0
+    while at < len(reqs):
+        count = max(1, min(ENCODE_AHEAD, ENCODE_AHEAD_TOKENS // len(reqs[at].src)) // max_batch_size) * max_batch_size
+        group = reqs[at: at + count]
+        memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
+        for off in range(0, len(group), max_batch_size):
+            batch = group[off: off + max_batch_size]
+            width = max(len(r.src) for r in batch)
+            yield at + off, batch, memory[off: off + len(batch), :width], src_pad[off: off + len(batch), :width]
+        at += len(group)
+
+
 @dataclass
 class LoopCounters:
     """Verifier work over a run. fed: real tokens scored (last token + draft per row);

@@ -23,7 +23,7 @@ import time
 import torch
 
 from aggdec.decoding.acceptance import constrain_logits
-from aggdec.decoding.loop import pad_batch
+from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
@@ -47,22 +47,22 @@ def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int =
     start = prompt[0] if prompt else model.cfg.eos
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
     results: dict[int, BeamHypothesis] = {}
-    for at in range(0, len(order), max_batch_size):
-        batch = [requests[i] for i in order[at: at + max_batch_size]]
-        for pos, hyp in _search(model, batch, beam, lenpen, min_len, nbest, start):
+    for at, batch, memory, src_pad in encoded_batches(model, [requests[i] for i in order], max_batch_size):
+        for pos, hyp in _search(model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start):
             results[order[at + pos]] = hyp
     return [results[i] for i in range(len(requests))]
 
 
-def _search(model: Transformer, reqs: list[Request], w: int, lenpen: float, min_len: int, nbest: int, start: int):
-    """Yield (position in reqs, BeamHypothesis) for one static batch."""
+def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_pad: torch.Tensor, w: int,
+            lenpen: float, min_len: int, nbest: int, start: int):
+    """Yield (position in reqs, BeamHypothesis) for one static batch, given its encoder output."""
     cfg = model.cfg
     pad, eos, vocab = cfg.pad, cfg.eos, cfg.tgt_vocab
     device = next(model.parameters()).device
     bsz = len(reqs)
     ids = list(range(bsz))  # batch position -> position in reqs
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)
-    cache = model.start(pad_batch([r.src for r in reqs], pad, device), capacity=64, group=w)  # w beams, one cross K/V
+    cache = model.start_from(memory, src_pad, capacity=64, group=w)  # w beams, one cross K/V
     tokens = torch.full((bsz * w, STRIDE), pad, dtype=torch.long, device=device)
     tokens[:, 0], tokens[:, 1] = cfg.bos, start
     neg = -math.inf
