@@ -108,7 +108,8 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     max_host = [r.max_len for r in reqs]  # sent_max on the host: the step rules below read no tensor
     longest, shortest = max(max_host), min(max_host)
 
-    cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k)  # k beams per sentence, one cross K/V
+    # k beams per sentence, one cross K/V
+    cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k)
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
