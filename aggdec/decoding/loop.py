@@ -66,16 +66,21 @@ ENCODE_AHEAD_TOKENS = 4096
 cross K/V beyond the batch stays small for long sentences and large models."""
 
 
+def ahead_count(longest: int) -> int:
+    """Sentences encoded together by default where the longest has `longest` tokens: ENCODE_AHEAD,
+    fewer where their padded tokens would pass ENCODE_AHEAD_TOKENS, at least 1."""
+    return max(1, min(ENCODE_AHEAD, ENCODE_AHEAD_TOKENS // longest))
+
+
 class EncodeAhead:
     """Cross K/V for refilled slots, encoded `batch` at a time ahead of admission (docs/design.md,
     "Encode-ahead refills"): a refill that was encoded ahead takes its rows; the others are encoded
     now together with the next pending requests of the queue, which then wait as cross K/V.
-    `batch=None`: the loop's default, max_batch_size or ENCODE_AHEAD within ENCODE_AHEAD_TOKENS,
-    whichever is more."""
+    `batch=None`: the loop's default, max_batch_size or `ahead_count`, whichever is more."""
 
     def __init__(self, model: Transformer, batch: int | None, counters: "LoopCounters", max_batch_size: int):
         self.model, self.counters = model, counters
-        self.batch, self.floor = (max_batch_size, ENCODE_AHEAD) if batch is None else (batch, 0)
+        self.batch, self.default = (max_batch_size, True) if batch is None else (batch, False)
         self.reset()
 
     def reset(self) -> None:
@@ -92,7 +97,7 @@ class EncodeAhead:
             put(hit, self.cross.take(rows, trim=True))
         if miss:
             longest = max(len(reqs[i].src) for i in miss)  # the queue's are no longer
-            count = max(self.batch, min(self.floor, ENCODE_AHEAD_TOKENS // longest))
+            count = max(self.batch, ahead_count(longest)) if self.default else self.batch
             ahead = queue[-1: -1 - max(0, count - len(miss)): -1]  # admitted next (pop order)
             batch = [reqs[i] for i in miss] + ahead
             memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
@@ -106,13 +111,12 @@ def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
                     ) -> Iterator[tuple[int, list[Request], torch.Tensor, torch.Tensor]]:
     """Static batches of `reqs` (in order: beam search takes them longest first), `max_batch_size`
     at a time, with their encoder output: (index of the batch's first request, the batch, memory,
-    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, at least
-    ENCODE_AHEAD sentences where their padded tokens stay within ENCODE_AHEAD_TOKENS, as the
-    loops encode refills ahead."""
+    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, as many as
+    `ahead_count` allows (at least one), as the loops encode refills ahead."""
     device = next(model.parameters()).device
     at = 0
     while at < len(reqs):
-        count = max(1, min(ENCODE_AHEAD, ENCODE_AHEAD_TOKENS // len(reqs[at].src)) // max_batch_size) * max_batch_size
+        count = max(1, ahead_count(len(reqs[at].src)) // max_batch_size) * max_batch_size
         group = reqs[at: at + count]
         memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
         for off in range(0, len(group), max_batch_size):
