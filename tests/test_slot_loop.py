@@ -154,6 +154,20 @@ def test_slot_count():
     assert slot_count(48, 100) == 64
 
 
+def test_fused_attention_equals_the_kernel():
+    """`core_fused` (the compiled step's attention) computes `core`'s attention: float64, random
+    masks that keep at least one key per query, one and several queries per row."""
+    from aggdec.model.transformer import MultiheadAttention
+
+    gen = torch.Generator().manual_seed(0)
+    attn = MultiheadAttention(16, 4, 0.0).eval()
+    for b, t, length in ((1, 1, 5), (3, 1, 17), (2, 4, 9)):
+        q, k, v = (torch.randn(b, n, 16, generator=gen, dtype=torch.float64) for n in (t, length, length))
+        keep = torch.rand(b, 1, t, length, generator=gen) < 0.6
+        keep[..., 0] = True
+        torch.testing.assert_close(attn.core_fused(q, k, v, keep), attn.core(q, k, v, keep), rtol=1e-12, atol=1e-12)
+
+
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span and source
     width) gives naive greedy's output across runs that reuse the loop, reached through the public

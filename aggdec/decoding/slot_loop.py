@@ -17,8 +17,8 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   draft budget). Rows that finished are then read once, when they retire.
 - **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
   graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
-  TorchInductor program with symbolic widths and spans (weights frozen into it, a C++ wrapper), so a
-  process compiles it once (again for widths 0 and 1, which TorchInductor specializes); elsewhere
+  TorchInductor program with symbolic widths and spans (a C++ wrapper; attention as products and
+  sums that it fuses, `MultiheadAttention.core_fused`), so a process compiles it once (again for widths 0 and 1, which TorchInductor specializes); elsewhere
   it runs eagerly.
 
 Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
@@ -43,11 +43,13 @@ from aggdec.decoding.state import DecodeState
 from aggdec.model.slots import SlotCache, bucket
 from aggdec.model.transformer import Transformer
 
-COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True,
-                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-"""TorchInductor options of a compiled CPU step: weights frozen (prepacked for the CPU's GEMMs), a C++
-wrapper, and no guards on the model's modules (a loop's model is fixed). Static shapes would compile
-once per (width, span, source width), tens of programs a run at 20-30 s each; symbolic ones compile once."""
+COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+"""TorchInductor options of a compiled CPU step: a C++ wrapper, and no guards on the model's modules.
+The weights stay inputs of the program, read from the loop's model at every call, so one program
+serves every model of its shapes. (Inductor's `freezing` option would make them constants, but
+TorchDynamo decides that from the global config when it traces: as an option it changes nothing.)
+Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
+each; symbolic ones compile once."""
 
 COMPILE_PAYS_BELOW = 8
 """Batch sizes below which a compiled CPU step measured faster than the eager row loop (greedy at batch
@@ -73,7 +75,8 @@ def supports(model: Transformer, drafter, acceptance) -> bool:
 class SlotLoop:
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device); `compile`: compile steps with
-    TorchInductor (CPU; the model's weights must not change afterwards: they are frozen into the step)."""
+    TorchInductor (CPU; the output projection's weight is copied once, transposed: it must not change
+    afterwards)."""
 
     def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
                  min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
