@@ -168,6 +168,19 @@ def test_fused_attention_equals_the_kernel():
         torch.testing.assert_close(attn.core_fused(q, k, v, keep), attn.core(q, k, v, keep), rtol=1e-12, atol=1e-12)
 
 
+def test_compiled_steps_keep_their_own_weights():
+    """fp32 models (TorchInductor's own GEMMs, weights frozen into each step): two loops compiled in
+    one process on models of the same shapes decode as their own model does eagerly, run after run."""
+    models = [tiny_model("prenorm-learned-separate", seed=seed, vocab=9).float() for seed in (5, 6)]
+    reqs = _requests(random.Random(7), 12, 9, models[0].cfg.eos, repeat=True)
+    compiled = [SlotLoop(m, max_batch_size=4, compile=True) for m in models]
+    eager = [{i: h.tokens for i, h in _run(SlotLoop(m, max_batch_size=4), reqs).items()} for m in models]
+    assert eager[0] != eager[1]
+    for _ in range(2):
+        for loop, ref in zip(compiled, eager):
+            assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+
+
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span and source
     width) gives naive greedy's output across runs that reuse the loop, reached through the public

@@ -29,10 +29,12 @@ other methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy o
 from __future__ import annotations
 
 import time
+import types
 import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch._inductor.config as inductor_config
 
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
@@ -43,13 +45,19 @@ from aggdec.decoding.state import DecodeState
 from aggdec.model.slots import SlotCache, bucket
 from aggdec.model.transformer import Transformer
 
-COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-"""TorchInductor options of a compiled CPU step: a C++ wrapper, and no guards on the model's modules.
-The weights stay inputs of the program, read from the loop's model at every call, so one program
-serves every model of its shapes. (Inductor's `freezing` option would make them constants, but
-TorchDynamo decides that from the global config when it traces: as an option it changes nothing.)
+COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                   "freezing": True, "max_autotune": True}
+"""TorchInductor options of a compiled CPU step: a C++ wrapper; no guards on the model's modules; the
+weights frozen into the program as constants, so that its products can be TorchInductor's own C++
+GEMMs (`GEMM_BACKENDS`) on weights packed once, inlined into the program instead of a library call
+per product (ende-base greedy at batch 1: about 0.5 -> 0.25 ms per step, docs/benchmarks.md).
 Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
 each; symbolic ones compile once."""
+
+GEMM_BACKENDS = {torch.float32: "CPP"}
+"""The products of a compiled step by weight dtype: TorchInductor's C++ GEMM template where it has one
+(one choice, so no timing decides between kernels and a run's arithmetic is the same every time);
+ATen's elsewhere (float64 test models)."""
 
 COMPILE_PAYS_BELOW = 8
 """Batch sizes below which a compiled CPU step measured faster than the eager row loop (greedy at batch
@@ -75,8 +83,7 @@ def supports(model: Transformer, drafter, acceptance) -> bool:
 class SlotLoop:
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device); `compile`: compile steps with
-    TorchInductor (CPU; the output projection's weight is copied once, transposed: it must not change
-    afterwards)."""
+    TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
 
     def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
                  min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
@@ -94,11 +101,7 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        self._compiled = torch.compile(self._step, dynamic=True, options=COMPILE_OPTIONS) if compile else None
-        # the output projection's weight transposed and contiguous: a (D, V) right operand, which the
-        # CPU's GEMM takes about twice as fast at a few rows as the (V, D) weight transposed in place
-        self._output_t = (model.output_weight.detach().t().contiguous()
-                          if compile and model.output_int8 is None else None)
+        self._compiled = self._compile() if compile else None
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -129,12 +132,7 @@ class SlotLoop:
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width)
-        if self._output_t is None:
-            logits = self.model.output_logits(hidden)  # (B, T, V)
-        else:
-            logits = hidden @ self._output_t
-            if self.model.output_bias is not None:
-                logits = logits + self.model.output_bias
+        logits = self.model.output_logits(hidden)  # (B, T, V)
         offs = torch.arange(t, device=self.device)[None]
         pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
                                 self.min_len, self.forced)
@@ -168,8 +166,18 @@ class SlotLoop:
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self._compiled is not None:
-            self._compiled(width, span, src_width)
-            return
+            # TorchDynamo reads `freezing` from the global config when it traces, and a recompile can
+            # come at any call (Inductor's option alone would leave the weights inputs)
+            frozen = inductor_config.freezing
+            inductor_config.freezing = True
+            try:
+                self._compiled(width, span, src_width)
+                return
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # before the program ran: state unchanged
+                warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
+                self._compiled = None
+            finally:
+                inductor_config.freezing = frozen
         if not self.graphs:
             self._step(width, span, src_width)
             return
@@ -184,6 +192,16 @@ class SlotLoop:
                 self._step(width, span, src_width)
                 return
         graph.replay()
+
+    def _compile(self):
+        """`_step` compiled for this loop alone. TorchDynamo keeps compiled programs per code object, and
+        with frozen weights and no guards on modules, a program compiled for one loop would serve
+        another loop's model of the same shapes with the first one's weights: the step runs from a
+        copy of its code object."""
+        fn = SlotLoop._step
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": GEMM_BACKENDS.get(self.dtype, "ATEN")}
+        return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
     def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
         """Capture the step for `key` after one warm-up run whose effects are undone."""
