@@ -200,7 +200,7 @@ def test_compiled_step_equals_greedy():
     assert loop._compiled is not None
     for run in (reqs, reqs[3:], reqs[:2]):
         assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
-    wide = decode_options("greedy", compile=True, max_batch_size=8)
+    wide = decode_options("greedy", compile=True, max_batch_size=9)
     with pytest.warns(UserWarning, match="compile: a compiled step measured slower"):
         assert type(method.loop(wide, context, method.drafter(wide, context))).__name__ == "DraftVerifyLoop"
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):

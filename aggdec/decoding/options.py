@@ -122,10 +122,10 @@ class CompiledStep:
     slower than its packed row loop, so it does not offer it)."""
 
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
-                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators: 1.6-2x at "
-                                  "batch size 1; from batch size 8, where it measured slower, decoding stays eager "
-                                  "(one warning; docs/benchmarks.md). Compiling takes "
-                                  "30-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
+                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators, the weights "
+                                  "frozen into it: about 4x at batch size 1; from batch size 9, where it measured "
+                                  "slower, decoding stays eager (one warning; docs/benchmarks.md). Compiling takes "
+                                  "20-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:

@@ -59,10 +59,10 @@ GEMM_BACKENDS = {torch.float32: "CPP"}
 (one choice, so no timing decides between kernels and a run's arithmetic is the same every time);
 ATen's elsewhere (float64 test models)."""
 
-COMPILE_PAYS_BELOW = 8
-"""Batch sizes below which a compiled CPU step measured faster than the eager row loop (greedy at batch
-size 1: 1.64-2.01x; at 8: 0.90x, before the contiguous output weight; docs/benchmarks.md); from here
-on the registry decodes eagerly."""
+COMPILE_PAYS_BELOW = 9
+"""Batch sizes below which a compiled CPU step measured faster than the eager row loop (ende-base greedy:
+3.9x at batch size 1, 1.08x at 8; at 16, whose 16 slots batch sizes 9-15 share, 0.82x;
+docs/benchmarks.md); from here on the registry decodes eagerly."""
 
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
