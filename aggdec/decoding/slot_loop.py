@@ -51,7 +51,7 @@ COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_g
 """TorchInductor options of a compiled CPU step: a C++ wrapper; no guards on the model's modules; the
 weights frozen into the program as constants, so that its products can be TorchInductor's own C++
 GEMMs (`GEMM_BACKENDS`) on weights packed once, inlined into the program instead of a library call
-per product (ende-base greedy at batch 1: about 0.5 -> 0.25 ms per step, docs/benchmarks.md).
+per product (ende-base greedy at batch 1: about 0.5 -> 0.3 ms per step, docs/benchmarks.md).
 Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
 each; symbolic ones compile once."""
 
