@@ -18,7 +18,7 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
 - **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
   graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
   TorchInductor program with symbolic widths and spans: weights frozen into it, its own C++ GEMMs,
-  attention as products and sums that it fuses (`MultiheadAttention.core_fused`), a C++ wrapper;
+  attention as products and sums that it fuses (`MultiheadAttention.core`, `fused`), a C++ wrapper;
   a process compiles it once (again for widths 0 and 1, which TorchInductor specializes);
   elsewhere it runs eagerly.
 

@@ -88,9 +88,15 @@ class MultiheadAttention(nn.Module):
         """(k_proj(x), v_proj(x)), one product at inference (`FusedLinear`)."""
         return self._kv((self.k_proj, self.v_proj), x)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+             fused: bool = False) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
-        -> (B,T,D) attention output before out_proj."""
+        -> (B,T,D) attention output before out_proj.
+
+        fused: written as broadcast products and sums, for TorchInductor to fuse into a few C++ loops
+        (a compiled step's few queries per row: the CPU's flash-attention kernel costs more in set-up
+        than the arithmetic, about 0.6 ms for 256 rows of one query). Eager, it would materialize
+        (B,H,T,L,Dh) products: compiled steps only."""
         b, t, d = q.shape
         h = self.heads
         # unflatten splits only the last dimension: views of a cache prefix need no contiguity check
@@ -98,23 +104,13 @@ class MultiheadAttention(nn.Module):
         q = q.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,T,Dh)
         k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
         v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
-        p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
-        return out.transpose(1, 2).reshape(b, t, d)
-
-    def core_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """`core` written as broadcast products and sums, for TorchInductor to fuse into a few C++ loops
-        (a compiled step's few queries per row: the CPU's flash-attention kernel costs more in set-up
-        than the arithmetic, about 0.6 ms for 256 rows of one query). Eager, it would materialize
-        (B,H,T,L,Dh) products: compiled steps only."""
-        b, t, d = q.shape
-        h = self.heads
-        q = q.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,T,Dh)
-        k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
-        v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
-        scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * (d // h) ** -0.5  # (B,H,T,L)
-        weights = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        out = (weights[..., None] * v[:, :, None, :, :]).sum(-2)  # (B,H,T,Dh)
+        if fused:
+            scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * (d // h) ** -0.5  # (B,H,T,L)
+            weights = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+            out = (weights[..., None] * v[:, :, None, :, :]).sum(-2)  # (B,H,T,Dh)
+        else:
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
         return out.transpose(1, 2).reshape(b, t, d)
 
     def core_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
@@ -424,13 +420,11 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].scatter_(1, at, k.to(cache.k[i].dtype))
                 cache.v[i].scatter_(1, at, v.to(cache.v[i].dtype))
-                core = sa.core_fused if fused else sa.core
-                return sa.out_proj(core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep))
+                return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep, fused))
 
             def cross_attn(h, i=i, ca=ca):
-                core = ca.core_fused if fused else ca.core
-                return ca.out_proj(core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
-                                        cross_keep))
+                return ca.out_proj(ca.core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
+                                           cross_keep, fused))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:
