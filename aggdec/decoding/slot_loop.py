@@ -62,8 +62,8 @@ ATen's elsewhere (float64 test models)."""
 
 COMPILE_PAYS_BELOW = 9
 """Batch sizes below which a compiled CPU step measured faster than the eager row loop (ende-base greedy:
-3.9x at batch size 1, 1.08x at 8; at 16, whose 16 slots batch sizes 9-15 share, 0.82x;
-docs/benchmarks.md); from here on the registry decodes eagerly."""
+3.9x at batch size 1, 1.24x at 8; at 16, whose 16 slots batch sizes 9-15 share, 0.84x;
+`bench/compile_bench.py`, docs/benchmarks.md); from here on the registry decodes eagerly."""
 
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""

@@ -1,0 +1,84 @@
+"""Where a compiled step pays: the compiled slot loop against the eager row loop, in one process.
+
+    python bench/compile_bench.py --model ende-base --batch-sizes 8,16,32,64 --limit 500
+    python bench/compile_bench.py --model gec-base --batch-sizes 1 --method iad --limit 500
+
+For each batch size: both loops decode the first `--limit` sentences of the model's test set
+(gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`), after a warm-up that compiles,
+`--repeat` times interleaved; prints median sentences/s of each, their ratio and the share of
+identical outputs. `slot_loop.COMPILE_PAYS_BELOW` comes from these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from aggdec.api import Translator  # noqa: E402
+from aggdec.decoding.drafters import NoDraft  # noqa: E402
+from aggdec.decoding.iad import InputCopy  # noqa: E402
+from aggdec.decoding.limits import max_len_for  # noqa: E402
+from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
+from aggdec.decoding.metadata import Request  # noqa: E402
+from aggdec.decoding.methods import decode_options  # noqa: E402
+from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
+from aggdec.train.ar import read_tsv  # noqa: E402
+
+SETS = {"gec-base": ("gec/test.tsv", "noisy"), "ende-base": ("ende/test.tsv", "en")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(SETS), default="ende-base")
+    ap.add_argument("--method", choices=("greedy", "iad"), default="greedy")
+    ap.add_argument("--batch-sizes", default="1,8,16")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--limit", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    path, column = SETS[a.model]
+    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit]
+    tr = Translator.load(str(REPO / "models" / a.model))
+    opts = decode_options(a.method)
+    framing = tr.framing(opts)
+    reqs = []
+    for i, s in enumerate(sources):
+        ids = tr.prepare(s, framing)[0]
+        reqs.append(Request(index=i, src=ids, max_len=max(1, max_len_for(len(ids), opts.max_len_a, opts.max_len_b,
+                                                                           tr.cfg.max_target_positions))))
+    drafter = NoDraft if a.method == "greedy" else InputCopy
+    with torch.no_grad():
+        for bs in (int(x) for x in a.batch_sizes.split(",")):
+            loops = {"eager": DraftVerifyLoop(tr.model, drafter(), max_batch_size=bs),
+                     "compiled": SlotLoop(tr.model, drafter(), max_batch_size=bs, compile=True)}
+            for loop in loops.values():
+                list(loop.run(reqs[: max(2 * bs, 8)]))  # warm-up; compiles
+            seconds: dict[str, list[float]] = {k: [] for k in loops}
+            outs: dict[str, dict[int, list[int]]] = {}
+            for _ in range(a.repeat):
+                for kind, loop in loops.items():
+                    t0 = time.perf_counter()
+                    outs[kind] = {h.index: h.tokens for h in loop.run(reqs)}
+                    seconds[kind].append(time.perf_counter() - t0)
+            rate = {k: len(reqs) / statistics.median(v) for k, v in seconds.items()}
+            same = sum(outs["eager"][i] == outs["compiled"][i] for i in outs["eager"]) / len(reqs)
+            print(json.dumps({"model": a.model, "method": a.method, "batch_size": bs, "sentences": len(reqs),
+                              "eager_sentences_per_s": round(rate["eager"], 2),
+                              "compiled_sentences_per_s": round(rate["compiled"], 2),
+                              "ratio": round(rate["compiled"] / rate["eager"], 3), "identical": same}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
