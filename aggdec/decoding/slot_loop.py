@@ -146,15 +146,17 @@ class SlotLoop:
         is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
         ended = is_eos.any(dim=1)
         n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
+        # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
+        rows = torch.arange(st.out.shape[0], device=self.device)
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
-        st.out.scatter_(1, at, new)  # an empty slot's writes are never read: a refill resets its row
+        st.out.index_put_((rows[:, None], at), new)  # an empty slot's writes are never read: a refill resets its row
         st.out_len.add_(n_new)
         # Statistics: drafts accepted past an accepted eos are not counted.
         kept = torch.minimum(accepted, n_new)
         fed = (num + 1) * active
         self.ms.add_(self.fed_before * self.ms_per_fed)
         self.fed_before.copy_(fed)
-        self.hist.scatter_(1, self.iterations.clamp(max=self.hist.shape[1] - 1)[:, None], kept[:, None].int())
+        self.hist.index_put_((rows, self.iterations.clamp(max=self.hist.shape[1] - 1)), kept.int())
         self.iterations.add_(active.long())
         self.drafted.add_(num)
         self.accepted.add_(kept)

@@ -411,15 +411,17 @@ class Transformer(nn.Module):
         self_keep = (keys[None, None, :] <= self._default_limit(pos)[:, :, None])[:, None]  # (B,1,T,span)
         cross_keep = cache.src_keep[:, None, None, :width]  # (B,1,1,width)
         x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
-        at = pos.clamp(max=cache.length - 1)[:, :, None].expand(bsz, t, cfg.d_model)
+        # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
+        # a compiled scatter_ into an input copies the whole buffer)
+        at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
         fused = torch.compiler.is_compiling() and tokens.device.type == "cpu"
         for i, layer in enumerate(self.decoder.layers):
             sa, ca = layer.self_attn, layer.encoder_attn
 
             def self_attn(h, i=i, sa=sa):
                 q, k, v = sa.qkv(h)
-                cache.k[i].scatter_(1, at, k.to(cache.k[i].dtype))
-                cache.v[i].scatter_(1, at, v.to(cache.v[i].dtype))
+                cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
+                cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
                 return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep, fused))
 
             def cross_attn(h, i=i, ca=ca):
