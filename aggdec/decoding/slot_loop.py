@@ -29,6 +29,7 @@ other methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 import warnings
@@ -50,15 +51,24 @@ COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_g
                    "freezing": True, "max_autotune": True}
 """TorchInductor options of a compiled CPU step: a C++ wrapper; no guards on the model's modules; the
 weights frozen into the program as constants, so that its products can be TorchInductor's own C++
-GEMMs (`GEMM_BACKENDS`) on weights packed once, inlined into the program instead of a library call
+GEMMs (`gemm_backend`) on weights packed once, inlined into the program instead of a library call
 per product (ende-base greedy at batch 1: about 0.5 -> 0.3 ms per step, docs/benchmarks.md).
 Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
 each; symbolic ones compile once."""
 
-GEMM_BACKENDS = {torch.float32: "CPP"}
-"""The products of a compiled step by weight dtype: TorchInductor's C++ GEMM template where it has one
-(one choice, so no timing decides between kernels and a run's arithmetic is the same every time);
-ATen's elsewhere (float64 test models)."""
+CPP_GEMM_SLOTS = 8
+"""Slots up to which a compiled fp32 step's products are TorchInductor's C++ GEMM template on weights
+packed once, inlined into the program (ende-base greedy at 4 slots: 2.5x the eager row loop against
+1.7x with ATen's); with more slots ATen's products, which freezing turns into oneDNN's on prepacked
+weights (at 16: 1.4x against 1.2x; an output projection at 128 rows 1.1 against 3.4 ms). One backend
+per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
+float64 (test) models always take ATen's."""
+
+
+def gemm_backend(dtype: torch.dtype, slots: int) -> str:
+    """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`)."""
+    return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS else "ATEN"
+
 
 COMPILE_PAYS_BELOW = 9
 """Batch sizes below which a compiled CPU step measured faster than the eager row loop (ende-base greedy:
@@ -109,7 +119,7 @@ class SlotLoop:
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
-        self._captured: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._captured: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     # -- the step: one fixed-shape program -------------------------------------------------------
@@ -184,7 +194,7 @@ class SlotLoop:
         if not self.graphs:
             self._step(width, span, src_width)
             return
-        key = (width, span, src_width)
+        key = (self.state.batch_size, width, span, src_width)
         graph = self._captured.get(key)
         if graph is None:
             try:
@@ -203,10 +213,11 @@ class SlotLoop:
         copy of its code object."""
         fn = SlotLoop._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": GEMM_BACKENDS.get(self.dtype, "ATEN")}
+        backend = gemm_backend(self.dtype, slot_count(self.max_batch_size, self.max_batch_size))
+        options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
-    def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int, int, int]) -> torch.cuda.CUDAGraph:
         """Capture the step for `key` after one warm-up run whose effects are undone."""
         mutable = [self.state.out, self.state.out_len, self.active, self.ms, self.fed_before, self.hist,
                    self.iterations, self.drafted, self.accepted, *self._drafter_tensors()]
@@ -214,13 +225,13 @@ class SlotLoop:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step(*key)
+            self._step(*key[1:])
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(mutable, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(*key)
+            self._step(*key[1:])
         self._pool = graph.pool()
         self._captured[key] = graph
         return graph
@@ -240,8 +251,9 @@ class SlotLoop:
         # compiled step's shapes stay symbolic (prefix == whole buffer would be specialized)
         length = bucket(max(r.max_len for r in requests) + self.max_draft + 3) + 1
         src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions) + 1
-        cache = getattr(self, "cache", None)
-        if cache is not None and self.state.batch_size == b and cache.length >= length and cache.src_width >= src_width:
+        cache = getattr(self, "_whole_cache", None)
+        if (cache is not None and self._whole_state.batch_size == b and cache.length >= length
+                and cache.src_width >= src_width):
             self._reset()
             return
         dev = self.device
@@ -254,20 +266,59 @@ class SlotLoop:
             out_len=torch.ones(b, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
             requests=[None] * b, stats=[None] * b, pad=cfg.pad, eos=cfg.eos)
-        self.active = torch.zeros(b, dtype=torch.bool, device=dev)
-        self.iterations = torch.zeros(b, dtype=torch.long, device=dev)
-        self.drafted = torch.zeros_like(self.iterations)
-        self.accepted = torch.zeros_like(self.iterations)
-        self.hist = torch.zeros(b, length, dtype=torch.int32, device=dev)
-        self.ms = torch.zeros(b, dtype=torch.float64, device=dev)
-        self.fed_before = torch.zeros(b, dtype=torch.long, device=dev)
+        count = torch.zeros(b, dtype=torch.long, device=dev)
+        self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
+                            "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
+                            "hist": torch.zeros(b, length, dtype=torch.int32, device=dev),
+                            "ms": torch.zeros(b, dtype=torch.float64, device=dev), "fed_before": torch.zeros_like(count)}
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
-        self._summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
+        self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
+        self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._captured, self._pool = {}, None
         self._reset()
 
+    def _narrow(self, n: int) -> None:
+        """Run the next steps on the first `n` slots: every per-slot tensor (the state's, the cache's, the
+        statistics', the drafter's) becomes the view of its first n rows."""
+        whole = self._whole_state
+        self.cache = self._whole_cache.narrow(n)
+        self.state = dataclasses.replace(whole, src=whole.src[:n], src_len=whole.src_len[:n], out=whole.out[:n],
+                                         out_len=whole.out_len[:n], max_len=whole.max_len[:n],
+                                         budget=whole.budget[:n], cache=self.cache)
+        for name, t in self._whole_rows.items():
+            setattr(self, name, t[:n])
+        for name, t in self._whole_drafter.items():
+            self.drafter.rows._tensors[name] = t[:n]
+        self._summary = self._whole_summary[: 2 * n + 3]
+
+    def _compact(self, live: list[int]) -> list[int]:
+        """Move the rows of the `live` slots into the first slots and narrow to the power of two (at
+        least 2: a compiled step specializes a batch of 1) that holds them, so that a run's tail
+        computes no empty slots past it; returns each live row's slot, in `live`'s order."""
+        n = max(2, 1 << (len(live) - 1).bit_length())
+        if n == self.state.batch_size == self._whole_state.batch_size:
+            return live
+        if self.state.batch_size == self._whole_state.batch_size and not isinstance(self.drafter, NoDraft):
+            self._whole_drafter = dict(self.drafter.rows._tensors)  # as the last admission left them
+        taken = set(live)
+        movers = [s for s in live if s >= n]
+        holes = [s for s in range(n) if s not in taken][: len(movers)]
+        if movers:
+            st, dev = self._whole_state, self.device
+            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            for t in (st.src, st.src_len, st.out, st.out_len, st.max_len, st.budget, *self._whole_cache.tensors(),
+                      *self._whole_rows.values(), *self._whole_drafter.values()):
+                t[dst] = t[src]
+            for m, h in zip(movers, holes):
+                st.requests[h], st.requests[m] = st.requests[m], None
+        self._narrow(n)
+        where = dict(zip(movers, holes))
+        return [where.get(s, s) for s in live]
+
     def _reset(self) -> None:
         """Every slot empty; tensors keep their storage (captured steps stay valid)."""
+        self._whole_drafter = {}
+        self._narrow(self._whole_state.batch_size)
         st = self.state
         st.out.fill_(st.pad)
         st.out[:, 0] = self.start
@@ -330,13 +381,13 @@ class SlotLoop:
             return
         self._allocate(queue)
         self._refills.reset()
-        b = self.state.batch_size
-        free = list(range(b))
-        src_len = [0] * b  # host copy of each occupied slot's source length
-        out_len = [1] * b
+        n = self.state.batch_size  # the slots the steps run on: all of them until the queue is empty
+        free = list(range(n))
+        src_len = [0] * n  # host copy of each occupied slot's source length
+        out_len = [1] * n
         length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
                                                 else self.budget.next_length(1, self.max_draft))
-        while queue or len(free) < b:
+        while queue or len(free) < n:
             if free and queue:
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
                 if reqs:
@@ -345,26 +396,35 @@ class SlotLoop:
                     for s, r in zip(slots, reqs):
                         src_len[s], out_len[s] = len(r.src), 1
             t0 = time.perf_counter()
-            live = [s for s in range(b) if src_len[s]]
+            live = [s for s in range(n) if src_len[s]]
             src_width = bucket(max(src_len), self.cache.src_width - 1)
             width = min(length, src_width)  # no draft is longer than its source
             span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1)
             self._run_step(width, span, src_width)
             summary = self._summary.tolist()  # the one host read of the iteration
-            done, out_len = summary[:b], summary[b: 2 * b]
-            tokens, fed, offered = summary[2 * b: 2 * b + 3]
+            done, out_len = summary[:n], summary[n: 2 * n]
+            tokens, fed, offered = summary[2 * n: 2 * n + 3]
             seconds = time.perf_counter() - t0
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
-            self.counters.padded += b * (width + 1)
+            self.counters.padded += n * (width + 1)
             if self.budget is not None and self.max_draft:
                 self.budget.record(length, tokens, seconds, len(live), offered=offered)
                 length = self.budget.next_length(len(live), self.max_draft)
-            finished = [s for s in range(b) if done[s]]
+            finished = [s for s in range(n) if done[s]]
             if finished:
                 yield from self._retire(finished, out_len)
                 for s in finished:
                     src_len[s] = 0
                 free = sorted(free + finished)
+                if not queue and 2 < n and 0 < 2 * (n - len(free)) <= n:  # the tail: half the slots or more empty
+                    live = [s for s in range(n) if src_len[s]]
+                    placed = self._compact(live)
+                    n = self.state.batch_size
+                    moved_src, moved_out = [0] * n, [1] * n
+                    for old, new in zip(live, placed):
+                        moved_src[new], moved_out[new] = src_len[old], out_len[old]
+                    src_len, out_len = moved_src, moved_out
+                    free = [s for s in range(n) if not src_len[s]]
         self._refills.reset()

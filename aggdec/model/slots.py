@@ -45,6 +45,18 @@ class SlotCache:
         self.src_keep = torch.zeros(slots, src_width, dtype=torch.bool, device=device)
         self.src_keep[:, 0] = True  # empty slots attend to one zero key: finite garbage
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer; dimension 0 is the slot."""
+        return [*self.k, *self.v, *self.cross_k, *self.cross_v, self.src_keep]
+
+    def narrow(self, n: int) -> SlotCache:
+        """The first `n` slots as a cache of their own, sharing this one's storage."""
+        view = object.__new__(SlotCache)
+        view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        view.cross_k, view.cross_v = [t[:n] for t in self.cross_k], [t[:n] for t in self.cross_v]
+        view.src_keep = self.src_keep[:n]
+        return view
+
     @property
     def length(self) -> int:
         return self.k[0].shape[1]
