@@ -44,7 +44,7 @@ from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
-from aggdec.model.slots import SlotCache, bucket
+from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -69,11 +69,6 @@ def gemm_backend(dtype: torch.dtype, slots: int) -> str:
     """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`)."""
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS else "ATEN"
 
-
-COMPILE_PAYS_BELOW = 9
-"""Batch sizes below which a compiled CPU step measured faster than the eager row loop (ende-base greedy:
-3.9x at batch size 1, 1.24x at 8; at 16, whose 16 slots batch sizes 9-15 share, 0.84x;
-`bench/compile_bench.py`, docs/benchmarks.md); from here on the registry decodes eagerly."""
 
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
@@ -282,14 +277,15 @@ class SlotLoop:
         statistics', the drafter's) becomes the view of its first n rows."""
         whole = self._whole_state
         self.cache = self._whole_cache.narrow(n)
-        self.state = dataclasses.replace(whole, src=whole.src[:n], src_len=whole.src_len[:n], out=whole.out[:n],
-                                         out_len=whole.out_len[:n], max_len=whole.max_len[:n],
-                                         budget=whole.budget[:n], cache=self.cache)
+        self.state = dataclasses.replace(whole, src=leading(whole.src, n), src_len=leading(whole.src_len, n),
+                                         out=leading(whole.out, n), out_len=leading(whole.out_len, n),
+                                         max_len=leading(whole.max_len, n), budget=leading(whole.budget, n),
+                                         cache=self.cache)
         for name, t in self._whole_rows.items():
-            setattr(self, name, t[:n])
+            setattr(self, name, leading(t, n))
         for name, t in self._whole_drafter.items():
-            self.drafter.rows._tensors[name] = t[:n]
-        self._summary = self._whole_summary[: 2 * n + 3]
+            self.drafter.rows._tensors[name] = leading(t, n)
+        self._summary = leading(self._whole_summary, 2 * n + 3)
 
     def _compact(self, live: list[int]) -> list[int]:
         """Move the rows of the `live` slots into the first slots and narrow to the power of two (at

@@ -106,10 +106,12 @@ def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor) -> torch.T
     multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None. Kept on `holder`
     (attributes `_pack`, `_pack_key`): packed on first use and again whenever the weight changes (its
     storage or version counter moves)."""
+    if torch.compiler.is_compiling():  # before any size test: a compiled program would guard on the sizes
+        return None
     # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
     wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]
     if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or not _enabled or torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or weight.dtype != torch.float32 or x.dtype != weight.dtype
+            or weight.dtype != torch.float32 or x.dtype != weight.dtype
             or weight.device.type != "cpu" or weight.is_inference()):
         return None
     key = (weight.data_ptr(), weight._version)

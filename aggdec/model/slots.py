@@ -21,6 +21,15 @@ SPANS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 half again the length they cover."""
 
 
+def leading(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` rows of contiguous `t`, sharing its storage; `t` itself for all of them. Not a view
+    in autograd's sense: TorchDynamo guards a view's size against its base's, so a compiled step would
+    compile again for every narrowing."""
+    if n == t.shape[0]:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]), t.stride())
+
+
 def bucket(n: int, limit: int | None = None) -> int:
     """The smallest bucket >= n (n itself beyond the largest), at most `limit`."""
     b = next((s for s in SPANS if s >= n), n)
@@ -52,9 +61,9 @@ class SlotCache:
     def narrow(self, n: int) -> SlotCache:
         """The first `n` slots as a cache of their own, sharing this one's storage."""
         view = object.__new__(SlotCache)
-        view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
-        view.cross_k, view.cross_v = [t[:n] for t in self.cross_k], [t[:n] for t in self.cross_v]
-        view.src_keep = self.src_keep[:n]
+        view.k, view.v = [leading(t, n) for t in self.k], [leading(t, n) for t in self.v]
+        view.cross_k, view.cross_v = [leading(t, n) for t in self.cross_k], [leading(t, n) for t in self.cross_v]
+        view.src_keep = leading(self.src_keep, n)
         return view
 
     @property
