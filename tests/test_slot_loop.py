@@ -178,8 +178,8 @@ def test_slot_count():
     assert slot_count(48, 100) == 64
 
 
-def test_fused_attention_equals_the_kernel():
-    """`core(fused=True)` (the compiled step's attention) computes the kernel's attention: float64, random
+def test_math_attention_equals_the_kernel():
+    """`core(math=True)` (the compiled step's attention) computes the kernel's attention: float64, random
     masks that keep at least one key per query, one and several queries per row."""
     from aggdec.model.transformer import MultiheadAttention
 
@@ -189,8 +189,8 @@ def test_fused_attention_equals_the_kernel():
         q, k, v = (torch.randn(b, n, 16, generator=gen, dtype=torch.float64) for n in (t, length, length))
         keep = torch.rand(b, 1, t, length, generator=gen) < 0.6
         keep[..., 0] = True
-        fused, kernel = attn.core(q, k, v, keep, fused=True), attn.core(q, k, v, keep)
-        torch.testing.assert_close(fused, kernel, rtol=1e-12, atol=1e-12)
+        math, kernel = attn.core(q, k, v, keep, math=True), attn.core(q, k, v, keep)
+        torch.testing.assert_close(math, kernel, rtol=1e-12, atol=1e-12)
 
 
 def test_compiled_steps_keep_their_own_weights():

@@ -5,8 +5,10 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
 
 - **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two, fewer for a
   short run) and a `SlotCache` allocated once per run: self-attention K/V up to the longest output
-  any request may reach, cross K/V up to the widest source. Rows never move; a finished row's slot
-  is overwritten by a refill. Empty slots compute masked garbage.
+  any request may reach, cross K/V up to the widest source. A row stays in its slot; a finished
+  row's slot is overwritten by a refill. Empty slots compute masked garbage; once no request waits
+  and half the slots or more are empty, the live rows move into the first slots and the steps run on
+  the power of two (at least 2) that holds them.
 - **Fixed shapes.** A call feeds every slot `[last token ; width draft tokens]`; rows that draft fewer
   are masked by their own counts. Attention reads a bucketed prefix of the cache (`slots.bucket`)
   and a bucketed source width, so one (width, span, source width) is one program.
@@ -15,10 +17,11 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   time share) are batched tensor updates in place. After the step the host reads one small tensor:
   which slots finished, the output lengths (for the next span) and the call's token counts (for the
   draft budget). Rows that finished are then read once, when they retire.
-- **Captured steps.** On a GPU each (width, span, source width) step is captured once as a CUDA
+- **Captured steps.** On a GPU each (slots, width, span, source width) step is captured once as a CUDA
   graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
-  TorchInductor program with symbolic widths and spans: weights frozen into it, its own C++ GEMMs,
-  attention as products and sums that it fuses (`MultiheadAttention.core`, `fused`), a C++ wrapper;
+  TorchInductor program with symbolic shapes: weights frozen into it, products as C++ GEMMs
+  inlined into it (up to `CPP_GEMM_SLOTS` slots) or oneDNN's on prepacked weights,
+  attention as two batched products and a softmax (`MultiheadAttention.core`, `math`), a C++ wrapper;
   a process compiles it once (again for widths 0 and 1, which TorchInductor specializes);
   elsewhere it runs eagerly.
 

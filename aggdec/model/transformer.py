@@ -89,14 +89,13 @@ class MultiheadAttention(nn.Module):
         return self._kv((self.k_proj, self.v_proj), x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-             fused: bool = False) -> torch.Tensor:
+             math: bool = False) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
         -> (B,T,D) attention output before out_proj.
 
-        fused: written as broadcast products and sums, for TorchInductor to fuse into a few C++ loops
-        (a compiled step's few queries per row: the CPU's flash-attention kernel costs more in set-up
-        than the arithmetic, about 0.6 ms for 256 rows of one query). Eager, it would materialize
-        (B,H,T,L,Dh) products: compiled steps only."""
+        math: two batched products and a softmax, which TorchInductor compiles into its own loops
+        around the products (a compiled step's few queries per row: the CPU's flash-attention kernel
+        costs more in set-up than the arithmetic, about 0.6 ms for 256 rows of one query)."""
         b, t, d = q.shape
         h = self.heads
         # unflatten splits only the last dimension: views of a cache prefix need no contiguity check
@@ -104,10 +103,10 @@ class MultiheadAttention(nn.Module):
         q = q.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,T,Dh)
         k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
         v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
-        if fused:
-            scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * (d // h) ** -0.5  # (B,H,T,L)
+        if math:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (d // h) ** -0.5  # (B,H,T,L)
             weights = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-            out = (weights[..., None] * v[:, :, None, :, :]).sum(-2)  # (B,H,T,Dh)
+            out = torch.matmul(weights, v)  # (B,H,T,Dh)
         else:
             p = self.dropout if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
@@ -416,7 +415,7 @@ class Transformer(nn.Module):
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
         # a compiled scatter_ into an input copies the whole buffer)
         at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
-        fused = torch.compiler.is_compiling() and tokens.device.type == "cpu"
+        math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
         for i, layer in enumerate(self.decoder.layers):
             sa, ca = layer.self_attn, layer.encoder_attn
 
@@ -424,11 +423,11 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
-                return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep, fused))
+                return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep, math))
 
             def cross_attn(h, i=i, ca=ca):
                 return ca.out_proj(ca.core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
-                                           cross_keep, fused))
+                                           cross_keep, math))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:
