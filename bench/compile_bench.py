@@ -1,12 +1,13 @@
 """Where a compiled step pays: the compiled slot loop against the eager row loop, in one process.
 
-    python bench/compile_bench.py --model ende-base --batch-sizes 8,16,32,64 --limit 500
+    python bench/compile_bench.py --model ende-base --batch-sizes 1,8,16,64,256 --limit 600 \
+        --out bench/results/compile-ende.json
     python bench/compile_bench.py --model gec-base --batch-sizes 1 --method iad --limit 500
 
 For each batch size: both loops decode the first `--limit` sentences of the model's test set
 (gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`), after a warm-up that compiles,
 `--repeat` times interleaved; prints median sentences/s of each, their ratio and the share of
-identical outputs. `slot_loop.COMPILE_PAYS_BELOW` comes from these figures.
+identical outputs; `--out` also writes them as JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
 from aggdec.decoding.methods import decode_options  # noqa: E402
 from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
+from aggdec.model.precision import cpu_isa  # noqa: E402
 from aggdec.train.ar import read_tsv  # noqa: E402
 
 SETS = {"gec-base": ("gec/test.tsv", "noisy"), "ende-base": ("ende/test.tsv", "en")}
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     path, column = SETS[a.model]
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         reqs.append(Request(index=i, src=ids, max_len=max(1, max_len_for(len(ids), opts.max_len_a, opts.max_len_b,
                                                                            tr.cfg.max_target_positions))))
     drafter = NoDraft if a.method == "greedy" else InputCopy
+    rows = []
     with torch.no_grad():
         for bs in (int(x) for x in a.batch_sizes.split(",")):
             loops = {"eager": DraftVerifyLoop(tr.model, drafter(), max_batch_size=bs),
@@ -73,10 +77,15 @@ def main(argv: list[str] | None = None) -> int:
                     seconds[kind].append(time.perf_counter() - t0)
             rate = {k: len(reqs) / statistics.median(v) for k, v in seconds.items()}
             same = sum(outs["eager"][i] == outs["compiled"][i] for i in outs["eager"]) / len(reqs)
-            print(json.dumps({"model": a.model, "method": a.method, "batch_size": bs, "sentences": len(reqs),
-                              "eager_sentences_per_s": round(rate["eager"], 2),
-                              "compiled_sentences_per_s": round(rate["compiled"], 2),
-                              "ratio": round(rate["compiled"] / rate["eager"], 3), "identical": same}), flush=True)
+            rows.append({"model": a.model, "method": a.method, "batch_size": bs, "sentences": len(reqs),
+                         "eager_sentences_per_s": round(rate["eager"], 2),
+                         "compiled_sentences_per_s": round(rate["compiled"], 2),
+                         "ratio": round(rate["compiled"] / rate["eager"], 3), "identical": same})
+            print(json.dumps(rows[-1]), flush=True)
+    if a.out:
+        a.out.write_text(json.dumps({"command": "python bench/compile_bench.py " + " ".join(argv or sys.argv[1:]),
+                                     "cpu": cpu_isa(), "threads": a.threads, "torch": torch.__version__,
+                                     "rows": rows}, indent=2) + "\n")
     return 0
 
 
