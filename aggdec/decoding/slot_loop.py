@@ -68,9 +68,11 @@ per program, so no timing chooses between kernels and a run's arithmetic is the 
 float64 (test) models always take ATen's."""
 
 
-def gemm_backend(dtype: torch.dtype, slots: int) -> str:
-    """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`)."""
-    return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS else "ATEN"
+def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
+    """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`). A step that
+    verifies drafts takes ATen's: for its products the C++ template offered no choice
+    (`NoValidChoicesError`, and the step decoded eagerly)."""
+    return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
 
 
 MATCH_DEPTH = 16
@@ -211,7 +213,8 @@ class SlotLoop:
         copy of its code object."""
         fn = SlotLoop._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        backend = gemm_backend(self.dtype, slot_count(self.max_batch_size, self.max_batch_size))
+        backend = gemm_backend(self.dtype, slot_count(self.max_batch_size, self.max_batch_size),
+                               drafts=not isinstance(self.drafter, NoDraft))
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
