@@ -280,7 +280,7 @@ class SlotLoop:
 
     def _narrow(self, n: int) -> None:
         """Run the next steps on the first `n` slots: every per-slot tensor (the state's, the cache's, the
-        statistics', the drafter's) becomes the view of its first n rows."""
+        statistics', the drafter's) becomes its first n rows (`slots.leading`, sharing its storage)."""
         whole = self._whole_state
         self.cache = self._whole_cache.narrow(n)
         self.state = dataclasses.replace(whole, src=leading(whole.src, n), src_len=leading(whole.src_len, n),
@@ -298,8 +298,6 @@ class SlotLoop:
         least 2: a compiled step specializes a batch of 1) that holds them, so that a run's tail
         computes no empty slots past it; returns each live row's slot, in `live`'s order."""
         n = max(2, 1 << (len(live) - 1).bit_length())
-        if n == self.state.batch_size == self._whole_state.batch_size:
-            return live
         if self.state.batch_size == self._whole_state.batch_size and not isinstance(self.drafter, NoDraft):
             self._whole_drafter = dict(self.drafter.rows._tensors)  # as the last admission left them
         taken = set(live)
