@@ -5,7 +5,8 @@
     python bench/compile_bench.py --model gec-base --batch-sizes 1 --method iad --limit 500
 
 For each batch size: both loops decode the first `--limit` sentences of the model's test set
-(gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`), after a warm-up that compiles,
+(gec-base: gec/test.tsv `noisy`; ende-base: ende/test.tsv `en`) with the method's default options
+(IAD: the registry's drafter and draft budget), after a warm-up that compiles,
 `--repeat` times interleaved; prints median sentences/s of each, their ratio and the share of
 identical outputs; `--out` also writes them as JSON.
 """
@@ -25,12 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from aggdec.api import Translator  # noqa: E402
-from aggdec.decoding.drafters import NoDraft  # noqa: E402
-from aggdec.decoding.iad import InputCopy  # noqa: E402
+from aggdec.decoding.budget import DraftBudget  # noqa: E402
 from aggdec.decoding.limits import max_len_for  # noqa: E402
 from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
-from aggdec.decoding.methods import decode_options  # noqa: E402
+from aggdec.decoding.methods import decode_options, get_method  # noqa: E402
 from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
 from aggdec.train.ar import read_tsv  # noqa: E402
@@ -60,12 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         ids = tr.prepare(s, framing)[0]
         reqs.append(Request(index=i, src=ids, max_len=max(1, max_len_for(len(ids), opts.max_len_a, opts.max_len_b,
                                                                            tr.cfg.max_target_positions))))
-    drafter = NoDraft if a.method == "greedy" else InputCopy
+    method, context = get_method(a.method), tr._context(opts)
+
+    def parts() -> dict:
+        """The method's drafter and draft budget with its default options, as the registry builds them."""
+        drafter = method.drafter(opts, context)
+        auto = opts.method != "greedy" and opts.draft_length == "auto"
+        return {"drafter": drafter, "budget": DraftBudget(drafter.max_draft or DraftBudget.LONGEST) if auto else None}
+
     rows = []
     with torch.no_grad():
         for bs in (int(x) for x in a.batch_sizes.split(",")):
-            loops = {"eager": DraftVerifyLoop(tr.model, drafter(), max_batch_size=bs),
-                     "compiled": SlotLoop(tr.model, drafter(), max_batch_size=bs, compile=True)}
+            loops = {"eager": DraftVerifyLoop(tr.model, max_batch_size=bs, projection=context.projection, **parts()),
+                     "compiled": SlotLoop(tr.model, max_batch_size=bs, compile=True, **parts())}
             for loop in loops.values():
                 list(loop.run(reqs[: max(2 * bs, 8)]))  # warm-up; compiles
             seconds: dict[str, list[float]] = {k: [] for k in loops}

@@ -209,7 +209,7 @@ def test_compiled_steps_keep_their_own_weights():
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span, source width
     and narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached
-    through the public option of greedy (the method that offers it)."""
+    through the public option of greedy and of IAD (which compiles below batch size 3)."""
     from aggdec.decoding.methods import DraftContext, decode_options, get_method
     from aggdec.model.projection import OutputProjection
 
@@ -229,5 +229,12 @@ def test_compiled_step_equals_greedy():
             assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
         decode_options("greedy", compile=True, precision="int8")
-    with pytest.raises(ValueError, match="compile: not an option of method iad"):
-        decode_options("iad", compile=True)
+    # IAD compiles below batch size 3 (above, it measured slower than its row loop)
+    iad = decode_options("iad", compile=True, max_batch_size=2)
+    loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
+    assert loop._compiled is not None
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    wide = decode_options("iad", compile=True, max_batch_size=3)
+    with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
+        assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \
+            "DraftVerifyLoop"

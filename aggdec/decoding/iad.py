@@ -13,15 +13,18 @@ import torch.nn.functional as F
 
 from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import AdaptiveDraft, DecodeOptions, Drafting, OptionError, option
+from aggdec.decoding.options import AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, OptionError, option
 from aggdec.decoding.state import DecodeState
 
 
 @dataclass(frozen=True, kw_only=True)
-class IADOptions(Drafting, AdaptiveDraft, DecodeOptions):
+class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
     """IAD's options; with adaptive_draft the cap of a row moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
+    # every slot verifies the call's whole draft width, where the row loop packs each row's own draft:
+    # compiled, 1.25x the row loop at batch size 1, 1.07x at 2, 0.96x at 4 (docs/benchmarks.md)
+    compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
                                          "input).", low=1)

@@ -10,6 +10,7 @@ Adding a drafter is one module (the drafter and its options class) and one `regi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,13 +114,19 @@ class Method:
 def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeOptions) -> bool:
     """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop): where the slot loop takes the
     method, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
-    on a CPU where the options ask for a compiled step (`compile`); OptionError where the slot loop
-    cannot take the verifier."""
+    on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
+    one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
     supported = slots_support(context.model, drafter, acceptance)
     device = next(context.model.parameters()).device
     if getattr(opts, "compile", False) and device.type == "cpu":
         if not supported:
             raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
+        pays_below = opts.compile_pays_below
+        if pays_below is not None and opts.max_batch_size >= pays_below:
+            warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "
+                          f"size {pays_below} (docs/benchmarks.md), so max_batch_size={opts.max_batch_size} "
+                          "decodes eagerly", stacklevel=3)
+            return False
         return True
     return device.type == "cuda" and not context.projection.certify and supported
 

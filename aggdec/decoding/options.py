@@ -118,13 +118,17 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop compiles on request (greedy; IAD compiled measured
-    slower than its packed row loop, so it does not offer it)."""
+    """Mixin: methods whose decoder step the slot loop compiles on request. `compile_pays_below`: the batch
+    size from which a compiled step measured slower than the eager row loop (None: at none measured);
+    from there the registry decodes eagerly, with one warning."""
+
+    compile_pays_below: ClassVar[int | None] = None
 
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
                                   "batch slots (aggdec.decoding.slot_loop) instead of eager operators, the weights "
-                                  "frozen into it: 3-4x eager decoding at batch size 1, 1.2-1.4x from 16 to 256 "
-                                  "(docs/benchmarks.md). Compiling takes "
+                                  "frozen into it. greedy: 3-4x eager decoding at batch size 1, 1.2-1.4x from 16 "
+                                  "to 256; iad: 1.25x at batch size 1, and from batch size 3, where it measured "
+                                  "slower, decoding stays eager (one warning; docs/benchmarks.md). Compiling takes "
                                   "20-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
