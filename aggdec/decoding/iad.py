@@ -23,7 +23,7 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
 
     method: ClassVar[str] = "iad"
     # every slot verifies the call's whole draft width, where the row loop packs each row's own draft:
-    # compiled, 1.25x the row loop at batch size 1, 1.07x at 2, 0.96x at 4 (docs/benchmarks.md)
+    # compiled, 1.39x the row loop at batch size 1, 1.04x at 2, 0.95x at 4 (docs/benchmarks.md)
     compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "

@@ -127,9 +127,9 @@ class CompiledStep:
     compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
                                   "batch slots (aggdec.decoding.slot_loop) instead of eager operators, the weights "
                                   "frozen into it. greedy: 3-4x eager decoding at batch size 1, 1.2-1.4x from 16 "
-                                  "to 256; iad: 1.25x at batch size 1, and from batch size 3, where it measured "
+                                  "to 256; iad: 1.4x at batch size 1, and from batch size 3, where it measured "
                                   "slower, decoding stays eager (one warning; docs/benchmarks.md). Compiling takes "
-                                  "20-60 s once per process (less with TorchInductor's on-disk cache). fp32 "
+                                  "20-60 s once per process. fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:
