@@ -223,8 +223,8 @@ def test_compiled_step_equals_greedy():
     method = get_method("greedy")
     loop = method.loop(opts, context, method.drafter(opts, context))
     assert loop._compiled is not None
-    for n, run in enumerate((reqs, reqs[3:], reqs[:2])):
-        # one program for every span, width and number of slots (the tail narrows 4 -> 2)
+    for n, run in enumerate((reqs[:2], reqs, reqs[3:])):
+        # one program for every span, width and number of slots (2 slots, then 4 narrowing to 2)
         with torch._dynamo.config.patch(error_on_recompile=n > 0):
             assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
