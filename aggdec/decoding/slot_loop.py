@@ -75,6 +75,9 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
 
 
+STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "budget")
+"""The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
+
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
 
@@ -283,10 +286,8 @@ class SlotLoop:
         statistics', the drafter's) becomes its first n rows (`slots.leading`, sharing its storage)."""
         whole = self._whole_state
         self.cache = self._whole_cache.narrow(n)
-        self.state = dataclasses.replace(whole, src=leading(whole.src, n), src_len=leading(whole.src_len, n),
-                                         out=leading(whole.out, n), out_len=leading(whole.out_len, n),
-                                         max_len=leading(whole.max_len, n), budget=leading(whole.budget, n),
-                                         cache=self.cache)
+        self.state = dataclasses.replace(whole, cache=self.cache,
+                                         **{name: leading(getattr(whole, name), n) for name in STATE_ROWS})
         for name, t in self._whole_rows.items():
             setattr(self, name, leading(t, n))
         for name, t in self._whole_drafter.items():
@@ -306,7 +307,7 @@ class SlotLoop:
         if movers:
             st, dev = self._whole_state, self.device
             src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
-            for t in (st.src, st.src_len, st.out, st.out_len, st.max_len, st.budget, *self._whole_cache.tensors(),
+            for t in (*(getattr(st, name) for name in STATE_ROWS), *self._whole_cache.tensors(),
                       *self._whole_rows.values(), *self._whole_drafter.values()):
                 t[dst] = t[src]
             for m, h in zip(movers, holes):
