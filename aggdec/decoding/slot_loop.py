@@ -10,8 +10,10 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   and half the slots or more are empty, the live rows move into the first slots and the steps run on
   the power of two (at least 2) that holds them.
 - **Fixed shapes.** A call feeds every slot `[last token ; width draft tokens]`; rows that draft fewer
-  are masked by their own counts. Attention reads a bucketed prefix of the cache (`slots.bucket`)
-  and a bucketed source width, so one (width, span, source width) is one program.
+  are masked by their own counts. Attention reads a prefix of the cache up to the longest row and
+  the widest live source, bucketed where steps are CUDA graphs (`slots.bucket`), so that one
+  (width, span, source width) is one graph; a compiled step's shapes are symbolic, so it reads
+  exactly those.
 - **Device-side bookkeeping.** Acceptance, the commit of accepted tokens and the bonus token, eos and
   length rules, and every row statistic (iterations, drafted, accepted, accepted per call, decode
   time share) are batched tensor updates in place. After the step the host reads one small tensor:
@@ -398,9 +400,12 @@ class SlotLoop:
                         src_len[s], out_len[s] = len(r.src), 1
             t0 = time.perf_counter()
             live = [s for s in range(n) if src_len[s]]
-            src_width = bucket(max(src_len), self.cache.src_width - 1)
+            # buckets where each shape is a CUDA graph; elsewhere (eager, or compiled with symbolic
+            # shapes) the exact sizes, so that attention reads no padding past the longest row
+            exact = not self.graphs
+            src_width = bucket(max(src_len), self.cache.src_width - 1, exact)
             width = min(length, src_width)  # no draft is longer than its source
-            span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1)
+            span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact)
             self._run_step(width, span, src_width)
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]

@@ -30,9 +30,11 @@ def leading(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]), t.stride())
 
 
-def bucket(n: int, limit: int | None = None) -> int:
-    """The smallest bucket >= n (n itself beyond the largest), at most `limit`."""
-    b = next((s for s in SPANS if s >= n), n)
+def bucket(n: int, limit: int | None = None, exact: bool = False) -> int:
+    """The smallest bucket >= n (n itself beyond the largest), at most `limit`. `exact`: n itself, at
+    least 2 (a compiled program specializes sizes 0 and 1), at most `limit`: where shapes need not
+    repeat, attention reads no padding past the longest row."""
+    b = max(n, 2) if exact else next((s for s in SPANS if s >= n), n)
     return b if limit is None else max(min(b, limit), min(n, limit))
 
 
