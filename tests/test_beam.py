@@ -6,6 +6,7 @@ No fairseq import here: parity with fairseq itself is in test_fairseq_parity.py.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 
 from aggdec.checkpoint import Bundle
-from aggdec.decoding.beam import beam_search
+from aggdec.decoding import beam as beam_module
+from aggdec.decoding.beam import beam_search, chunk_for, top_candidates
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding import loop as loop_module
 from aggdec.decoding.loop import DraftVerifyLoop
@@ -98,6 +100,35 @@ def test_beam_batches_are_encoded_ahead(monkeypatch):
     assert sum(b for b, _ in rows) == len(reqs) and len(rows) < 23 / 2, rows
     assert all(b % 2 == 0 or b == rows[-1][0] for b, _ in rows)  # whole batches, the last one aside
     assert all(b == 2 or b * width <= 200 for b, width in rows), rows
+
+
+def test_top_candidates_equal_topk():
+    """The chunked top-k returns torch.topk's values and columns (distinct values), also with -inf
+    rows or chunks (forced tokens) and where too few chunks leave it to torch.topk."""
+    gen = torch.Generator().manual_seed(0)
+    assert chunk_for(8000) == 160 and chunk_for(2048) == 256 and chunk_for(13) is None
+    for rows, width, count, chunk in ((7, 40000, 10, 160), (5, 8000, 10, 160), (16, 10240, 6, 256), (4, 640, 10, 64)):
+        for dtype in (torch.float32, torch.float64):
+            x = torch.randn(rows, width, generator=gen, dtype=dtype)
+            x[0, : width // 2] = -math.inf  # half a row masked
+            x[1] = -math.inf
+            x[1, 5] = 0.0  # one finite value (a forced token): the rest of its candidates are -inf
+            want, got = torch.topk(x, count), top_candidates(x, count, chunk)
+            assert torch.equal(want.values, got[0])
+            finite = want.values.isfinite()
+            assert torch.equal(want.indices[finite], got[1][finite])
+            assert torch.equal(x.gather(1, got[1]), got[0])  # the -inf ones are -inf columns too
+
+
+def test_beam_with_chunked_top_k_equals_plain_top_k(monkeypatch):
+    """A vocabulary large enough for chunked candidates: outputs and scores as with torch.topk."""
+    model = tiny_model("postnorm-sinusoidal-shared", seed=5, vocab=2048)
+    reqs = _requests(model, n=12, seed=3, max_out=10)
+    chunked = beam_search(model, reqs, beam=5, nbest=3, max_batch_size=4)
+    monkeypatch.setattr(beam_module, "chunk_for", lambda vocab: None)
+    plain = beam_search(model, reqs, beam=5, nbest=3, max_batch_size=4)
+    assert [h.nbest for h in chunked] == [h.nbest for h in plain]
+    assert sum(len(h.tokens) > 0 for h in plain) > len(reqs) // 2
 
 
 def test_beam_differs_from_greedy_sometimes_and_lenpen_matters():
