@@ -26,11 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from aggdec.api import Translator  # noqa: E402
-from aggdec.decoding.budget import DraftBudget  # noqa: E402
 from aggdec.decoding.limits import max_len_for  # noqa: E402
 from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
-from aggdec.decoding.methods import decode_options, get_method  # noqa: E402
+from aggdec.decoding.methods import decode_options, get_method, new_budget, wants_budget  # noqa: E402
 from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
 from aggdec.train.ar import read_tsv  # noqa: E402
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     def parts() -> dict:
         """The method's drafter and draft budget with its default options, as the registry builds them."""
         drafter = method.drafter(opts, context)
-        auto = opts.method != "greedy" and opts.draft_length == "auto"
-        return {"drafter": drafter, "budget": DraftBudget(drafter.max_draft or DraftBudget.LONGEST) if auto else None}
+        return {"drafter": drafter, "budget": new_budget(drafter) if wants_budget(opts, drafter) else None}
 
     rows = []
     with torch.no_grad():

@@ -84,8 +84,8 @@ class Method:
         """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
         for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted)."""
         budget = None
-        if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
-            budget = context.budgets.pop(opts, None) or DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+        if wants_budget(opts, drafter):
+            budget = context.budgets.pop(opts, None) or new_budget(drafter)
             context.budgets[opts] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
@@ -109,6 +109,17 @@ class Method:
         if self.drafter is None:
             return opts.run(context.model, requests, context.prompt)
         return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
+
+
+def wants_budget(opts: DecodeOptions, drafter: Drafter) -> bool:
+    """Whether `opts` with `drafter` decodes under a draft budget: `draft_length = "auto"` and a drafter
+    that drafts."""
+    return getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
+
+
+def new_budget(drafter: Drafter) -> DraftBudget:
+    """A fresh draft budget for `drafter`'s longest draft (DraftBudget.LONGEST where it has no cap)."""
+    return DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
 
 
 def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeOptions) -> bool:
