@@ -16,7 +16,8 @@ from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 
 from aggdec.checkpoint import Bundle
 from aggdec.decoding import beam as beam_module
-from aggdec.decoding.beam import beam_search, chunk_for, top_candidates
+from aggdec.decoding.beam import beam_search
+from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding import loop as loop_module
 from aggdec.decoding.loop import DraftVerifyLoop

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
 from aggdec.decoding.options import DecodeOptions, OptionError, option
@@ -223,41 +224,6 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         scores.view(bsz, k, -1)[:, :, step] = torch.gather(cand_scores, dim=1, index=active_hypos)
         cache.reorder(cache_rows, step + 1, take_cross=bool(newly))
         step += 1
-
-
-CHUNKS = range(256, 63, -16)
-"""Chunk lengths `top_candidates` may cut rows into, the longest dividing the vocabulary first: whole
-vectors of 16 floats (lengths that are not reduced several times slower on the CPU)."""
-
-
-CHUNKED_FROM = 32768
-"""Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
-chunked search's five operators (1 x 8,000: 10 against 25 us; 1 x 40,000: 38 against 27)."""
-
-
-def chunk_for(vocab: int) -> int | None:
-    """The chunk length top_candidates uses for rows of whole vocabularies, or None (plain top-k)."""
-    return next((c for c in CHUNKS if vocab % c == 0), None)
-
-
-def top_candidates(flat: torch.Tensor, count: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(flat, count): each row's `count` largest values, largest first, and their columns.
-
-    With `chunk` (dividing the row length), each row is cut into chunks of that length and only the
-    `count` chunks with the largest maxima are searched: any of the row's `count` largest values lies
-    in one of them (a value in another chunk is below `count` chunk maxima, each a value of the row),
-    so the result is torch.topk's but for the order among exactly equal values. Beam search's rows are
-    beam x vocabulary log-probs: at 64 sentences x 5 beams x 8,000 tokens, 0.2 against 1.0 ms."""
-    rows, width = flat.shape
-    if chunk is None or width // chunk < 4 * count or flat.numel() < CHUNKED_FROM:
-        return torch.topk(flat, count)
-    n = width // chunk
-    chunks = flat.view(rows, n, chunk)
-    best = torch.topk(chunks.amax(dim=2), count, sorted=False).indices  # (rows, count)
-    picked = chunks.reshape(rows * n, chunk).index_select(
-        0, (torch.arange(rows, device=flat.device)[:, None] * n + best).view(-1))
-    values, at = torch.topk(picked.view(rows, count * chunk), count)
-    return values, best.gather(1, torch.div(at, chunk, rounding_mode="floor")) * chunk + at % chunk
 
 
 def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, tokens: torch.Tensor, k: int,

@@ -23,6 +23,7 @@ import time
 import torch
 
 from aggdec.decoding.acceptance import constrain_logits
+from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
 from aggdec.double_token import STRIDE, unfold
@@ -73,6 +74,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     finalized: list[list[tuple[list[int], float]]] = [[] for _ in range(bsz)]
     calls = [0] * bsz
     ms = [0.0] * bsz
+    chunk = chunk_for(vocab)
     step = 0
     while bsz:
         t0 = time.perf_counter()
@@ -85,7 +87,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         lp_l, lp_r = lp[:, 0], lp[:, 1]  # (n, V)
         # DOUBLETOPK: 2W (beam, left), then 3W (beam, left, right)
         left = (scores[:, None] + lp_l).view(bsz, w * vocab)
-        s1, i1 = left.topk(2 * w, dim=1)  # (bsz, 2W)
+        s1, i1 = top_candidates(left, 2 * w, chunk)  # (bsz, 2W)
         beam1 = torch.div(i1, vocab, rounding_mode="trunc")
         row1 = beam1 + (torch.arange(bsz, device=device) * w)[:, None]  # (bsz, 2W) rows of the batch
         right = lp_r[row1]  # (bsz, 2W, V)
@@ -93,7 +95,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         best_r = right.max(dim=-1, keepdim=True).values
         right.masked_fill_(stop[..., None] & (right < best_r), neg)
         pair = (s1[..., None] + right).view(bsz, 2 * w * vocab)
-        s2, i2 = pair.topk(3 * w, dim=1)  # (bsz, 3W)
+        s2, i2 = top_candidates(pair, 3 * w, chunk)  # (bsz, 3W)
         which = torch.div(i2, vocab, rounding_mode="trunc")  # index into the 2W
         cand_row = row1.gather(1, which)
         cand_l = i1.gather(1, which).fmod(vocab)

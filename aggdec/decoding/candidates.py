@@ -1,0 +1,39 @@
+"""Beam search's candidates: each row's few largest log-probs among beam x vocabulary, found by
+searching only the chunks of the row that can hold them (`top_candidates`)."""
+
+from __future__ import annotations
+
+import torch
+
+CHUNKS = range(256, 63, -16)
+"""Chunk lengths `top_candidates` may cut rows into, the longest dividing the vocabulary first: whole
+vectors of 16 floats (lengths that are not reduced several times slower on the CPU)."""
+
+CHUNKED_FROM = 32768
+"""Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
+chunked search's five operators (1 x 8,000: 10 against 25 us; 1 x 40,000: 38 against 27)."""
+
+
+def chunk_for(vocab: int) -> int | None:
+    """The chunk length top_candidates uses for rows of whole vocabularies, or None (plain top-k)."""
+    return next((c for c in CHUNKS if vocab % c == 0), None)
+
+
+def top_candidates(flat: torch.Tensor, count: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(flat, count): each row's `count` largest values, largest first, and their columns.
+
+    With `chunk` (dividing the row length), each row is cut into chunks of that length and only the
+    `count` chunks with the largest maxima are searched: any of the row's `count` largest values lies
+    in one of them (a value in another chunk is below `count` chunk maxima, each a value of the row),
+    so the result is torch.topk's but for the order among exactly equal values. Beam search's rows are
+    beam x vocabulary log-probs: at 64 sentences x 5 beams x 8,000 tokens, 0.2 against 1.0 ms."""
+    rows, width = flat.shape
+    if chunk is None or width // chunk < 4 * count or flat.numel() < CHUNKED_FROM:
+        return torch.topk(flat, count)
+    n = width // chunk
+    chunks = flat.view(rows, n, chunk)
+    best = torch.topk(chunks.amax(dim=2), count, sorted=False).indices  # (rows, count)
+    picked = chunks.reshape(rows * n, chunk).index_select(
+        0, (torch.arange(rows, device=flat.device)[:, None] * n + best).view(-1))
+    values, at = torch.topk(picked.view(rows, count * chunk), count)
+    return values, best.gather(1, torch.div(at, chunk, rounding_mode="floor")) * chunk + at % chunk
