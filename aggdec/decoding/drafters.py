@@ -77,6 +77,10 @@ class RowState:
                 self._tensors[name][slots] = row
         return fresh
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by name (a new dict; set one with `rows.name = ...`)."""
+        return dict(self._tensors)
+
     def select(self, rows: torch.Tensor) -> None:
         for name, t in self._tensors.items():
             self._tensors[name] = t.index_select(0, rows)

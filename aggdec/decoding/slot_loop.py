@@ -244,7 +244,7 @@ class SlotLoop:
 
     def _drafter_tensors(self) -> list[torch.Tensor]:
         rows = getattr(self.drafter, "rows", None)
-        return list(rows._tensors.values()) if rows is not None else []
+        return list(rows.tensors().values()) if rows is not None else []
 
     # -- slots -----------------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class SlotLoop:
         for name, t in self._whole_rows.items():
             setattr(self, name, leading(t, n))
         for name, t in self._whole_drafter.items():
-            self.drafter.rows._tensors[name] = leading(t, n)
+            setattr(self.drafter.rows, name, leading(t, n))
         self._summary = leading(self._whole_summary, 2 * n + 3)
 
     def _compact(self, live: list[int]) -> list[int]:
@@ -302,7 +302,7 @@ class SlotLoop:
         computes no empty slots past it; returns each live row's slot, in `live`'s order."""
         n = max(2, 1 << (len(live) - 1).bit_length())
         if self.state.batch_size == self._whole_state.batch_size and not isinstance(self.drafter, NoDraft):
-            self._whole_drafter = dict(self.drafter.rows._tensors)  # as the last admission left them
+            self._whole_drafter = self.drafter.rows.tensors()  # as the last admission left them
         taken = set(live)
         movers = [s for s in live if s >= n]
         holes = [s for s in range(n) if s not in taken][: len(movers)]
