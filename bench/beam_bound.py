@@ -45,6 +45,7 @@ from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.methods import options_from_mapping  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
 from aggdec.train.ar import read_tsv  # noqa: E402
+from tree_compare import SETS  # noqa: E402  (bench/ is this script's directory)
 
 
 def timed(fn, log: list):
@@ -106,9 +107,8 @@ def step_cost(model, sentences: int, beam: int, span: int, src_width: int, reps:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(REPO / "models" / "ende-base"))
-    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "ende" / "test.tsv"))
-    ap.add_argument("--column", default="en")
+    ap.add_argument("--model", choices=("ende-base", "gec-base"), default="ende-base")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     ap.add_argument("--limit", type=int, default=0, help="first N sentences (0: all)")
     ap.add_argument("--beam", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sources = read_tsv(a.data, a.column, a.column)[0][: a.limit or None]
-    tr = Translator.load(a.model)
+    path, column = SETS[a.model]
+    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit or None]
+    tr = Translator.load(str(REPO / "models" / a.model))
     model = tr.model
     opts = options_from_mapping({"method": "beam", "beam": a.beam, "max_batch_size": a.batch_size}, "beam")[0]
     tr.translate_batch(sources[: 2 * a.batch_size], opts)  # warm-up

@@ -225,8 +225,8 @@ class SlotLoop:
 
     def _capture(self, key: tuple[int, int, int, int]) -> torch.cuda.CUDAGraph:
         """Capture the step for `key` after one warm-up run whose effects are undone."""
-        mutable = [self.state.out, self.state.out_len, self.active, self.ms, self.fed_before, self.hist,
-                   self.iterations, self.drafted, self.accepted, *self._drafter_tensors()]
+        mutable = [self.state.out, self.state.out_len, *(getattr(self, name) for name in self._whole_rows),
+                   *self._drafter_tensors()]
         saved = [t.clone() for t in mutable]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

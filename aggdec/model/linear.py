@@ -101,12 +101,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.relu(y) if relu else y
 
 
-def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `MIN_MACS`
-    multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None. Kept on `holder`
-    (attributes `_pack`, `_pack_key`): packed on first use and again whenever the weight changes (its
-    storage or version counter moves)."""
+def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor | None:
+    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `min_rows` rows and
+    `MIN_MACS` multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None (also while
+    TorchInductor compiles, which packs frozen weights itself). Kept on `holder` (attributes `_pack`,
+    `_pack_key`): packed on first use and again whenever the weight changes (its storage or version
+    counter moves)."""
     if torch.compiler.is_compiling():  # before any size test: a compiled program would guard on the sizes
+        return None
+    if x.numel() < min_rows * weight.shape[1]:
         return None
     # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
     wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]

@@ -316,10 +316,7 @@ class Transformer(nn.Module):
         if self.output_int8 is not None:
             return self.output_int8(x)
         w = self.output_weight
-        # compiled, TorchInductor packs the frozen weight itself (and a size test here would be a guard)
-        plain = torch.compiler.is_compiling() or x.numel() < 2 * x.shape[-1]
-        packed = None if plain else packed_for(self._output_pack, w, x)
-        return linear(x, w, self.output_bias, packed=packed)
+        return linear(x, w, self.output_bias, packed=packed_for(self._output_pack, w, x, min_rows=2))
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Score a block of T new tokens per row on top of each row's cached prefix.
