@@ -193,6 +193,48 @@ def test_math_attention_equals_the_kernel():
         torch.testing.assert_close(math, kernel, rtol=1e-12, atol=1e-12)
 
 
+def test_decode_attention_kernel_equals_masked_softmax():
+    """The CPU kernel (built in the test environment) computes the masked softmax of `core` where each
+    query sees a prefix of its row's keys: float64 to 1e-12, float32 to 1e-5, on cache-prefix views,
+    one and several queries per row, a count broadcast over queries, counts past the keys read
+    (clamped), and NaN where a query sees no key, as the masked softmax gives."""
+    from aggdec.model import decode_attention
+    from aggdec.model.transformer import MultiheadAttention
+
+    assert decode_attention.load(), "the kernel must build here (a C++ compiler and ninja)"
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        for b, t, length, dim, heads in ((1, 1, 5, 16, 4), (5, 1, 37, 32, 2), (3, 4, 9, 64, 4), (2, 3, 20, 24, 3)):
+            attn = MultiheadAttention(dim, heads, 0.0).eval()
+            q = torch.randn(b, t, 3 * dim, generator=gen, dtype=dtype)[..., :dim]  # a view, as q of a fused q/k/v
+            cache = torch.randn(2, b, length + 7, dim, generator=gen, dtype=dtype)
+            k, v = cache[0, :, :length], cache[1, :, :length]  # prefixes of a longer cache
+            count = torch.randint(1, length + 3, (b, t), generator=gen)
+            keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
+            torch.testing.assert_close(decode_attention.attend(q, k, v, count, heads), attn.core(q, k, v, keep),
+                                       rtol=tol, atol=tol)
+            shared = count[:, :1].expand(b, t)
+            keep = (torch.arange(length)[None, None, :] < shared[:, :, None])[:, None]
+            torch.testing.assert_close(decode_attention.attend(q, k, v, shared, heads), attn.core(q, k, v, keep),
+                                       rtol=tol, atol=tol)
+    none = decode_attention.attend(q, k, v, torch.zeros_like(count), heads)
+    assert none.isnan().all()
+
+
+def test_compiled_step_with_the_attention_kernel_equals_greedy():
+    """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel: naive greedy's output, with
+    the slots refilled and the tail narrowed (one program for all of it)."""
+    from aggdec.decoding.slot_loop import RAGGED_SLOTS
+
+    model = tiny_model("prenorm-learned-separate", seed=2, vocab=9)
+    reqs = _requests(random.Random(5), 3 * RAGGED_SLOTS, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    loop = SlotLoop(model, NoDraft(), max_batch_size=RAGGED_SLOTS, compile=True)
+    assert loop.ragged and not SlotLoop(model, NoDraft(), max_batch_size=RAGGED_SLOTS // 2, compile=True).ragged
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    assert loop._compiled is not None
+
+
 def test_compiled_steps_keep_their_own_weights():
     """fp32 models (TorchInductor's own GEMMs, weights frozen into each step): two loops compiled in
     one process on models of the same shapes decode as their own model does eagerly, run after run."""

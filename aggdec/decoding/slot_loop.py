@@ -49,6 +49,7 @@ from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
+from aggdec.model import decode_attention
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 
@@ -75,6 +76,13 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     verifies drafts takes ATen's: for its products the C++ template offered no choice
     (`NoValidChoicesError`, and the step decoded eagerly)."""
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
+
+
+RAGGED_SLOTS = 16
+"""Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
+which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
+step always takes it). With fewer rows the kernel's call costs more than the padding it skips
+(greedy gec-base at 1 slot: 0.92x; ende-base at 64: 1.26x, docs/benchmarks.md)."""
 
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "budget")
@@ -117,6 +125,10 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
+        slots = slot_count(max_batch_size, max_batch_size)
+        # attention over each row's own keys (the masked products where the kernel cannot be built)
+        self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
+                       and decode_attention.load())
         self._compiled = self._compile() if compile else None
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
@@ -147,7 +159,7 @@ class SlotLoop:
         # 2. Verify [last token ; draft] for every slot.
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
-        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width)
+        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged)
         logits = self.model.output_logits(hidden)  # (B, T, V)
         offs = torch.arange(t, device=self.device)[None]
         pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,

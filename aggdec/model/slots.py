@@ -42,7 +42,8 @@ class SlotCache:
     """Self- and cross-attention buffers of `slots` rows (see module docstring).
 
     k, v: per decoder layer (slots, length, D); cross_k, cross_v: per layer (slots, src_width, D);
-    src_keep: (slots, src_width) bool, True at a row's real source positions. A slot that holds no
+    src_keep: (slots, src_width) bool, True at a row's real source positions, a prefix of the row
+    (sources are right-padded); src_count: (slots,) int64, that prefix's length. A slot that holds no
     sentence keeps its last sentence's (or a dummy) cross K/V, so its garbage rows stay finite.
     """
 
@@ -55,17 +56,18 @@ class SlotCache:
         self.cross_k, self.cross_v = zeros(src_width), zeros(src_width)
         self.src_keep = torch.zeros(slots, src_width, dtype=torch.bool, device=device)
         self.src_keep[:, 0] = True  # empty slots attend to one zero key: finite garbage
+        self.src_count = torch.ones(slots, dtype=torch.long, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer; dimension 0 is the slot."""
-        return [*self.k, *self.v, *self.cross_k, *self.cross_v, self.src_keep]
+        return [*self.k, *self.v, *self.cross_k, *self.cross_v, self.src_keep, self.src_count]
 
     def narrow(self, n: int) -> SlotCache:
         """The first `n` slots as a cache of their own, sharing this one's storage."""
         view = object.__new__(SlotCache)
         view.k, view.v = [leading(t, n) for t in self.k], [leading(t, n) for t in self.v]
         view.cross_k, view.cross_v = [leading(t, n) for t in self.cross_k], [leading(t, n) for t in self.cross_v]
-        view.src_keep = leading(self.src_keep, n)
+        view.src_keep, view.src_count = leading(self.src_keep, n), leading(self.src_count, n)
         return view
 
     @property
@@ -84,3 +86,4 @@ class SlotCache:
         keep = torch.zeros(slots.numel(), self.src_width, dtype=torch.bool, device=self.src_keep.device)
         keep[:, :w] = ~cross.src_pad
         self.src_keep[slots] = keep
+        self.src_count[slots] = keep.sum(dim=1)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggdec.double_token import pair_limit
+from aggdec.model import decode_attention
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import FusedLinear, Linear, PackedWeight, linear, packed_for
@@ -392,27 +393,42 @@ class Transformer(nn.Module):
         return x
 
     def decode_slots(self, tokens: torch.Tensor, cache: SlotCache, start: torch.Tensor, span: int,
-                     width: int) -> torch.Tensor:
+                     width: int, ragged: bool = False) -> torch.Tensor:
         """Score a block of T tokens per slot on top of each slot's prefix: a fixed-shape program.
 
         tokens (B,T) int64 go to positions start[b] + t of slot b (start (B,) int64); they are written
         to the cache (positions past the cache's length are dropped into its last position, which no
         live row reaches). Query [b, t] attends to the slot's keys at positions <= its own (a
         double-token model: the end of its pair) within the first `span` positions, and to the first
-        `width` source positions where `cache.src_keep`. Returns the final states (B,T,D). Nothing
-        here reads a tensor to the host, and the shapes depend only on (B, T, span, width).
+        `width` source positions where `cache.src_keep` (a prefix of each row). Returns the final
+        states (B,T,D). Nothing here reads a tensor to the host, and the shapes depend only on
+        (B, T, span, width). `ragged` where the CPU kernel is loaded (`decode_attention.usable`):
+        attention reads each row's visible keys only; else masked products over the `span` and
+        `width` prefixes.
         """
         cfg = self.cfg
         bsz, t = tokens.shape
         pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
-        keys = torch.arange(span, device=tokens.device)
-        self_keep = (keys[None, None, :] <= self._default_limit(pos)[:, :, None])[:, None]  # (B,1,T,span)
-        cross_keep = cache.src_keep[:, None, None, :width]  # (B,1,1,width)
         x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
         # a compiled scatter_ into an input copies the whole buffer)
         at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
         math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
+        limit = self._default_limit(pos)  # (B,T): the last key position each query sees
+        if ragged and decode_attention.usable(tokens.device, cache.k[0].dtype):
+            # each row's own keys: the visible ones are a prefix
+            self_sees = (limit + 1).clamp(max=span)
+            cross_sees = cache.src_count.clamp(max=width)[:, None].expand(bsz, t)
+
+            def attend(mha, q, k, v, sees):
+                return decode_attention.attend(q, k, v, sees, mha.heads)
+        else:
+            self_sees = (torch.arange(span, device=tokens.device)[None, None, :] <= limit[:, :, None])[:, None]
+            cross_sees = cache.src_keep[:, None, None, :width]  # (B,1,1,width)
+
+            def attend(mha, q, k, v, sees):
+                return mha.core(q, k, v, sees, math)
+
         for i, layer in enumerate(self.decoder.layers):
             sa, ca = layer.self_attn, layer.encoder_attn
 
@@ -420,11 +436,11 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
-                return sa.out_proj(sa.core(q, cache.k[i][:, :span], cache.v[i][:, :span], self_keep, math))
+                return sa.out_proj(attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], self_sees))
 
             def cross_attn(h, i=i, ca=ca):
-                return ca.out_proj(ca.core(ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
-                                           cross_keep, math))
+                return ca.out_proj(attend(ca, ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
+                                          cross_sees))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:

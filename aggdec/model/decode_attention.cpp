@@ -1,0 +1,133 @@
+// Attention of a few decoder queries per row over each query's own number of keys (CPU).
+// The operator aggdec::decode_attention; its contract is in aggdec/model/decode_attention.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+T sum_all(Vectorized<T> x) {
+  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return a + b; }, x);
+}
+
+// a . b over n elements
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  using V = Vectorized<T>;
+  V acc(T(0));
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) acc = at::vec::fmadd(V::loadu(a + i), V::loadu(b + i), acc);
+  if (i < n) acc = at::vec::fmadd(V::loadu(a + i, n - i), V::loadu(b + i, n - i), acc);
+  return sum_all(acc);
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& count, int64_t heads,
+            at::Tensor& out) {
+  using V = Vectorized<T>;
+  const int64_t rows = q.size(0), queries = q.size(1), dim = q.size(2), keys = k.size(1), dh = dim / heads;
+  const T scale = static_cast<T>(std::pow(static_cast<double>(dh), -0.5));
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* cp = count.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), k0 = k.stride(0), k1 = k.stride(1);
+  const int64_t v0 = v.stride(0), v1 = v.stride(1), c0 = count.stride(0), c1 = count.stride(1);
+  // one task is one (row, query, head); small problems stay on one thread
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, keys * dh));
+  at::parallel_for(0, rows * queries * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> w(std::max<int64_t>(keys, 1));
+    // softmax(q k^T * scale) v of one (row b, query t, head h) over its first n keys
+    const auto one = [&](int64_t b, int64_t t, int64_t h) {
+      const int64_t n = std::min<int64_t>(cp[b * c0 + t * c1], keys);
+      const T* qi = qp + b * q0 + t * q1 + h * dh;
+      T* oi = op + (b * queries + t) * dim + h * dh;
+      if (n <= 0) {  // no key: a softmax over nothing, as the masked softmax gives
+        std::fill(oi, oi + dh, std::numeric_limits<T>::quiet_NaN());
+        return;
+      }
+      T top = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        w[j] = dot(qi, kp + b * k0 + j * k1 + h * dh, dh) * scale;
+        top = std::max(top, w[j]);
+      }
+      const V vtop(top);
+      V vsum(T(0));
+      int64_t j = 0;
+      for (; j + V::size() <= n; j += V::size()) {
+        const V e = (V::loadu(w.data() + j) - vtop).exp();
+        e.store(w.data() + j);
+        vsum = vsum + e;
+      }
+      if (j < n) {
+        const V e = (V::loadu(w.data() + j, n - j) - vtop).exp();
+        e.store(w.data() + j, n - j);
+        vsum = vsum + V::set(V(T(0)), e, n - j);
+      }
+      const V vtotal(sum_all(vsum));
+      for (j = 0; j < n; j += V::size()) {  // the softmax's weights
+        const int64_t m = std::min<int64_t>(V::size(), n - j);
+        (V::loadu(w.data() + j, m) / vtotal).store(w.data() + j, m);
+      }
+      // their sum of values, in registers: two partial sums (even and odd keys) per vector of dims
+      const T* vb = vp + b * v0 + h * dh;
+      for (int64_t d = 0; d < dh; d += V::size()) {
+        const int64_t m = std::min<int64_t>(V::size(), dh - d);
+        V even(T(0)), odd(T(0));
+        int64_t r = 0;
+        for (; r + 1 < n; r += 2) {
+          even = at::vec::fmadd(V(w[r]), V::loadu(vb + r * v1 + d, m), even);
+          odd = at::vec::fmadd(V(w[r + 1]), V::loadu(vb + (r + 1) * v1 + d, m), odd);
+        }
+        if (r < n) even = at::vec::fmadd(V(w[r]), V::loadu(vb + r * v1 + d, m), even);
+        (even + odd).store(oi + d, m);
+      }
+    };
+    int64_t h = begin % heads, t = (begin / heads) % queries, b = begin / (heads * queries);
+    for (int64_t task = begin; task < end; ++task) {
+      one(b, t, h);
+      if (++h == heads) {
+        h = 0;
+        if (++t == queries) {
+          t = 0;
+          ++b;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& count,
+                            int64_t heads) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && count.dim() == 2,
+              "decode_attention: q, k, v (B,T|L,D) and count (B,T)");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                  count.size(0) == q.size(0) && count.size(1) == q.size(1) && q.size(2) % heads == 0,
+              "decode_attention: mismatched shapes");
+  TORCH_CHECK(count.scalar_type() == at::kLong && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type(), "decode_attention: dtypes");
+  const auto last = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
+  const at::Tensor qc = last(q), kc = last(k), vc = last(v);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention",
+                             [&] { attend<scalar_t>(qc, kc, vc, count, heads, out); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(aggdec, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor count, int heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aggdec, CPU, m) { m.impl("decode_attention", &decode_attention); }

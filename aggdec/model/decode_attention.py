@@ -1,0 +1,69 @@
+"""Attention of a few decoder queries per row over each query's own number of keys, on the CPU.
+
+`attend(q, k, v, count, heads)`: q (B,T,D) queries, already projected; k, v (B,L,D) keys and values
+(a prefix of a slot cache: any strides, the last dimension contiguous); count (B,T) int64: query
+[b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
+softmax(q k^T / sqrt(D/heads)) v. This is the masked softmax of `MultiheadAttention.core` where the
+visible keys are a prefix (causal self-attention; right-padded sources), with the same arithmetic
+per query (fp32 or fp64 products and sums, the softmax's maximum subtracted) in another summation
+order. A query with no key gives NaN, as the masked softmax does.
+
+Why: in a decode step the batched products over the padded layout cost more than the arithmetic.
+A step's rows sit at every length up to the longest (slots refill), and TorchInductor's loops for
+a handful of queries per row reduce each key's dot product across a vector; the kernel reads only
+each row's own keys, one task per (row, query, head) spread over ATen's threads.
+
+The kernel is C++ (`decode_attention.cpp`), compiled on first use with `torch.utils.cpp_extension`
+for this CPU's vector instruction set (TorchInductor's choice, the same that compiled steps use), and
+cached per machine; a process loads it once (`load`). Where it cannot be built (no C++ compiler or
+ninja), `load` warns once and returns False, and callers keep the masked softmax.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_loaded: bool | None = None  # None: not tried yet
+
+
+def load() -> bool:
+    """Build (first time on a machine: about 20 s) and load the kernel; True once it is registered as
+    `torch.ops.aggdec.decode_attention`. Never raises: False, with one warning, where it cannot."""
+    global _loaded
+    if _loaded is None:
+        try:
+            from torch._inductor import cpu_vec_isa
+            from torch.utils.cpp_extension import load_inline
+
+            isa = cpu_vec_isa.pick_vec_isa()
+            flags = [*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())] if isa else []
+            name = "aggdec_decode_attention_" + ("_".join(str(isa).split()) if isa else "plain")
+            load_inline(name, SOURCE.read_text(), is_python_module=False,
+                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
+            torch.library.register_fake("aggdec::decode_attention")(_shape)
+            _loaded = True
+        except Exception as e:  # a failed build: no compiler, no ninja, an unexpected toolchain
+            warnings.warn(f"aggdec: the CPU decode-attention kernel could not be built ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); attention runs as masked products",
+                          stacklevel=2)
+            _loaded = False
+    return _loaded
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `attend` runs for tensors of this device and dtype: the kernel is loaded (`load`; this
+    does not load it), the device is the CPU and the dtype fp32 or fp64."""
+    return bool(_loaded) and device.type == "cpu" and dtype in (torch.float32, torch.float64)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int) -> torch.Tensor:
+    """See the module docstring. Only where `usable(q.device, q.dtype)`."""
+    return torch.ops.aggdec.decode_attention(q, k, v, count, heads)
+
+
+def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int) -> torch.Tensor:
+    return q.new_empty(q.shape)
