@@ -354,8 +354,19 @@ class Transformer(nn.Module):
         span = int(cache.lengths.max()) + t
         keys = torch.arange(span, device=tokens.device)
         limit = self._default_limit(pos) if key_limit is None else key_limit
-        self_keep = (keys[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,L)
         cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
+        if decode_attention.usable(tokens.device, cache.k[0].dtype):  # each row's own keys (a prefix)
+            self_sees = (limit + 1).clamp(max=span)
+            # beams' shared cross K/V keep `core_shared` (below): a count per row where rows own theirs
+            cross_sees = cross_keep.sum(dim=-1).view(-1, 1).expand(bsz, t) if cache.group == 1 else None
+
+            def attend(mha, q, k, v, sees):
+                return decode_attention.attend(q, k, v, sees, mha.heads)
+        else:
+            self_sees, cross_sees = (keys[None, None, :] <= limit[:, :, None])[:, None], cross_keep  # (B,1,T|1,L)
+
+            def attend(mha, q, k, v, sees):
+                return mha.core(q, k, v, sees)
         if valid is not None:
             rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
             where = (rows, pos[valid])
@@ -379,13 +390,14 @@ class Transformer(nn.Module):
             def self_attn(h, i=i, sa=sa):
                 q, k, v = sa.qkv(h)
                 k, v = cache.write(i, k, v, where if valid is not None else None, span)
-                return sa.out_proj(pack(sa.core(unpack(q), k, v, self_keep)))
+                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees)))
 
             def cross_attn(h, i=i, ca=ca):
                 if cache.group > 1:  # beams sharing their sentence's cross K/V (never packed: beam search)
                     return ca.out_proj(ca.core_shared(ca.q_proj(h), *cache.cross_heads(i, ca.heads), cross_keep,
                                                       cache.group))
-                return ca.out_proj(pack(ca.core(unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i], cross_keep)))
+                return ca.out_proj(pack(attend(ca, unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i],
+                                               cross_sees)))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:
