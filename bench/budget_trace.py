@@ -38,8 +38,8 @@ def main(argv=None) -> None:
     calls: list[tuple[int, int, float, int]] = []  # (length, tokens, seconds, choice after the call)
     record = budget.DraftBudget.record
 
-    def traced(self, length, tokens, seconds, rows=1):
-        record(self, length, tokens, seconds, rows)
+    def traced(self, length, tokens, seconds, rows=1, offered=None):
+        record(self, length, tokens, seconds, rows, offered)
         calls.append((length, tokens, seconds, self.choice))
 
     budget.DraftBudget.record = traced

@@ -115,3 +115,24 @@ def test_lengths_that_draft_alike_are_not_compared_on_noise():
     assert min(n for n in lengths if n) >= 20  # no draft was ever cut
     blind, _ = run(informed=False)
     assert any(c >= 20 for c in blind.score)  # without what was offered, equal lengths were judged
+
+
+def test_from_none_the_last_drafting_length_is_tried_again():
+    """A start where drafting lost (here: its calls were slow; on a machine, noise in a cold start's
+    short blocks) leaves greedy chosen; once long drafts pay and one token still does not (a fixed
+    cost per drafted call), none's challengers include the length chosen before it, so drafting
+    comes back, and at full length."""
+    budget = DraftBudget(8)
+    calls = 0
+
+    def cost(rows, drafted):
+        slow = 20.0 if calls < 40 else 1.0  # drafting calls were slow at first
+        return 1e-3 + (1e-3 * slow + 1e-5 * drafted if drafted else 0.0)
+
+    length, chosen = budget.next_length(16, 8), []
+    for calls in range(600):
+        accepted = torch.full((16,), length)
+        budget.record(length, int((accepted + 1).sum()), cost(16, 16 * length), 16)
+        length = budget.next_length(16, 8)
+        chosen.append(budget.choice)
+    assert 0 in chosen[:60] and chosen[-50:] == [8] * 50

@@ -9,7 +9,9 @@ decoding, chosen whenever drafting does not pay; the drafters then skip their ow
 
 Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `row_calls`).
 Most blocks run the best length found so far; now and then a block tries a challenger (none, a
-quarter less or a quarter more, at least one token), and its rate is compared with the mean rate of
+quarter less or a quarter more, at least one token; from none, also the last length chosen before
+it, since one token often costs more than it gains where a longer draft pays: without it, a cold
+start that judged none ahead on noise stayed there), and its rate is compared with the mean rate of
 the best-length blocks just before and just after it. Lengths not yet compared with the current best
 are tried first, none (greedy decoding) first of all, so that a start where drafting does not pay is
 short. The paired comparison cancels what drifts during a run (sentence lengths, the machine's
@@ -64,6 +66,7 @@ class DraftBudget:
         self.max_length = max_length
         self.block, self.row_calls, self.max_gap = block, row_calls, max_gap
         self.choice = max_length  # the best length so far
+        self._drafting = max_length  # the last choice that drafted: a challenger of none
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
         self.calls = 0
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
@@ -145,6 +148,7 @@ class DraftBudget:
         old = self.score.get(challenger)
         s = log_ratio if old is None else (old + log_ratio) / 2
         if s > 0:  # the challenger is ahead: it becomes the choice, compared with the old one
+            self._drafting = self.choice or self._drafting
             self.score = {self.choice: -s}
             self.choice, self._gap, self._since, self._before = challenger, 1, 1, None
             return True
@@ -157,7 +161,8 @@ class DraftBudget:
 
     def _challengers(self) -> list[int]:
         """None, a step less and a step more (in this order of trial); the step is a quarter of the
-        current length, at least one token."""
+        current length, at least one token; from none, also the last length that drafted."""
         c = self.choice
         step = max(1, c // 4)
-        return list(dict.fromkeys(x for x in (0, c - step, c + step) if 0 <= x <= self.max_length and x != c))
+        back = (self._drafting,) if c == 0 else ()
+        return list(dict.fromkeys(x for x in (0, c - step, c + step, *back) if 0 <= x <= self.max_length and x != c))
