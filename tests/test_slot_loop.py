@@ -221,6 +221,36 @@ def test_decode_attention_kernel_equals_masked_softmax():
     assert none.isnan().all()
 
 
+@pytest.mark.parametrize("isa", ["VecAVX2", None])
+def test_decode_attention_kernel_for_other_cpus(isa):
+    """The kernel as built for an AVX2-only CPU (which this one can run) and with ATen's portable
+    vectors (CPUs TorchInductor has no vector ISA for), each in its own process (a process registers
+    the operator once): the masked softmax's results, as above."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from torch._inductor import cpu_vec_isa
+from aggdec.model import decode_attention
+from aggdec.model.transformer import MultiheadAttention
+decode_attention.build({f"cpu_vec_isa.{isa}()" if isa else "None"})
+gen = torch.Generator().manual_seed(1)
+for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+    for b, t, length, dim, heads in ((1, 1, 5, 16, 4), (5, 1, 37, 32, 2), (3, 4, 9, 64, 4), (2, 3, 20, 24, 3)):
+        attn = MultiheadAttention(dim, heads, 0.0).eval()
+        q, k, v = (torch.randn(b, n, dim, generator=gen, dtype=dtype) for n in (t, length, length))
+        count = torch.randint(1, length + 1, (b, t), generator=gen)
+        keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
+        with torch.no_grad():
+            torch.testing.assert_close(torch.ops.aggdec.decode_attention(q, k, v, count, heads),
+                                       attn.core(q, k, v, keep), rtol=tol, atol=tol)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_compiled_step_with_the_attention_kernel_equals_greedy():
     """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel: naive greedy's output, with
     the slots refilled and the tail narrowed (one program for all of it)."""

@@ -34,20 +34,15 @@ _loaded: bool | None = None  # None: not tried yet
 
 
 def load() -> bool:
-    """Build (first time on a machine: about 20 s) and load the kernel; True once it is registered as
-    `torch.ops.aggdec.decode_attention`. Never raises: False, with one warning, where it cannot."""
+    """Build (first time on a machine: about 20 s) and load the kernel for this CPU; True once it is
+    registered as `torch.ops.aggdec.decode_attention`. Never raises: False, with one warning, where it
+    cannot."""
     global _loaded
     if _loaded is None:
         try:
             from torch._inductor import cpu_vec_isa
-            from torch.utils.cpp_extension import load_inline
 
-            isa = cpu_vec_isa.pick_vec_isa()
-            flags = [*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())] if isa else []
-            name = "aggdec_decode_attention_" + ("_".join(str(isa).split()) if isa else "plain")
-            load_inline(name, SOURCE.read_text(), is_python_module=False,
-                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
-            torch.library.register_fake("aggdec::decode_attention")(_shape)
+            build(cpu_vec_isa.pick_vec_isa())
             _loaded = True
         except Exception as e:  # a failed build: no compiler, no ninja, an unexpected toolchain
             warnings.warn(f"aggdec: the CPU decode-attention kernel could not be built ({type(e).__name__}: "
@@ -55,6 +50,19 @@ def load() -> bool:
                           stacklevel=2)
             _loaded = False
     return _loaded
+
+
+def build(isa) -> None:
+    """Compile the kernel for `isa` (a TorchInductor `VecISA`; a false one: ATen's portable vectors)
+    into this machine's extension cache (one library per ISA), load it and register its shapes for
+    torch.compile. A process builds one: the operator's namespace is registered once."""
+    from torch.utils.cpp_extension import load_inline
+
+    flags = [*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())] if isa else []
+    name = "aggdec_decode_attention_" + ("_".join(str(isa).split()) if isa else "portable")
+    load_inline(name, SOURCE.read_text(), is_python_module=False, extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"])
+    torch.library.register_fake("aggdec::decode_attention")(_shape)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
