@@ -28,6 +28,7 @@ from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.state import NO_LIMIT, DecodeState
 from aggdec.double_token import STRIDE, unfold
+from aggdec.model import decode_attention
 from aggdec.model.cache import CrossKV
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
@@ -184,6 +185,8 @@ class DraftVerifyLoop:
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
+        if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (about 1 s)
+            decode_attention.load()
 
     # -- admission -------------------------------------------------------------------------------
 
