@@ -23,7 +23,9 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
   TorchInductor program with symbolic shapes: weights frozen into it, products as C++ GEMMs
   inlined into it (up to `CPP_GEMM_SLOTS` slots) or oneDNN's on prepacked weights,
-  attention as two batched products and a softmax (`MultiheadAttention.core`, `math`), a C++ wrapper;
+  attention as two batched products and a softmax (`MultiheadAttention.core`, `math`) or, from
+  `RAGGED_SLOTS` slots, the kernel that reads each row's own keys (`aggdec.model.decode_attention`,
+  which the eager step takes at any slot count), a C++ wrapper;
   a process compiles it once (again for widths 0 and 1, which TorchInductor specializes);
   elsewhere it runs eagerly.
 

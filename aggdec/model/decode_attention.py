@@ -1,7 +1,8 @@
 """Attention of a few decoder queries per row over each query's own number of keys, on the CPU.
 
 `attend(q, k, v, count, heads)`: q (B,T,D) queries, already projected; k, v (B,L,D) keys and values
-(a prefix of a slot cache: any strides, the last dimension contiguous); count (B,T) int64: query
+(views such as a prefix of a cache are read in place where their last dimension is contiguous);
+count (B,T) int64, any strides (a count per row broadcast over its queries): query
 [b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
 softmax(q k^T / sqrt(D/heads)) v. This is the masked softmax of `MultiheadAttention.core` where the
 visible keys are a prefix (causal self-attention; right-padded sources), with the same arithmetic

@@ -352,21 +352,12 @@ class Transformer(nn.Module):
         offs = torch.arange(t, device=tokens.device)
         pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
         span = int(cache.lengths.max()) + t
-        keys = torch.arange(span, device=tokens.device)
         limit = self._default_limit(pos) if key_limit is None else key_limit
         cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
-        if decode_attention.usable(tokens.device, cache.k[0].dtype):  # each row's own keys (a prefix)
-            self_sees = (limit + 1).clamp(max=span)
-            # beams' shared cross K/V keep `core_shared` (below): a count per row where rows own theirs
-            cross_sees = cross_keep.sum(dim=-1).view(-1, 1).expand(bsz, t) if cache.group == 1 else None
-
-            def attend(mha, q, k, v, sees):
-                return decode_attention.attend(q, k, v, sees, mha.heads)
-        else:
-            self_sees, cross_sees = (keys[None, None, :] <= limit[:, :, None])[:, None], cross_keep  # (B,1,T|1,L)
-
-            def attend(mha, q, k, v, sees):
-                return mha.core(q, k, v, sees)
+        # beams' shared cross K/V keep `core_shared` (below): source counts only where rows own theirs
+        attend, self_sees, cross_sees = self._attention(
+            limit, span, cross_keep.sum(dim=-1).view(-1) if cache.group == 1 else None, cross_keep,
+            decode_attention.usable(tokens.device, cache.k[0].dtype))
         if valid is not None:
             rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
             where = (rows, pos[valid])
@@ -426,21 +417,9 @@ class Transformer(nn.Module):
         # a compiled scatter_ into an input copies the whole buffer)
         at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
         math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
-        limit = self._default_limit(pos)  # (B,T): the last key position each query sees
-        if ragged and decode_attention.usable(tokens.device, cache.k[0].dtype):
-            # each row's own keys: the visible ones are a prefix
-            self_sees = (limit + 1).clamp(max=span)
-            cross_sees = cache.src_count.clamp(max=width)[:, None].expand(bsz, t)
-
-            def attend(mha, q, k, v, sees):
-                return decode_attention.attend(q, k, v, sees, mha.heads)
-        else:
-            self_sees = (torch.arange(span, device=tokens.device)[None, None, :] <= limit[:, :, None])[:, None]
-            cross_sees = cache.src_keep[:, None, None, :width]  # (B,1,1,width)
-
-            def attend(mha, q, k, v, sees):
-                return mha.core(q, k, v, sees, math)
-
+        attend, self_sees, cross_sees = self._attention(
+            self._default_limit(pos), span, cache.src_count.clamp(max=width), cache.src_keep[:, None, None, :width],
+            ragged and decode_attention.usable(tokens.device, cache.k[0].dtype), math)
         for i, layer in enumerate(self.decoder.layers):
             sa, ca = layer.self_attn, layer.encoder_attn
 
@@ -458,6 +437,20 @@ class Transformer(nn.Module):
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
         return x
+
+    @staticmethod
+    def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor | None, cross_keep: torch.Tensor,
+                   ragged: bool, math: bool = False) -> tuple:
+        """How a decoder call attends: (attend(mha, q, k, v, sees), self_sees, cross_sees). Query [b, t]
+        sees the self-attention keys at positions <= limit[b, t] (B,T) within the first `span`, and the
+        first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S) marks. `ragged`: the
+        CPU kernel over each row's own keys (`decode_attention`; counts); else masked products
+        (`MultiheadAttention.core`, `math` as there)."""
+        if ragged:
+            counts = (limit + 1).clamp(max=span), None if cross_count is None else cross_count[:, None].expand_as(limit)
+            return (lambda mha, q, k, v, sees: decode_attention.attend(q, k, v, sees, mha.heads)), *counts
+        keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
+        return (lambda mha, q, k, v, sees: mha.core(q, k, v, sees, math)), keep, cross_keep
 
     def _default_limit(self, pos: torch.Tensor) -> torch.Tensor:
         """Causal: each position sees itself and before; a double-token model's unit is the pair."""
