@@ -185,7 +185,7 @@ class DraftVerifyLoop:
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
-        if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (about 1 s)
+        if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (a first build: 20 s)
             decode_attention.load()
 
     # -- admission -------------------------------------------------------------------------------
