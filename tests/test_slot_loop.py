@@ -250,6 +250,20 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
+def test_loops_load_the_attention_kernel_when_built(monkeypatch):
+    """Both loops load the kernel when they are built, not in a call that the draft budget times (a
+    first build takes about 20 s)."""
+    from aggdec.model import decode_attention
+
+    model = tiny_model("prenorm-learned-separate", seed=1, vocab=9)
+    for make in (lambda: DraftVerifyLoop(model, InputCopy()), lambda: SlotLoop(model, InputCopy())):
+        built = []
+        monkeypatch.setattr(decode_attention, "_loaded", None)
+        monkeypatch.setattr(decode_attention, "build", built.append)
+        make()
+        assert built == [torch.backends.cpu.get_cpu_capability()]
+
+
 def test_compiled_step_with_the_attention_kernel_equals_greedy():
     """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel: naive greedy's output, with
     the slots refilled and the tail narrowed (one program for all of it)."""
