@@ -44,8 +44,7 @@ sys.path.insert(0, str(REPO))
 from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.methods import options_from_mapping  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
-from aggdec.train.ar import read_tsv  # noqa: E402
-from tree_compare import SETS  # noqa: E402  (bench/ is this script's directory)
+from tree_compare import test_sources  # noqa: E402  (bench/ is this script's directory)
 
 
 def timed(fn, log: list):
@@ -116,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    path, column = SETS[a.model]
-    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit or None]
+    sources = test_sources(a.data, a.model, a.limit)
     tr = Translator.load(str(REPO / "models" / a.model))
     model = tr.model
     opts = options_from_mapping({"method": "beam", "beam": a.beam, "max_batch_size": a.batch_size}, "beam")[0]

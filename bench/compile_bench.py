@@ -32,8 +32,7 @@ from aggdec.decoding.metadata import Request  # noqa: E402
 from aggdec.decoding.methods import decode_options, get_method, new_budget, wants_budget  # noqa: E402
 from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
-from aggdec.train.ar import read_tsv  # noqa: E402
-from tree_compare import SETS  # noqa: E402  (bench/ is this script's directory)
+from tree_compare import test_sources  # noqa: E402  (bench/ is this script's directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    path, column = SETS[a.model]
-    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit]
+    sources = test_sources(a.data, a.model, a.limit)
     tr = Translator.load(str(REPO / "models" / a.model))
     opts = decode_options(a.method)
     framing = tr.framing(opts)

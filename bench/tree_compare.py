@@ -36,6 +36,15 @@ SETS = {"gec-base": ("gec/test.tsv", "noisy"), "ende-base": ("ende/test.tsv", "e
 DRAFTERS = {"gad": "ende-base-draft-head", "gad++": "ende-base-draft-head", "blockwise": "ende-base-heads"}
 
 
+def test_sources(data: str, model: str, limit: int) -> list[str]:
+    """The first `limit` source sentences (0: all) of `model`'s test set (`SETS`) in the folder `data`,
+    read with the engine imported first (a worker's tree)."""
+    from aggdec.train.ar import read_tsv
+
+    path, column = SETS[model]
+    return read_tsv(str(Path(data) / path), column, column)[0][: limit or None]
+
+
 def worker(a: argparse.Namespace) -> None:
     """Decode in this process with the engine of `a.tree`; print one JSON line, write the tokens."""
     sys.path.insert(0, str(Path(a.tree).resolve()))
@@ -43,11 +52,9 @@ def worker(a: argparse.Namespace) -> None:
 
     from aggdec.api import Translator
     from aggdec.decoding.methods import options_from_mapping
-    from aggdec.train.ar import read_tsv
 
     torch.set_num_threads(a.threads)
-    path, column = SETS[a.model]
-    sources = read_tsv(str(Path(a.data) / path), column, column)[0][: a.limit or None]
+    sources = test_sources(a.data, a.model, a.limit)
     tr = Translator.load(str(REPO / "models" / a.model))
     table = {"method": a.method, "max_batch_size": a.batch_size}
     if a.method in DRAFTERS:

@@ -131,7 +131,7 @@ class SlotLoop:
         # attention over each row's own keys (the masked products where the kernel cannot be built)
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
-        self._compiled = self._compile() if compile else None
+        self._compiled = self._compile(slots) if compile else None
         cfg = model.cfg
         self.start = prompt[0] if prompt else cfg.eos
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -225,15 +225,14 @@ class SlotLoop:
                 return
         graph.replay()
 
-    def _compile(self):
+    def _compile(self, slots: int):
         """`_step` compiled for this loop alone. TorchDynamo keeps compiled programs per code object, and
         with frozen weights and no guards on modules, a program compiled for one loop would serve
         another loop's model of the same shapes with the first one's weights: the step runs from a
-        copy of its code object."""
+        copy of its code object. `slots`: the loop's slot count, which picks the products (`gemm_backend`)."""
         fn = SlotLoop._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        backend = gemm_backend(self.dtype, slot_count(self.max_batch_size, self.max_batch_size),
-                               drafts=not isinstance(self.drafter, NoDraft))
+        backend = gemm_backend(self.dtype, slots, drafts=not isinstance(self.drafter, NoDraft))
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
