@@ -41,10 +41,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.methods import options_from_mapping  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
-from tree_compare import test_sources  # noqa: E402  (bench/ is this script's directory)
+from tree_compare import add_test_set, open_test_set  # noqa: E402  (bench/ is this script's directory)
 
 
 def timed(fn, log: list):
@@ -106,17 +105,14 @@ def step_cost(model, sentences: int, beam: int, span: int, src_width: int, reps:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("ende-base", "gec-base"), default="ende-base")
-    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
-    ap.add_argument("--limit", type=int, default=0, help="first N sentences (0: all)")
+    add_test_set(ap, 0)
     ap.add_argument("--beam", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sources = test_sources(a.data, a.model, a.limit)
-    tr = Translator.load(str(REPO / "models" / a.model))
+    sources, tr = open_test_set(a)
     model = tr.model
     opts = options_from_mapping({"method": "beam", "beam": a.beam, "max_batch_size": a.batch_size}, "beam")[0]
     tr.translate_batch(sources[: 2 * a.batch_size], opts)  # warm-up

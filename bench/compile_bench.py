@@ -25,30 +25,26 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.limits import max_len_for  # noqa: E402
 from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
 from aggdec.decoding.methods import decode_options, get_method, new_budget, wants_budget  # noqa: E402
 from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
 from aggdec.model.precision import cpu_isa  # noqa: E402
-from tree_compare import test_sources  # noqa: E402  (bench/ is this script's directory)
+from tree_compare import add_test_set, open_test_set  # noqa: E402  (bench/ is this script's directory)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("ende-base", "gec-base"), default="ende-base")
+    add_test_set(ap, 500)
     ap.add_argument("--method", choices=("greedy", "iad"), default="greedy")
     ap.add_argument("--batch-sizes", default="1,8,16")
-    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
-    ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sources = test_sources(a.data, a.model, a.limit)
-    tr = Translator.load(str(REPO / "models" / a.model))
+    sources, tr = open_test_set(a)
     opts = decode_options(a.method)
     framing = tr.framing(opts)
     reqs = []

@@ -29,11 +29,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aggdec.api import Translator
 
 REPO = Path(__file__).resolve().parent.parent
 SETS = {"gec-base": ("gec/test.tsv", "noisy"), "ende-base": ("ende/test.tsv", "en"),
         "ende-base-double-token": ("ende/test.tsv", "en")}
 DRAFTERS = {"gad": "ende-base-draft-head", "gad++": "ende-base-draft-head", "blockwise": "ende-base-heads"}
+
+
+def add_test_set(ap: argparse.ArgumentParser, limit: int, model: bool = True) -> None:
+    """The options that pick the sentences (`test_sources`): `--model` (a shipped model with a test set;
+    not where a script names models otherwise), `--data` (the folder of the test sets), `--limit`."""
+    if model:
+        ap.add_argument("--model", choices=("ende-base", "gec-base"), default="ende-base")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--limit", type=int, default=limit, help="first N sentences (0: all)")
+
+
+def open_test_set(a: argparse.Namespace) -> tuple[list[str], Translator]:
+    """The sentences and the shipped model that the options of `add_test_set` picked."""
+    from aggdec.api import Translator
+
+    return test_sources(a.data, a.model, a.limit), Translator.load(str(REPO / "models" / a.model))
 
 
 def test_sources(data: str, model: str, limit: int) -> list[str]:
@@ -50,12 +70,10 @@ def worker(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(a.tree).resolve()))
     import torch
 
-    from aggdec.api import Translator
     from aggdec.decoding.methods import options_from_mapping
 
     torch.set_num_threads(a.threads)
-    sources = test_sources(a.data, a.model, a.limit)
-    tr = Translator.load(str(REPO / "models" / a.model))
+    sources, tr = open_test_set(a)
     table = {"method": a.method, "max_batch_size": a.batch_size}
     if a.method in DRAFTERS:
         table["drafter"] = str(REPO / "models" / DRAFTERS[a.method])
@@ -85,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="the other source tree (a git worktree of the base commit); required")
     ap.add_argument("--runs", default="ende-base:greedy:1,ende-base:beam:64,gec-base:iad:1,gec-base:greedy:64")
-    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
-    ap.add_argument("--limit", type=int, default=256, help="first N sentences (0: all)")
+    add_test_set(ap, 256, model=False)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
