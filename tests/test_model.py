@@ -98,22 +98,26 @@ def test_select_and_replace_rows():
     torch.testing.assert_close(out[1], full[1, 3:6], rtol=0, atol=1e-10)
 
 
-def test_beam_reorder_equals_select_on_the_prefix():
+@pytest.mark.parametrize("indirect", [False, True])
+def test_beam_reorder_equals_select_on_the_prefix(indirect):
     """reorder (beam search's select) gives every row its parent's prefix, lengths and cross K/V, as
-    select does, and after its first call reuses two sets of buffers instead of allocating. With the
-    cross K/V shared by each sentence's beams (`group`, as beam search runs), decoding equals
-    decoding with a copy per beam (float64: up to the summation order of the attention)."""
+    select does: copying, after its first call into two sets of buffers it reuses instead of
+    allocating; `indirect`, moving nothing but its maps of where each row's positions and source are
+    stored (read through the CPU attention kernel). With the cross K/V shared by each sentence's
+    beams (`group`, as beam search runs), decoding equals decoding with a copy per beam (float64: up
+    to the summation order of the attention)."""
     model = tiny_model(seed=5).double().eval()
     rng = __import__("random").Random(5)
     src, tgt = _random_batch(model, rng, 3, 6, 4)
     close = dict(rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         beams = torch.arange(3).repeat_interleave(2)  # 3 sentences x 2 beams, as beam search starts
-        cache, ref = model.start(src, group=2), model.start(src)
+        cache, ref = model.start(src, group=2, indirect=indirect), model.start(src)
+        assert (cache.rows is not None) == indirect
         ref.select(beams)
         for c in (cache, ref):
             model.decode(tgt[beams], c)
-            c.commit(torch.full((6,), 4))
+            c.commit(4)
         storages = set()
         for rows, leave in (([1, 1, 2, 3, 5, 4], False), ([0, 0, 3, 2, 5, 5], False), ([1, 0, 4, 5], True)):
             rows = torch.tensor(rows)
@@ -121,12 +125,14 @@ def test_beam_reorder_equals_select_on_the_prefix():
             ref.select(rows)
             storages |= {cache.k[0].untyped_storage().data_ptr()}
             assert torch.equal(cache.lengths, ref.lengths)
-            for a, b in zip(cache.k + cache.v, ref.k + ref.v):
-                torch.testing.assert_close(a[:, :4], b[:, :4], **close)
-            for a, b in zip(cache.cross.k + cache.cross.v, ref.cross.k + ref.cross.v):  # one row per sentence
-                assert torch.equal(a.repeat_interleave(2, dim=0), b)
-            assert torch.equal(cache.cross.src_pad.repeat_interleave(2, dim=0), ref.cross.src_pad)
-        assert len(storages) == 2
+            at = cache.key_rows(4)
+            for a, b in zip(cache.k + cache.v, ref.k + ref.v):  # each row's prefix, where it is stored
+                torch.testing.assert_close(a[:, :4] if at is None else a[at, torch.arange(4)], b[:, :4], **close)
+            sources = cache.cross_rows()  # one row of cross K/V per sentence, read by each of its beams
+            for a, b in zip(cache.cross.k + cache.cross.v, ref.cross.k + ref.cross.v):
+                assert torch.equal(a[sources], b)
+            assert torch.equal(cache.cross.src_pad[sources], ref.cross.src_pad)
+        assert len(storages) == (1 if indirect else 2)
         step = torch.randint(4, model.cfg.tgt_vocab, (4, 1))
         torch.testing.assert_close(model.decode(step, cache), model.decode(step, ref), **close)
         with pytest.raises(ValueError, match="reorder"):

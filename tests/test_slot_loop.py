@@ -197,7 +197,8 @@ def test_decode_attention_kernel_equals_masked_softmax():
     """The CPU kernel (built in the test environment) computes the masked softmax of `core` where each
     query sees a prefix of its row's keys: float64 to 1e-12, float32 to 1e-5, on cache-prefix views,
     one and several queries per row, a count broadcast over queries, counts past the keys read
-    (clamped), and NaN where a query sees no key, as the masked softmax gives."""
+    (clamped), keys read through a row map (`rows`), and NaN where a query sees no key, as the masked
+    softmax gives."""
     from aggdec.model import decode_attention
     from aggdec.model.transformer import MultiheadAttention
 
@@ -217,6 +218,14 @@ def test_decode_attention_kernel_equals_masked_softmax():
             keep = (torch.arange(length)[None, None, :] < shared[:, :, None])[:, None]
             torch.testing.assert_close(decode_attention.attend(q, k, v, shared, heads), attn.core(q, k, v, keep),
                                        rtol=tol, atol=tol)
+            # keys read through `rows`: a row's key j from any row of a larger buffer, or one row per group
+            stored = torch.randn(2, b + 3, length, dim, generator=gen, dtype=dtype)
+            for rows in (torch.randint(0, b + 3, (b, length), generator=gen),
+                         torch.randint(0, b + 3, (b, 1), generator=gen).expand(b, length)):
+                k, v = (t[rows, torch.arange(length)] for t in stored)  # (b, length, dim): what each row reads
+                keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
+                torch.testing.assert_close(decode_attention.attend(q, stored[0], stored[1], count, heads, rows),
+                                           attn.core(q, k, v, keep), rtol=tol, atol=tol)
     none = decode_attention.attend(q, k, v, torch.zeros_like(count), heads)
     assert none.isnan().all()
 

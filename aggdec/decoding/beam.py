@@ -110,7 +110,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     longest, shortest = max(max_host), min(max_host)
 
     # k beams per sentence, one cross K/V
-    cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k)
+    cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k, indirect=True)
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
     scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
@@ -131,7 +131,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         t0 = time.perf_counter()
         n = bsz * k
         logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)
-        cache.commit(torch.ones(n, dtype=torch.long, device=device))
+        cache.commit(1)
         lp_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lprobs = torch.log_softmax(logits.to(lp_dtype), dim=-1)
         if scores is None:

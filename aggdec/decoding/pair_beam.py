@@ -63,7 +63,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     bsz = len(reqs)
     ids = list(range(bsz))  # batch position -> position in reqs
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)
-    cache = model.start_from(memory, src_pad, capacity=64, group=w)  # w beams, one cross K/V
+    cache = model.start_from(memory, src_pad, capacity=64, group=w, indirect=True)  # w beams, one cross K/V
     tokens = torch.full((bsz * w, STRIDE), pad, dtype=torch.long, device=device)
     tokens[:, 0], tokens[:, 1] = cfg.bos, start
     neg = -math.inf
@@ -79,7 +79,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     while bsz:
         t0 = time.perf_counter()
         logits = model.decode(tokens[:, -STRIDE:], cache)  # (n, 2, V)
-        cache.commit(torch.full((bsz * w,), STRIDE, dtype=torch.long, device=device))
+        cache.commit(STRIDE)
         lp = torch.log_softmax(logits.to(lp_dtype), dim=-1)
         lp[lp != lp] = neg
         index = (STRIDE * step + torch.arange(STRIDE, device=device)).expand(bsz * w, STRIDE)  # stream index

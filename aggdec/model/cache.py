@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aggdec.model import decode_attention
+
 
 @dataclass
 class CrossKV:
@@ -39,21 +41,33 @@ class DecoderCache:
     """Self-attention cache for `n_layers` layers plus the cross-attention K/V of each row.
 
     Invariants: lengths (B,) int64 on the model's device; every row's buffer holds valid K/V for
-    positions < lengths[b]; `capacity >= lengths.max()`.
+    positions < lengths[b]; `capacity >= lengths.max()`; `length`, where not None, equals every
+    lengths[b].
     """
 
-    def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1):
+    def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1,
+                 indirect: bool = False):
         """group: every row of `cross` serves `group` consecutive rows (row b -> rows b*group ..
         b*group+group-1), for beam search: each sentence's cross K/V is kept (and read) once for all
-        its beams instead of once per beam."""
+        its beams instead of once per beam. indirect: `reorder` moves no K/V but a map of where each
+        row's positions are stored (`rows`), where the CPU attention kernel reads this cache
+        (`decode_attention.usable`; elsewhere `reorder` copies)."""
         b = cross.src_pad.shape[0] * group
         ref = cross.k[0]
         self.cross = cross
         self.group = group  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
+        self.length: int | None = 0  # every row's length where all are equal and the host knows it (`commit`)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
+        # (B0, capacity) with B0 the first batch size: position j of row b is stored in row rows[b, j] of
+        # k and v (each row writes its new positions into its own buffer row); None: in row b
+        indirect = indirect and decode_attention.usable(ref.device, ref.dtype)
+        self.rows = self._identity(b, capacity) if indirect else None
+        # (B / group,) with `indirect`: the row of `cross` of each group of rows (taking sentences moves no
+        # cross K/V); None: row b' of `cross`
+        self.sources = torch.arange(cross.src_pad.shape[0], device=ref.device) if indirect else None
         # `reorder`'s buffers (k then v): the spare set, and the full tensors the live rows are a view of
         self._spare: list[torch.Tensor] = []
         self._full: list[torch.Tensor] = []
@@ -66,9 +80,16 @@ class DecoderCache:
     def capacity(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def longest(self) -> int:
+        """The longest row's length (read from `lengths` unless `length` holds it)."""
+        if self.length is not None:
+            return self.length
+        return int(self.lengths.max()) if self.batch_size else 0
+
     def reserve(self, extra: int) -> None:
         """Grow buffers so that every row can take `extra` more positions."""
-        need = int(self.lengths.max()) + extra if self.batch_size else extra
+        need = self.longest + extra
         if need <= self.capacity:
             return
         new_cap = max(need, 2 * self.capacity)
@@ -78,33 +99,61 @@ class DecoderCache:
                 grown[:, : t.shape[1]] = t
                 buf[i] = grown
         self._full = []
+        if self.rows is not None:
+            grown = self._identity(self.rows.shape[0], new_cap)
+            grown[:, : self.rows.shape[1]] = self.rows
+            self.rows = grown
+
+    def _identity(self, b: int, capacity: int) -> torch.Tensor:
+        return torch.arange(b, device=self.lengths.device)[:, None].expand(b, capacity).contiguous()
+
+    def cross_rows(self) -> torch.Tensor | None:
+        """(B,): the row of `cross` each row reads; None where row b reads row b."""
+        if self.group == 1 and self.sources is None:
+            return None
+        group = torch.arange(self.batch_size, device=self.lengths.device) // self.group
+        return group if self.sources is None else self.sources[group]
+
+    def key_rows(self, span: int) -> torch.Tensor | None:
+        """(B, span): the buffer row of each row's first `span` positions (`rows`), for the attention
+        kernel; None where every row's positions are in its own buffer row."""
+        return None if self.rows is None else self.rows[: self.batch_size, :span]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               where: tuple[torch.Tensor, torch.Tensor] | None = None, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a block's K/V and return the visible prefix (B, span, D) of this layer.
+        """Store a block's K/V and return the visible prefix (B, span, D) of this layer (with `rows`: the
+        first `span` positions of every buffer row, which `key_rows` maps).
 
         k, v: (B, T, D), stored at positions lengths[b] + t; or packed (N, D) with `where` = (rows,
         positions), each (N,). `span` defaults to lengths.max() + T. The caller masks keys at or
         beyond each query's own limit.
         """
-        if where is None:
+        if where is None and self.length is not None:  # every row at one length: a block of positions
             bsz, t = k.shape[:2]
-            pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
-            rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
-            where = (rows, pos)
-            span = span or int(self.lengths.max()) + t
-        self.k[layer][where] = k
-        self.v[layer][where] = v
+            self.k[layer][:bsz, self.length: self.length + t] = k
+            self.v[layer][:bsz, self.length: self.length + t] = v
+            span = span or self.length + t
+        else:
+            if where is None:
+                bsz, t = k.shape[:2]
+                pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
+                rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
+                where = (rows, pos)
+                span = span or self.longest + t
+            self.k[layer][where] = k
+            self.v[layer][where] = v
         return self.k[layer][:, :span], self.v[layer][:, :span]
 
-    def commit(self, n: torch.Tensor) -> None:
-        """Advance row b by n[b] positions of the block just written; the rest is rolled back."""
+    def commit(self, n: torch.Tensor | int) -> None:
+        """Advance row b by n[b] positions of the block just written; the rest is rolled back. An int
+        advances every row by it (and keeps `length` known where it was)."""
         self.lengths = self.lengths + n
+        self.length = self.length + n if isinstance(n, int) and self.length is not None else None
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (1-D index tensor), in that order: finished rows leave, beams reorder."""
-        if self.group != 1:
-            raise ValueError("select takes rows with their own cross K/V (beam search's rows: reorder)")
+        if self.group != 1 or self.rows is not None:
+            raise ValueError("select takes rows with their own cross K/V and buffer rows (beam search's: reorder)")
         self.lengths = self.lengths.index_select(0, rows)
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
@@ -128,9 +177,21 @@ class DecoderCache:
 
         The copy goes into a second set of buffers that then swaps with the first, so no memory is
         allocated once both exist; positions at or past a row's length hold stale finite values,
-        masked as ever. take_cross: also take the cross K/V by `rows`; False where every new row keeps
-        the cross K/V it has (the beams of one sentence share theirs, so reordering them needs none).
+        masked as ever. With `indirect` (`self.rows` set), only that map of the first `prefix` positions
+        is taken by `rows` (and `sources` for the cross K/V). take_cross: also take the cross K/V by `rows`; False where every new row
+        keeps the cross K/V it has (the beams of one sentence share theirs, so reordering them needs
+        none).
         """
+        if take_cross:  # with shared cross K/V, each group's rows come from one sentence
+            groups = rows if self.group == 1 else rows[:: self.group] // self.group
+            if self.sources is None:
+                self.cross = self.cross.take(groups)
+            else:
+                self.sources = self.sources[groups]
+        self.lengths = self.lengths.index_select(0, rows)
+        if self.rows is not None:  # positions stay where they were written: new rows read their parents'
+            self.rows[: rows.numel(), :prefix] = self.rows[:, :prefix].index_select(0, rows)
+            return
         n, layers = rows.numel(), len(self.k)
         live = self.k + self.v
         full = self._full or live
@@ -141,9 +202,6 @@ class DecoderCache:
         moved = [t[:n] for t in self._spare]
         self._full, self._spare = self._spare, full
         self.k, self.v = moved[:layers], moved[layers:]
-        self.lengths = self.lengths.index_select(0, rows)
-        if take_cross:  # with shared cross K/V, each group's rows come from one sentence
-            self.cross = self.cross.take(rows if self.group == 1 else rows[:: self.group] // self.group)
 
     def trim_cross(self, keep: float = 0.75) -> None:
         """Drop the source positions that are padding in every row once they are more than 1 - `keep`
@@ -158,7 +216,10 @@ class DecoderCache:
         """Put new sentences into `slots` (continuous batching): their cross K/V, length 0.
 
         `cross` holds len(slots) rows; its source length may differ from the batch's (padded to fit).
+        Not with `rows` (a slot's buffer row may hold positions other rows read).
         """
+        if self.rows is not None:
+            raise ValueError("replace needs rows that own their buffer rows (a cache without `indirect`)")
         s_old, s_new = self.cross.src_pad.shape[1], cross.src_pad.shape[1]
         if s_new > s_old:
             grow = s_new - s_old
@@ -172,3 +233,4 @@ class DecoderCache:
             dst[slots] = torch.nn.functional.pad(src, (0, 0, 0, s_old - s_new))
         self.cross.src_pad[slots] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
         self.lengths[slots] = 0
+        self.length = None

@@ -31,8 +31,8 @@ T dot(const T* a, const T* b, int64_t n) {
 }
 
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& count, int64_t heads,
-            at::Tensor& out) {
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& count,
+            const c10::optional<at::Tensor>& key_rows, int64_t heads, at::Tensor& out) {
   using V = Vectorized<T>;
   const int64_t rows = q.size(0), queries = q.size(1), dim = q.size(2), keys = k.size(1), dh = dim / heads;
   const T scale = static_cast<T>(std::pow(static_cast<double>(dh), -0.5));
@@ -40,6 +40,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const int64_t* cp = count.data_ptr<int64_t>();
+  const int64_t* rp = key_rows ? key_rows->data_ptr<int64_t>() : nullptr;  // key j of row b: row rp[b, j] of k, v
+  const int64_t r0 = key_rows ? key_rows->stride(0) : 0, r1 = key_rows ? key_rows->stride(1) : 0;
   T* op = out.data_ptr<T>();
   const int64_t q0 = q.stride(0), q1 = q.stride(1), k0 = k.stride(0), k1 = k.stride(1);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), c0 = count.stride(0), c1 = count.stride(1);
@@ -47,6 +49,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, keys * dh));
   at::parallel_for(0, rows * queries * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> w(std::max<int64_t>(keys, 1));
+    std::vector<const T*> kj(std::max<int64_t>(keys, 1)), vj(std::max<int64_t>(keys, 1));  // one task's keys, values
     // softmax(q k^T * scale) v of one (row b, query t, head h) over its first n keys
     const auto one = [&](int64_t b, int64_t t, int64_t h) {
       const int64_t n = std::min<int64_t>(cp[b * c0 + t * c1], keys);
@@ -56,9 +59,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         std::fill(oi, oi + dh, std::numeric_limits<T>::quiet_NaN());
         return;
       }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t r = rp ? rp[b * r0 + j * r1] : b;
+        kj[j] = kp + r * k0 + j * k1 + h * dh;
+        vj[j] = vp + r * v0 + j * v1 + h * dh;
+      }
       T top = -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        w[j] = dot(qi, kp + b * k0 + j * k1 + h * dh, dh) * scale;
+        w[j] = dot(qi, kj[j], dh) * scale;
         top = std::max(top, w[j]);
       }
       const V vtop(top);
@@ -80,16 +88,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         (V::loadu(w.data() + j, m) / vtotal).store(w.data() + j, m);
       }
       // their sum of values, in registers: two partial sums (even and odd keys) per vector of dims
-      const T* vb = vp + b * v0 + h * dh;
       for (int64_t d = 0; d < dh; d += V::size()) {
         const int64_t m = std::min<int64_t>(V::size(), dh - d);
         V even(T(0)), odd(T(0));
         int64_t r = 0;
         for (; r + 1 < n; r += 2) {
-          even = at::vec::fmadd(V(w[r]), V::loadu(vb + r * v1 + d, m), even);
-          odd = at::vec::fmadd(V(w[r + 1]), V::loadu(vb + (r + 1) * v1 + d, m), odd);
+          even = at::vec::fmadd(V(w[r]), V::loadu(vj[r] + d, m), even);
+          odd = at::vec::fmadd(V(w[r + 1]), V::loadu(vj[r + 1] + d, m), odd);
         }
-        if (r < n) even = at::vec::fmadd(V(w[r]), V::loadu(vb + r * v1 + d, m), even);
+        if (r < n) even = at::vec::fmadd(V(w[r]), V::loadu(vj[r] + d, m), even);
         (even + odd).store(oi + d, m);
       }
     };
@@ -108,26 +115,29 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& count,
-                            int64_t heads) {
+                            int64_t heads, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && count.dim() == 2,
               "decode_attention: q, k, v (B,T|L,D) and count (B,T)");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
-                  count.size(0) == q.size(0) && count.size(1) == q.size(1) && q.size(2) % heads == 0,
-              "decode_attention: mismatched shapes");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && count.size(0) == q.size(0) &&
+                  count.size(1) == q.size(1) && q.size(2) % heads == 0, "decode_attention: mismatched shapes");
+  TORCH_CHECK(rows ? rows->dim() == 2 && rows->size(0) == q.size(0) && rows->size(1) == k.size(1) &&
+                         rows->scalar_type() == at::kLong
+                   : k.size(0) == q.size(0),
+              "decode_attention: rows (B,L) int64, or keys of B rows");
   TORCH_CHECK(count.scalar_type() == at::kLong && k.scalar_type() == q.scalar_type() &&
                   v.scalar_type() == q.scalar_type(), "decode_attention: dtypes");
   const auto last = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
   const at::Tensor qc = last(q), kc = last(k), vc = last(v);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention",
-                             [&] { attend<scalar_t>(qc, kc, vc, count, heads, out); });
+                             [&] { attend<scalar_t>(qc, kc, vc, count, rows, heads, out); });
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(aggdec, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor count, int heads) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor count, int heads, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aggdec, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -4,7 +4,10 @@
 (views such as a prefix of a cache are read in place where their last dimension is contiguous);
 count (B,T) int64, any strides (a count per row broadcast over its queries): query
 [b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
-softmax(q k^T / sqrt(D/heads)) v. This is the masked softmax of `MultiheadAttention.core` where the
+softmax(q k^T / sqrt(D/heads)) v. `rows` (B,L) int64, any strides, optional: key j of row b is
+read from row rows[b, j] of k and v, which then hold any number of rows (beam search: its beams'
+shared prefixes in place, where they were written, and a sentence's source shared by its beams);
+every entry a query reads must be a row of k. This is the masked softmax of `MultiheadAttention.core` where the
 visible keys are a prefix (causal self-attention; right-padded sources), with the same arithmetic
 per query (fp32 or fp64 products and sums, the softmax's maximum subtracted) in another summation
 order. A query with no key gives NaN, as the masked softmax does.
@@ -79,10 +82,12 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(_loaded) if torch.compiler.is_compiling() else load()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. Only where `usable(q.device, q.dtype)`."""
-    return torch.ops.aggdec.decode_attention(q, k, v, count, heads)
+    return torch.ops.aggdec.decode_attention(q, k, v, count, heads, rows)
 
 
-def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int) -> torch.Tensor:
+def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
     return q.new_empty(q.shape)

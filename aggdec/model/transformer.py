@@ -286,15 +286,16 @@ class Transformer(nn.Module):
         kvs = [layer.encoder_attn.kv(memory) for layer in self.decoder.layers]
         return CrossKV(k=[k.contiguous() for k, _ in kvs], v=[v.contiguous() for _, v in kvs], src_pad=src_pad)
 
-    def start(self, src: torch.Tensor, capacity: int = 64, group: int = 1) -> DecoderCache:
+    def start(self, src: torch.Tensor, capacity: int = 64, group: int = 1, indirect: bool = False) -> DecoderCache:
         """Encode `src` and return an empty decoder cache for it (`group` rows per source: beams
-        sharing its cross K/V, `DecoderCache`)."""
-        return self.start_from(*self.encode(src), capacity=capacity, group=group)
+        sharing its cross K/V; `indirect` reorders: `DecoderCache`)."""
+        return self.start_from(*self.encode(src), capacity=capacity, group=group, indirect=indirect)
 
     def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64,
-                   group: int = 1) -> DecoderCache:
+                   group: int = 1, indirect: bool = False) -> DecoderCache:
         """An empty decoder cache for encoder output `memory` (B,S,D) with padding mask `src_pad`."""
-        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity, group)
+        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity, group,
+                            indirect)
 
     # -- decoder ---------------------------------------------------------------------------------
 
@@ -351,13 +352,18 @@ class Transformer(nn.Module):
         cache.reserve(t)
         offs = torch.arange(t, device=tokens.device)
         pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
-        span = int(cache.lengths.max()) + t
+        span = cache.longest + t
         limit = self._default_limit(pos) if key_limit is None else key_limit
-        cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B,1,1,S)
-        # beams' shared cross K/V keep `core_shared` (below): source counts only where rows own theirs
-        attend, self_sees, cross_sees = self._attention(
-            limit, span, cross_keep.sum(dim=-1).view(-1) if cache.group == 1 else None, cross_keep,
-            decode_attention.usable(tokens.device, cache.k[0].dtype))
+        cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B',1,1,S), B' = B / cache.group
+        ragged = decode_attention.usable(tokens.device, cache.k[0].dtype)
+        self_rows, cross_rows, cross_count = cache.key_rows(span), None, cross_keep.sum(dim=-1).view(-1)
+        if self_rows is not None and not ragged:
+            raise ValueError("a cache with indirect reorders is read by the CPU attention kernel only "
+                             "(decode_attention.usable: gradients off)")
+        sources = cache.cross_rows() if ragged else None
+        if sources is not None:  # each sentence's source, read by its beams through a row map
+            cross_rows, cross_count = sources[:, None].expand(bsz, cross_keep.shape[-1]), cross_count[sources]
+        attend, self_sees, cross_sees = self._attention(limit, span, cross_count, cross_keep, ragged)
         if valid is not None:
             rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
             where = (rows, pos[valid])
@@ -381,14 +387,14 @@ class Transformer(nn.Module):
             def self_attn(h, i=i, sa=sa):
                 q, k, v = sa.qkv(h)
                 k, v = cache.write(i, k, v, where if valid is not None else None, span)
-                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees)))
+                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees, self_rows)))
 
             def cross_attn(h, i=i, ca=ca):
-                if cache.group > 1:  # beams sharing their sentence's cross K/V (never packed: beam search)
+                if cache.group > 1 and not ragged:  # beams sharing their sentence's cross K/V (never packed)
                     return ca.out_proj(ca.core_shared(ca.q_proj(h), *cache.cross_heads(i, ca.heads), cross_keep,
                                                       cache.group))
                 return ca.out_proj(pack(attend(ca, unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i],
-                                               cross_sees)))
+                                               cross_sees, cross_rows)))
 
             x = layer(x, self_attn, cross_attn)
         if self.decoder.layer_norm is not None:
@@ -439,18 +445,19 @@ class Transformer(nn.Module):
         return x
 
     @staticmethod
-    def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor | None, cross_keep: torch.Tensor,
+    def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor,
                    ragged: bool, math: bool = False) -> tuple:
-        """How a decoder call attends: (attend(mha, q, k, v, sees), self_sees, cross_sees). Query [b, t]
-        sees the self-attention keys at positions <= limit[b, t] (B,T) within the first `span`, and the
-        first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S) marks. `ragged`: the
-        CPU kernel over each row's own keys (`decode_attention`; counts); else masked products
-        (`MultiheadAttention.core`, `math` as there)."""
+        """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None), self_sees, cross_sees).
+        Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T) within the first
+        `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S) marks.
+        `ragged`: the CPU kernel over each row's own keys (`decode_attention`; counts; `rows` its row
+        map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
         if ragged:
-            counts = (limit + 1).clamp(max=span), None if cross_count is None else cross_count[:, None].expand_as(limit)
-            return (lambda mha, q, k, v, sees: decode_attention.attend(q, k, v, sees, mha.heads)), *counts
+            counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
+            return (lambda mha, q, k, v, sees, rows=None: decode_attention.attend(q, k, v, sees, mha.heads, rows),
+                    *counts)
         keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
-        return (lambda mha, q, k, v, sees: mha.core(q, k, v, sees, math)), keep, cross_keep
+        return (lambda mha, q, k, v, sees, rows=None: mha.core(q, k, v, sees, math)), keep, cross_keep
 
     def _default_limit(self, pos: torch.Tensor) -> torch.Tensor:
         """Causal: each position sees itself and before; a double-token model's unit is the pair."""
