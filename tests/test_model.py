@@ -139,6 +139,29 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
             cache.select(torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_encoder_through_the_attention_kernel_equals_masked_products(kind):
+    """Inference encodes through the CPU kernel (each token's query over its own sentence's tokens,
+    packed where the batch is padded) and equals the masked products that run with gradients on, at
+    every real position (float64), padded and unpadded."""
+    import random
+
+    from aggdec.model import decode_attention
+
+    model = tiny_model(kind, seed=3).double().eval()
+    src, _ = _random_batch(model, random.Random(3), 6, 11, 2)
+    full = src[:, :4].clone()
+    full[:, -1] = model.cfg.eos  # no padding: the unpacked layout
+    assert src.eq(model.cfg.pad).any()
+    with torch.no_grad():
+        assert decode_attention.usable(src.device, torch.float64)
+    for batch in (src, full):
+        ref, pad = model.encode(batch)  # gradients on: masked products
+        with torch.no_grad():
+            got, _ = model.encode(batch)
+        torch.testing.assert_close(got[~pad], ref.detach()[~pad], rtol=1e-12, atol=1e-12)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="activation"):
         ModelConfig(src_vocab=8, tgt_vocab=8, activation="tanh")

@@ -254,7 +254,9 @@ class Transformer(nn.Module):
         """src (B,S) int64, right-padded with pad -> (memory (B,S,D), src_pad (B,S)).
 
         Padded batches run packed: embeddings, linear layers, FFN and norms on the N real tokens only,
-        attention alone on the padded layout. memory is zero at padding positions (masked anyway).
+        attention alone on the padded layout (keys and values; with the CPU kernel, `decode_attention`,
+        each token's query reads its sentence's keys only). memory is zero at padding positions
+        (masked anyway).
         """
         src_pad = src.eq(self.cfg.pad)
         valid = ~src_pad
@@ -271,9 +273,23 @@ class Transformer(nn.Module):
             full[valid] = y
             return full
 
+        sees = rows = None  # with the CPU kernel: each query's number of keys, and its row's (packed)
+        if decode_attention.usable(src.device, x.dtype):
+            lengths = nonpad.sum(dim=1)
+            if packed:  # a query per real token, its sentence's keys read through a row map
+                sentence = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)[valid]
+                sees, rows = lengths[sentence][:, None], sentence[:, None].expand(-1, src.shape[1])
+            else:
+                sees = lengths[:, None].expand_as(src)
+
         def self_attn(h: torch.Tensor, sa: MultiheadAttention) -> torch.Tensor:
-            out = sa.core(*(unpack(y) for y in sa.qkv(h)), keep)
-            return sa.out_proj(out[valid] if packed else out)
+            q, k, v = sa.qkv(h)
+            if sees is None:
+                out = sa.core(unpack(q), unpack(k), unpack(v), keep)
+                return sa.out_proj(out[valid] if packed else out)
+            if packed:
+                return sa.out_proj(decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows)[:, 0])
+            return sa.out_proj(decode_attention.attend(q, k, v, sees, sa.heads))
 
         for layer in self.encoder.layers:
             x = layer(x, lambda h, sa=layer.self_attn: self_attn(h, sa))
