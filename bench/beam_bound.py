@@ -89,8 +89,8 @@ def step_cost(model, sentences: int, beam: int, span: int, src_width: int, reps:
     d = model.cfg.d_model
     with torch.no_grad():
         cache = model.start_from(torch.randn(sentences, src_width, d), torch.zeros(sentences, src_width, dtype=torch.bool),
-                                 capacity=span + 8, group=beam)
-        cache.lengths.fill_(span - 1)
+                                 capacity=span + 8, group=beam, indirect=True)  # as beam search's
+        cache.commit(span - 1)
         rows = sentences * beam
         tokens = torch.randint(4, model.cfg.tgt_vocab, (rows, 1))
         parents = (torch.arange(rows) // beam * beam + torch.randint(0, beam, (rows,)))

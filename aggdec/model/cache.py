@@ -42,7 +42,7 @@ class DecoderCache:
 
     Invariants: lengths (B,) int64 on the model's device; every row's buffer holds valid K/V for
     positions < lengths[b]; `capacity >= lengths.max()`; `length`, where not None, equals every
-    lengths[b].
+    lengths[b] (so lengths change through `commit`, `reorder`, `select` and `replace`).
     """
 
     def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1,
