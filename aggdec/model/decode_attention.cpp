@@ -47,11 +47,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t v0 = v.stride(0), v1 = v.stride(1), c0 = count.stride(0), c1 = count.stride(1);
   // one task is one (row, query, head); small problems stay on one thread
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, keys * dh));
-  std::vector<int64_t> order;  // rows 0, P, 2P, ..., 1, 1 + P, ... for P threads
-  order.reserve(rows);
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  for (int64_t first = 0; first < std::min(threads, rows); ++first)
-    for (int64_t b = first; b < rows; b += threads) order.push_back(b);
   at::parallel_for(0, rows * queries * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> w(std::max<int64_t>(keys, 1));
     std::vector<const T*> kj(std::max<int64_t>(keys, 1)), vj(std::max<int64_t>(keys, 1));  // one task's keys, values
@@ -105,16 +100,16 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         (even + odd).store(oi + d, m);
       }
     };
-    // the tasks of row order[r] in place r: a thread's contiguous share takes every P-th row, so rows
-    // of different lengths (sentences at different steps) spread over the threads
-    int64_t h = begin % heads, t = (begin / heads) % queries, r = begin / (heads * queries);
+    // tasks run head by head, each head over every row: a thread's share of the tasks spans all rows,
+    // so rows of different lengths (sentences at different steps) do not load one thread only
+    int64_t t = begin % queries, b = (begin / queries) % rows, h = begin / (queries * rows);
     for (int64_t task = begin; task < end; ++task) {
-      one(order[r], t, h);
-      if (++h == heads) {
-        h = 0;
-        if (++t == queries) {
-          t = 0;
-          ++r;
+      one(b, t, h);
+      if (++t == queries) {
+        t = 0;
+        if (++b == rows) {
+          b = 0;
+          ++h;
         }
       }
     }
