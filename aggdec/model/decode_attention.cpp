@@ -100,16 +100,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         (even + odd).store(oi + d, m);
       }
     };
-    // tasks run head by head, each head over every row: a thread's share of the tasks spans all rows,
-    // so rows of different lengths (sentences at different steps) do not load one thread only
-    int64_t t = begin % queries, b = (begin / queries) % rows, h = begin / (queries * rows);
+    int64_t h = begin % heads, t = (begin / heads) % queries, b = begin / (heads * queries);
     for (int64_t task = begin; task < end; ++task) {
       one(b, t, h);
-      if (++t == queries) {
-        t = 0;
-        if (++b == rows) {
-          b = 0;
-          ++h;
+      if (++h == heads) {
+        h = 0;
+        if (++t == queries) {
+          t = 0;
+          ++b;
         }
       }
     }
