@@ -51,8 +51,7 @@ class DecoderCache:
         b*group+group-1), for beam search: each sentence's cross K/V is kept (and read) once for all
         its beams instead of once per beam. indirect: `reorder` moves no K/V but a map of where each
         row's positions are stored (`rows`), where the CPU attention kernel reads this cache
-        (`decode_attention.usable`; elsewhere `reorder` copies); the buffers then keep their first
-        batch's rows, which sentences that leave give to those `admit`ted."""
+        (`decode_attention.usable`; elsewhere `reorder` copies)."""
         b = cross.src_pad.shape[0] * group
         ref = cross.k[0]
         self.cross = cross
@@ -62,13 +61,12 @@ class DecoderCache:
         self.length: int | None = 0  # every row's length where all are equal and the host knows it (`commit`)
         self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
-        # With `indirect` (else None): rows (B0, capacity), B0 the first batch size: position j of row b is
-        # stored in buffer row rows[b, j]; home (B,): the buffer row that row b writes its positions
-        # into (the rows of a group own `group` consecutive buffer rows); sources (B / group,): the row
-        # of `cross` that each group reads.
+        # (B0, capacity) with B0 the first batch size: position j of row b is stored in row rows[b, j] of
+        # k and v (each row writes its new positions into its own buffer row); None: in row b
         indirect = indirect and decode_attention.usable(ref.device, ref.dtype)
         self.rows = self._identity(b, capacity) if indirect else None
-        self.home = torch.arange(b, device=ref.device) if indirect else None
+        # (B / group,) with `indirect`: the row of `cross` of each group of rows (taking sentences moves no
+        # cross K/V); None: row b' of `cross`
         self.sources = torch.arange(cross.src_pad.shape[0], device=ref.device) if indirect else None
         # `reorder`'s buffers (k then v): the spare set, and the full tensors the live rows are a view of
         self._spare: list[torch.Tensor] = []
@@ -130,23 +128,7 @@ class DecoderCache:
         positions), each (N,). `span` defaults to lengths.max() + T. The caller masks keys at or
         beyond each query's own limit.
         """
-        if self.home is not None:  # into the rows' own buffer rows, noting where in the map
-            if where is not None:
-                raise ValueError("an indirect cache takes blocks of T positions per row, not packed ones")
-            bsz, t = k.shape[:2]
-            if self.length is not None:  # every row at one length: a block of positions
-                at = slice(self.length, self.length + t)
-                self.k[layer][:, at].index_copy_(0, self.home, k)
-                self.v[layer][:, at].index_copy_(0, self.home, v)
-                self.rows[:bsz, at] = self.home[:, None]
-            else:
-                pos = self.lengths[:, None] + torch.arange(t, device=k.device)  # (B, T)
-                home = self.home[:, None].expand(bsz, t)
-                self.k[layer][home, pos] = k
-                self.v[layer][home, pos] = v
-                self.rows[torch.arange(bsz, device=k.device)[:, None], pos] = home
-            span = span or self.longest + t
-        elif where is None and self.length is not None:  # every row at one length: a block of positions
+        if where is None and self.length is not None:  # every row at one length: a block of positions
             bsz, t = k.shape[:2]
             self.k[layer][:bsz, self.length: self.length + t] = k
             self.v[layer][:bsz, self.length: self.length + t] = v
@@ -209,9 +191,6 @@ class DecoderCache:
         self.lengths = self.lengths.index_select(0, rows)
         if self.rows is not None:  # positions stay where they were written: new rows read their parents'
             self.rows[: rows.numel(), :prefix] = self.rows[:, :prefix].index_select(0, rows)
-            # each row keeps writing into its group's buffer row of its place in the group
-            slot = torch.arange(rows.numel(), device=rows.device) % self.group
-            self.home = self.home[rows - rows % self.group + slot]
             return
         n, layers = rows.numel(), len(self.k)
         live = self.k + self.v
@@ -237,43 +216,10 @@ class DecoderCache:
         """Put new sentences into `slots` (continuous batching): their cross K/V, length 0.
 
         `cross` holds len(slots) rows; its source length may differ from the batch's (padded to fit).
-        Not with `rows` (a slot's buffer row may hold positions other rows read: `admit`).
+        Not with `rows` (a slot's buffer row may hold positions other rows read).
         """
-        if self.rows is not None or self.group != 1:
-            raise ValueError("replace takes rows that own their buffer rows and cross K/V (else: admit)")
-        self._put_cross(slots, cross)
-        self.lengths[slots] = 0
-        self.length = None
-
-    def admit(self, cross: CrossKV) -> None:
-        """Add new sentences after the last row (beam search's refills): `group` rows each at length 0,
-        reading `cross` (one row per sentence; any source length). With `indirect`, they take the
-        buffer rows and cross rows of groups that left (ValueError if too few); else the buffers grow."""
-        m, g, device = cross.src_pad.shape[0], self.group, self.lengths.device
-        if self.home is not None:
-            taken = set((self.home[::g] // g).tolist())
-            free = [p for p in range(self.rows.shape[0] // g) if p not in taken][:m]
-            if len(free) < m:
-                raise ValueError(f"admit: {m} sentences, buffer rows for {len(free)}")
-            at = torch.tensor(free, dtype=torch.long, device=device)
-            self._put_cross(at, cross)
-            self.home = torch.cat([self.home, (at[:, None] * g + torch.arange(g, device=device)).view(-1)])
-            self.sources = torch.cat([self.sources, at])
-        else:
-            grown = [torch.cat([t, t.new_zeros(m * g, *t.shape[1:])]) for t in self.k + self.v]
-            self.k, self.v = grown[: len(self.k)], grown[len(self.k):]
-            self._full, self._spare = [], []
-            old = self.cross
-            self.cross = CrossKV(k=[torch.cat([t, t.new_zeros(m, *t.shape[1:])]) for t in old.k],
-                                 v=[torch.cat([t, t.new_zeros(m, *t.shape[1:])]) for t in old.v],
-                                 src_pad=torch.cat([old.src_pad, old.src_pad.new_ones(m, old.src_pad.shape[1])]))
-            self._put_cross(torch.arange(old.src_pad.shape[0], old.src_pad.shape[0] + m, device=device), cross)
-        self.length = 0 if self.batch_size == 0 or self.length == 0 else None
-        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(m * g)])
-
-    def _put_cross(self, at: torch.Tensor, cross: CrossKV) -> None:
-        """Write `cross`'s rows into rows `at` of this cache's cross K/V, padding the narrower to the wider."""
-        self._heads = None
+        if self.rows is not None:
+            raise ValueError("replace needs rows that own their buffer rows (a cache without `indirect`)")
         s_old, s_new = self.cross.src_pad.shape[1], cross.src_pad.shape[1]
         if s_new > s_old:
             grow = s_new - s_old
@@ -284,5 +230,7 @@ class DecoderCache:
             )
             s_old = s_new
         for dst, src in zip(self.cross.k + self.cross.v, cross.k + cross.v):
-            dst[at] = torch.nn.functional.pad(src, (0, 0, 0, s_old - s_new))
-        self.cross.src_pad[at] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
+            dst[slots] = torch.nn.functional.pad(src, (0, 0, 0, s_old - s_new))
+        self.cross.src_pad[slots] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
+        self.lengths[slots] = 0
+        self.length = None
