@@ -59,12 +59,15 @@ class DecoderCache:
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.length: int | None = 0  # every row's length where all are equal and the host knows it (`commit`)
-        self.k = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
-        self.v = [ref.new_zeros(b, capacity, d_model) for _ in range(n_layers)]
         # (B0, capacity) with B0 the first batch size: position j of row b is stored in row rows[b, j] of
         # k and v (each row writes its new positions into its own buffer row); None: in row b
         indirect = indirect and decode_attention.usable(ref.device, ref.dtype)
         self.rows = self._identity(b, capacity) if indirect else None
+        # the kernel reads no position past a row's length: those of an indirect cache stay unwritten
+        # (masked products would multiply their garbage by 0: elsewhere they are zeros)
+        self._new = torch.Tensor.new_empty if indirect else torch.Tensor.new_zeros
+        self.k = [self._new(ref, (b, capacity, d_model)) for _ in range(n_layers)]
+        self.v = [self._new(ref, (b, capacity, d_model)) for _ in range(n_layers)]
         # (B / group,) with `indirect`: the row of `cross` of each group of rows (taking sentences moves no
         # cross K/V); None: row b' of `cross`
         self.sources = torch.arange(cross.src_pad.shape[0], device=ref.device) if indirect else None
@@ -95,7 +98,7 @@ class DecoderCache:
         new_cap = max(need, 2 * self.capacity)
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
-                grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
+                grown = self._new(t, (t.shape[0], new_cap, t.shape[2]))
                 grown[:, : t.shape[1]] = t
                 buf[i] = grown
         self._full = []
