@@ -137,6 +137,11 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
         torch.testing.assert_close(model.decode(step, cache), model.decode(step, ref), **close)
         with pytest.raises(ValueError, match="reorder"):
             cache.select(torch.tensor([0, 1]))
+    if indirect:  # with gradients, attention is the masked products, which cannot read the map
+        with pytest.raises(ValueError, match="kernel"):
+            model.decode(step, cache)
+        with pytest.raises(ValueError, match="one count"):  # its rows stay at one length
+            cache.commit(torch.tensor([1, 0, 1, 1]))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -42,7 +42,8 @@ class DecoderCache:
 
     Invariants: lengths (B,) int64 on the model's device; every row's buffer holds valid K/V for
     positions < lengths[b]; `capacity >= lengths.max()`; `length`, where not None, equals every
-    lengths[b] (so lengths change through `commit`, `reorder`, `select` and `replace`).
+    lengths[b] (so lengths change through `commit`, `reorder`, `select` and `replace`); an indirect
+    cache's `length` is never None.
     """
 
     def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1,
@@ -143,13 +144,19 @@ class DecoderCache:
                 rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, t)
                 where = (rows, pos)
                 span = span or self.longest + t
+            if self.rows is not None:
+                raise ValueError("an indirect cache takes blocks of positions at its rows' one length")
             self.k[layer][where] = k
             self.v[layer][where] = v
         return self.k[layer][:, :span], self.v[layer][:, :span]
 
     def commit(self, n: torch.Tensor | int) -> None:
         """Advance row b by n[b] positions of the block just written; the rest is rolled back. An int
-        advances every row by it (and keeps `length` known where it was)."""
+        advances every row by it (and keeps `length` known where it was); an indirect cache takes
+        only that (its rows write past their length into buffer rows whose earlier positions other
+        rows may read, so they stay at one length)."""
+        if self.rows is not None and not isinstance(n, int):
+            raise ValueError("an indirect cache advances every row by one count (commit an int)")
         self.lengths = self.lengths + n
         self.length = self.length + n if isinstance(n, int) and self.length is not None else None
 
@@ -180,10 +187,10 @@ class DecoderCache:
 
         The copy goes into a second set of buffers that then swaps with the first, so no memory is
         allocated once both exist; positions at or past a row's length hold stale finite values,
-        masked as ever. With `indirect` (`self.rows` set), only that map of the first `prefix` positions
-        is taken by `rows` (and `sources` for the cross K/V). take_cross: also take the cross K/V by `rows`; False where every new row
-        keeps the cross K/V it has (the beams of one sentence share theirs, so reordering them needs
-        none).
+        masked as ever. With `indirect` (`self.rows` set), nothing is copied but that map's first
+        `prefix` positions (and `sources` for the cross K/V). take_cross: also take the cross K/V by
+        `rows`; False where every new row keeps the cross K/V it has (the beams of one sentence share
+        theirs, so reordering them needs none).
         """
         if take_cross:  # with shared cross K/V, each group's rows come from one sentence
             groups = rows if self.group == 1 else rows[:: self.group] // self.group
