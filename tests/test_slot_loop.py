@@ -251,7 +251,7 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         count = torch.randint(1, length + 1, (b, t), generator=gen)
         keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
         with torch.no_grad():
-            torch.testing.assert_close(torch.ops.aggdec.decode_attention(q, k, v, count, heads),
+            torch.testing.assert_close(decode_attention.attend(q, k, v, count, heads),
                                        attn.core(q, k, v, keep), rtol=tol, atol=tol)
 print("ok")
 """

@@ -1,5 +1,5 @@
 // Attention of a few decoder queries per row over each query's own number of keys (CPU).
-// The operator aggdec::decode_attention; its contract is in aggdec/model/decode_attention.py.
+// The operator aggdec::<OP>; its contract is in aggdec/model/decode_attention.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -136,8 +136,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
+// the operator's name, AGGDEC_OP, is set by the build (decode_attention.py: OP)
+#define AGGDEC_STR(x) #x
+#define AGGDEC_NAME(x) AGGDEC_STR(x)
+
 TORCH_LIBRARY(aggdec, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor count, int heads, Tensor? rows=None) -> Tensor");
+  m.def(AGGDEC_NAME(AGGDEC_OP) "(Tensor q, Tensor k, Tensor v, Tensor count, int heads, Tensor? rows=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(aggdec, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(aggdec, CPU, m) { m.impl(AGGDEC_NAME(AGGDEC_OP), &decode_attention); }

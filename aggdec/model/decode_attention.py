@@ -28,12 +28,17 @@ for 64 rows of 8 queries.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+OP = "decode_attention_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+"""The operator, `torch.ops.aggdec.<OP>`: its name carries the source's digest, so that a program
+TorchInductor compiled (and cached on disk) against another version of the kernel, whose call would
+not fit this one's signature, is never reused with it."""
 _loaded: bool | None = None  # None: not tried yet
 
 
@@ -45,7 +50,7 @@ builds its own vectorized kernels with; any other capability builds ATen's porta
 
 def load() -> bool:
     """Build (first time on a machine: about 20 s) and load the kernel for this CPU; True once it is
-    registered as `torch.ops.aggdec.decode_attention`. Never raises: False, with one warning, where it
+    registered as `torch.ops.aggdec.<OP>`. Never raises: False, with one warning, where it
     cannot."""
     global _loaded
     if _loaded is None:
@@ -68,9 +73,9 @@ def build(capability: str) -> None:
 
     flags = FLAGS.get(capability, [])
     name = "aggdec_decode_attention_" + (capability.lower() if flags else "portable")
-    load_inline(name, SOURCE.read_text(), is_python_module=False, extra_cflags=["-O3", "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"])
-    torch.library.register_fake("aggdec::decode_attention")(_shape)
+    load_inline(name, SOURCE.read_text(), is_python_module=False,
+                extra_cflags=["-O3", "-fopenmp", f"-DAGGDEC_OP={OP}", *flags], extra_ldflags=["-fopenmp"])
+    torch.library.register_fake(f"aggdec::{OP}")(_shape)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -85,7 +90,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
            rows: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. Only where `usable(q.device, q.dtype)`."""
-    return torch.ops.aggdec.decode_attention(q, k, v, count, heads, rows)
+    return getattr(torch.ops.aggdec, OP)(q, k, v, count, heads, rows)
 
 
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
