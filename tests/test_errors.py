@@ -123,6 +123,12 @@ def test_the_default_job_prints_a_handful_of_lines(tiny_model_dir, tmp_path):
     assert not any("INFO" in line or "core_worker" in line or "Dataset" in line for line in lines), lines
 
 
+def _foreground() -> None:
+    """In the child: SIGINT as a terminal's foreground job has it, also where the suite itself runs as a
+    shell's background job (which starts its commands with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir, tmp_path, signum):
     psutil = pytest.importorskip("psutil")
@@ -132,7 +138,7 @@ def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir
     proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
                              "--set", "batching.rows_per_task=10", "--set", "input.id_column=none",
                              "--method", "greedy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO)
+                            cwd=REPO, preexec_fn=_foreground)
     deadline = time.time() + 120
     while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
