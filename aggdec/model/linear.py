@@ -94,43 +94,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
         post = "relu" if relu else "none"
         if packed is not None:
-            return _bucketed(x, packed, bias, post)
+            return _ONEDNN(x, packed, bias, post, [], "")
         if x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS:
-            return _bucketed(x, weight, bias, post)
+            return _ONEDNN(x, weight, bias, post, [], "")
     y = F.linear(x, weight, bias)
     return F.relu(y) if relu else y
-
-
-EXACT_ROWS = 32
-"""oneDNN products of up to this many rows run at their own row count; more rows are padded up to
-`bucket_rows`."""
-
-
-def bucket_rows(rows: int) -> int:
-    """The row count a oneDNN product of `rows` rows runs at: `rows` up to EXACT_ROWS, else rounded up
-    to one of 8 steps per power of two (at most 1/8 more). oneDNN builds its kernel for each input
-    shape it sees (about 0.35 ms for a 64-row 256x1024 product that takes 0.09 ms once built, 34 ms
-    for a 2,000-row output projection) and keeps a bounded number; the packed rows of a draft ->
-    verify call or an encoder batch are a new count almost every time, the buckets a few dozen."""
-    if rows <= EXACT_ROWS:
-        return rows
-    step = 1 << max(0, rows.bit_length() - 4)  # 8 steps between 2^k and 2^(k+1)
-    return -(-rows // step) * step
-
-
-def _bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str) -> torch.Tensor:
-    """The oneDNN product of x (..., in) at `bucket_rows` rows: padding rows of zeros, cut off after
-    (each output row depends on its own input row only)."""
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    padded = bucket_rows(rows)
-    if padded != rows:
-        grown = flat.new_empty(padded, flat.shape[1])
-        grown[:rows] = flat
-        grown[rows:] = 0
-        flat = grown
-    y = _ONEDNN(flat, weight, bias, post, [], "")
-    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
 
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor | None:
