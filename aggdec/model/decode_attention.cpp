@@ -49,7 +49,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, keys * dh));
   at::parallel_for(0, rows * queries * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> w(std::max<int64_t>(keys, 1));
-    std::vector<const T*> kj(std::max<int64_t>(keys, 1)), vj(std::max<int64_t>(keys, 1));  // one task's keys, values
+    std::vector<const T*> kj(std::max<int64_t>(keys, 1)), vj(std::max<int64_t>(keys, 1));  // a task's keys, values
     // softmax(q k^T * scale) v of one (row b, query t, head h) over its first n keys
     const auto one = [&](int64_t b, int64_t t, int64_t h) {
       const int64_t n = std::min<int64_t>(cp[b * c0 + t * c1], keys);
@@ -141,7 +141,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #define AGGDEC_NAME(x) AGGDEC_STR(x)
 
 TORCH_LIBRARY(aggdec, m) {
-  m.def(AGGDEC_NAME(AGGDEC_OP) "(Tensor q, Tensor k, Tensor v, Tensor count, int heads, Tensor? rows=None) -> Tensor");
+  m.def(AGGDEC_NAME(AGGDEC_OP)
+        "(Tensor q, Tensor k, Tensor v, Tensor count, int heads, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aggdec, CPU, m) { m.impl(AGGDEC_NAME(AGGDEC_OP), &decode_attention); }

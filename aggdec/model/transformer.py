@@ -287,8 +287,9 @@ class Transformer(nn.Module):
             if sees is None:
                 out = sa.core(unpack(q), unpack(k), unpack(v), keep)
                 return sa.out_proj(out[valid] if packed else out)
-            if packed:
-                return sa.out_proj(decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows)[:, 0])
+            if packed:  # (N,1,D): one query per token
+                out = decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows)[:, 0]
+                return sa.out_proj(out)
             return sa.out_proj(decode_attention.attend(q, k, v, sees, sa.heads))
 
         for layer in self.encoder.layers:
