@@ -136,21 +136,3 @@ def test_from_none_the_last_drafting_length_is_tried_again():
         length = budget.next_length(16, 8)
         chosen.append(budget.choice)
     assert 0 in chosen[:60] and chosen[-50:] == [8] * 50
-
-
-def test_a_cold_start_on_a_wide_batch_drafts_less():
-    """A budget that has judged nothing starts where its drafts reach COLD_TOKENS tokens over the
-    batch: the longest length up to COLD_TOKENS / max_length rows, shorter beyond; one that has
-    judged keeps its choice."""
-    budget = DraftBudget(64)
-    budget.start(1)
-    assert budget.next_length(1, 64) == 64
-    budget.start(256)
-    assert budget.next_length(256, 64) == DraftBudget.COLD_TOKENS // 256 == 16
-    budget.start(100_000)
-    assert budget.next_length(100_000, 64) == 1
-    warm = DraftBudget(64)
-    _drive(warm, 1, lambda length, rows: torch.full((rows,), length), lambda b, d: 1e-3 + 1e-5 * (b + d), calls=60)
-    assert warm._judged and warm.choice == 64
-    warm.start(256)
-    assert warm.choice == 64 and warm.next_length(256, 64) == 64

@@ -58,13 +58,6 @@ class DraftBudget:
 
     LONGEST = 64
     """`max_length` for drafters without a limit of their own (IAD without a draft cap)."""
-    COLD_TOKENS = 4096
-    """A cold budget's first length drafts at most this many tokens over the batch (`start`; every
-    row's draft at that length): max_length up to COLD_TOKENS / max_length rows, shorter on wider
-    batches. At 256
-    `gec-base` rows a first block at 64 verified 9,736 tokens in 0.33 s, 34 greedy calls' time, and
-    IAD at 64 ran at 0.90x greedy over 1,200 sentences where 16 ran at 1.03x; the budget still moves
-    from there by what it measures."""
     WARM = 2
     """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
     quickly what clearly does not pay."""
@@ -91,16 +84,6 @@ class DraftBudget:
         if limit <= 0 or rows <= 0:
             return 0
         return min(self._current, limit, self.max_length)
-
-    def start(self, rows: int) -> None:
-        """A run begins over `rows` rows. A budget that has judged nothing yet (new, or kept from runs
-        too short to compare lengths) starts at the length whose drafts reach `COLD_TOKENS` tokens over
-        them, at most `max_length`, with no block half measured."""
-        if self._judged or self._pending is not None:
-            return
-        self.choice = self._current = self._drafting = max(1, min(self.max_length, self.COLD_TOKENS // max(rows, 1)))
-        self._tokens = self._seconds = 0.0
-        self._count, self._before = 0, None
 
     def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in

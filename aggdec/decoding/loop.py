@@ -183,7 +183,7 @@ class DraftVerifyLoop:
         if self.stride > 1 and self.forced.numel():
             raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
-        self._length = NO_LIMIT  # the next call's draft length; with a budget, asked at each run's start
+        self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (a first build: 20 s)
             decode_attention.load()
@@ -254,15 +254,9 @@ class DraftVerifyLoop:
             self._check(r)
         self._refills.reset()
         state: DecodeState | None = None
-        first = True
         while queue or state is not None:
             if state is None:
-                reqs = self._take(queue, self.max_batch_size, 0)
-                if first and self.budget is not None:  # a cold budget's first length depends on the rows
-                    self.budget.start(len(reqs))
-                    self._length = self.budget.next_length(len(reqs), self.budget.max_length)
-                first = False
-                state = self._new_state(reqs)
+                state = self._new_state(self._take(queue, self.max_batch_size, 0))
                 self.drafter.admit(state, torch.arange(state.batch_size, device=self.device))
             t0 = time.perf_counter()
             # 1. Propose.

@@ -401,10 +401,8 @@ class SlotLoop:
         free = list(range(n))
         src_len = [0] * n  # host copy of each occupied slot's source length
         out_len = [1] * n
-        if self.budget is not None:  # a cold budget's first length depends on the rows
-            self.budget.start(min(n, len(queue)))
         length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
-                                                else self.budget.next_length(min(n, len(queue)), self.max_draft))
+                                                else self.budget.next_length(1, self.max_draft))
         while queue or len(free) < n:
             if free and queue:
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
