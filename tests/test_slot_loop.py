@@ -228,6 +228,10 @@ def test_decode_attention_kernel_equals_masked_softmax():
                                            attn.core(q, k, v, keep), rtol=tol, atol=tol)
     none = decode_attention.attend(q, k, v, torch.zeros_like(count), heads)
     assert none.isnan().all()
+    bad = torch.zeros(q.shape[0], k.shape[1], dtype=torch.long)
+    bad[-1, 0] = k.shape[0]  # read by every query of the last row
+    with pytest.raises(RuntimeError, match="not a row of k"):
+        decode_attention.attend(q, k, v, torch.ones_like(count), heads, bad)
 
 
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])

@@ -126,6 +126,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: rows (B,L) int64, or keys of B rows");
   TORCH_CHECK(count.scalar_type() == at::kLong && k.scalar_type() == q.scalar_type() &&
                   v.scalar_type() == q.scalar_type(), "decode_attention: dtypes");
+  if (rows) {  // every entry a query will read names a row of k and v (the reads are unchecked)
+    const int64_t* rp = rows->data_ptr<int64_t>();
+    const int64_t* cp = count.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      int64_t n = 0;
+      for (int64_t t = 0; t < q.size(1); ++t) n = std::max(n, cp[b * count.stride(0) + t * count.stride(1)]);
+      for (int64_t j = 0; j < std::min(n, k.size(1)); ++j) {
+        const int64_t r = rp[b * rows->stride(0) + j * rows->stride(1)];
+        TORCH_CHECK(0 <= r && r < k.size(0), "decode_attention: rows[", b, ", ", j, "] = ", r, " is not a row of k");
+      }
+    }
+  }
   const auto last = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
   const at::Tensor qc = last(q), kc = last(k), vc = last(v);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());

@@ -7,7 +7,7 @@ count (B,T) int64, any strides (a count per row broadcast over its queries): que
 softmax(q k^T / sqrt(D/heads)) v. `rows` (B,L) int64, any strides, optional: key j of row b is
 read from row rows[b, j] of k and v, which then hold any number of rows (beam search: its beams'
 shared prefixes in place, where they were written, and a sentence's source shared by its beams);
-every entry a query reads must be a row of k. This is the masked softmax of
+an entry a query reads that is not a row of k raises. This is the masked softmax of
 `MultiheadAttention.core` where the visible keys are a prefix (causal self-attention; right-padded
 sources), with the same arithmetic per query (fp32 or fp64 products and sums, the softmax's maximum
 subtracted) in another summation order. A query with no key gives NaN, as the masked softmax does.
