@@ -48,7 +48,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   // one task is one (row, query, head); small problems stay on one thread
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, keys * dh));
   at::parallel_for(0, rows * queries * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> w(std::max<int64_t>(keys, 1));
+    std::vector<T> w(std::max<int64_t>(keys, 1) + V::size());  // room for whole vectors past the keys
     std::vector<const T*> kj(std::max<int64_t>(keys, 1)), vj(std::max<int64_t>(keys, 1));  // a task's keys, values
     // softmax(q k^T * scale) v of one (row b, query t, head h) over its first n keys
     const auto one = [&](int64_t b, int64_t t, int64_t h) {
@@ -69,6 +69,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         w[j] = dot(qi, kj[j], dh) * scale;
         top = std::max(top, w[j]);
       }
+      // exp(w - top) in place, whole vectors (w has room past n; lanes past n are left out of the sum):
+      // masked stores would keep the weights' next loads from being forwarded from the stores
       const V vtop(top);
       V vsum(T(0));
       int64_t j = 0;
@@ -78,16 +80,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         vsum = vsum + e;
       }
       if (j < n) {
-        const V e = (V::loadu(w.data() + j, n - j) - vtop).exp();
-        e.store(w.data() + j, n - j);
+        const V e = (V::loadu(w.data() + j) - vtop).exp();
+        e.store(w.data() + j);
         vsum = vsum + V::set(V(T(0)), e, n - j);
       }
       const V vtotal(sum_all(vsum));
-      for (j = 0; j < n; j += V::size()) {  // the softmax's weights
-        const int64_t m = std::min<int64_t>(V::size(), n - j);
-        (V::loadu(w.data() + j, m) / vtotal).store(w.data() + j, m);
-      }
-      // their sum of values, in registers: two partial sums (even and odd keys) per vector of dims
+      // the values' sum weighted by exp(w - top), in registers (two partial sums: even and odd keys),
+      // divided by the weights' sum
       for (int64_t d = 0; d < dh; d += V::size()) {
         const int64_t m = std::min<int64_t>(V::size(), dh - d);
         V even(T(0)), odd(T(0));
@@ -97,7 +96,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           odd = at::vec::fmadd(V(w[r + 1]), V::loadu(vj[r + 1] + d, m), odd);
         }
         if (r < n) even = at::vec::fmadd(V(w[r]), V::loadu(vj[r] + d, m), even);
-        (even + odd).store(oi + d, m);
+        ((even + odd) / vtotal).store(oi + d, m);
       }
     };
     int64_t h = begin % heads, t = (begin / heads) % queries, b = begin / (heads * queries);
