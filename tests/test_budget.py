@@ -39,10 +39,11 @@ def test_drafting_turns_itself_off_where_it_does_not_pay():
     assert budget.score[1] < 0  # the challenger left, one token, keeps losing
 
 
-def test_none_is_tried_first_even_after_a_comparison_was_dropped():
-    """A batch that shrinks right after greedy's trial block drops that comparison (a kept budget's
-    warm-up run drains so); greedy, still not compared, is the next challenger again, not a shorter
-    draft, so a start where drafting loses stays short."""
+def test_a_cold_budget_starts_on_the_plain_path_and_retries_a_dropped_comparison():
+    """A cold budget's first block is greedy; its first challenger the longest draft. A batch that
+    shrinks right after that challenger's block drops the comparison (a kept budget's warm-up run
+    drains so): the same challenger is tried again next, not a shorter draft, and where drafting
+    loses greedy stays chosen."""
     budget = DraftBudget(4, row_calls=16 * 64)  # blocks of 16 calls (4 while warm) at 64 rows
     gen = torch.Generator().manual_seed(0)
     lengths, length = [], budget.next_length(64, 4)
@@ -52,9 +53,27 @@ def test_none_is_tried_first_even_after_a_comparison_was_dropped():
         acc = (torch.rand(rows, length, generator=gen) < 0.3).long().cumprod(1).sum(1) if length else torch.zeros(rows)
         budget.record(length, int((acc + 1).sum()), 1e-4 * rows * (1 + length), rows)
         length = budget.next_length(rows, 4)
-    assert lengths[4:8] == [0] * 4 and lengths[8:16] == [4] * 8  # greedy's trial, dropped by the shrink
-    assert lengths[16:20] == [0] * 4  # greedy again, not the shorter draft 3
-    assert budget.choice == 0
+    assert lengths[:4] == [0] * 4 and lengths[4:8] == [4] * 4  # greedy, then the longest draft
+    assert lengths[8:16] == [0] * 8  # the comparison dropped by the shrink
+    assert lengths[16:20] == [4] * 4  # the longest draft again, not the shorter 3
+    assert budget.choice == 0 and 3 not in budget.score
+
+
+def test_lengths_that_draft_alike_do_not_keep_none_from_being_tried():
+    """IAD-like drafts of at most 20 tokens: at 64, the step down (48) drafts the same tokens and its
+    comparisons are dropped. It is set aside, not tried again and again as still untried, so greedy
+    keeps being tried: once drafting stops paying (its tokens cost 40x more from call 400), greedy
+    is chosen."""
+    budget = DraftBudget(64)
+    length, chosen = budget.next_length(1, 64), []
+    for call in range(3000):
+        drafted = min(length, 20)
+        per_token = 5e-5 if call < 400 else 2e-3
+        budget.record(length, drafted + 1, 1e-3 + per_token * drafted, 1, offered=20)
+        length = budget.next_length(1, 64)
+        chosen.append(budget.choice)
+    assert 64 in chosen[300:400]  # long drafts paid first
+    assert chosen[-100:] == [0] * 100
 
 
 def test_a_wide_batch_finds_out_in_few_calls():

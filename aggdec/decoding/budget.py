@@ -9,17 +9,21 @@ decoding, chosen whenever drafting does not pay; the drafters then skip their ow
 
 Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `row_calls`).
 Most blocks run the best length found so far; now and then a block tries a challenger (none, a
-quarter less or a quarter more, at least one token; from none, also the last length chosen before
-it, since one token often costs more than it gains where a longer draft pays: without it, a cold
-start that judged none ahead on noise stayed there), and its rate is compared with the mean rate of
-the best-length blocks just before and just after it. Lengths not yet compared with the current best
-are tried first, none (greedy decoding) first of all, so that a start where drafting does not pay is
-short. The paired comparison cancels what drifts during a run (sentence lengths, the machine's
-load). A comparison is dropped across a change of batch size, and where no draft offered to the
-challenger's block reached the shorter of the two lengths: IAD's drafts end with the source, so
-lengths past the longest sentence draft the same tokens, and comparing them compares noise (a walk
-down such equal lengths ended by cutting drafts short). No challenger is tried while a batch drains
-at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
+quarter less or a quarter more, at least one token; from none, first the last length chosen before
+it, since one token often costs more than it gains where a longer draft pays), and its rate is
+compared with the mean rate of the best-length blocks just before and just after it. A cold budget
+starts on the plain path (none), its first challenger the longest draft: where drafting pays (batch
+1) it takes over after one comparison; where it does not (wide batches on a CPU, where a call at 64
+tokens a row over 256 rows costs tens of greedy calls), starting there would pay for those calls
+until greedy won a comparison back. Lengths not yet compared with the current best are tried first,
+none before the others, so that a start where drafting does not pay is short. The paired
+comparison cancels what drifts during a run (sentence lengths, the machine's load). A comparison is
+dropped across a change of batch size, and where no draft offered to the challenger's block reached
+the shorter of the two lengths: IAD's drafts end with the source, so lengths past the longest
+sentence draft the same tokens, and comparing them compares noise (a walk down such equal lengths
+ended by cutting drafts short). Such a challenger is set aside until a block's drafts reach it or
+the choice changes: tried again as still untried, it kept greedy from ever being tried again. No
+challenger is tried while a batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
 between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
 `max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
 not pay spends little on finding that out again. Challenger blocks are half as long as the others,
@@ -65,12 +69,12 @@ class DraftBudget:
     def __init__(self, max_length: int = 64, *, block: int = 16, row_calls: int = 128, max_gap: int = 32):
         self.max_length = max_length
         self.block, self.row_calls, self.max_gap = block, row_calls, max_gap
-        self.choice = max_length  # the best length so far
+        self.choice = 0  # the best length so far: a cold budget starts on the plain path
         self._drafting = max_length  # the last choice that drafted: a challenger of none
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
         self.calls = 0
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
-        self._current = max_length  # the length of the block being measured
+        self._current = 0  # the length of the block being measured
         self._tokens = self._seconds = 0.0
         self._count = self._judged = 0
         self._rows = (0, 0)  # fewest and most rows of the block's calls
@@ -78,6 +82,7 @@ class DraftBudget:
         self._widest = 0  # the most rows of any call so far
         self._before: Block | None = None  # the last best-length block
         self._pending: tuple[int, Block, Block | None] | None = None  # (challenger, its block, the one before)
+        self._alike: set[int] = set()  # challengers that drafted as the choice does (`_close`)
 
     def next_length(self, rows: int, limit: int) -> int:
         """The draft length for the next call (at most `limit`, the drafter's)."""
@@ -125,11 +130,13 @@ class DraftBudget:
             pair = [block] if before is None else [before, block]
             # compared only where the batch kept its size (a draining batch changes the rate by itself)
             # and where the two lengths drafted differently (some draft reached the shorter one)
-            if (max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair])
-                    and c.longest >= min(challenger, self.choice)):
+            if c.longest < min(challenger, self.choice):
+                self._alike.add(challenger)
+            elif max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
                 if self._judge(challenger, math.log(c.rate / (sum(b.rate for b in pair) / len(pair)))):
                     return self.choice
         self._before = block
+        self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
         if self._since >= self._gap and 1.25 * block.fewest >= self._widest:  # not while a batch drains
             challengers = self._challengers()
             if challengers:
@@ -151,6 +158,7 @@ class DraftBudget:
             self._drafting = self.choice or self._drafting
             self.score = {self.choice: -s}
             self.choice, self._gap, self._since, self._before = challenger, 1, 1, None
+            self._alike = set()
             return True
         self.score[challenger] = s
         if s < math.log(0.95):  # lost: try it again later, much later if it lost by far
@@ -161,8 +169,10 @@ class DraftBudget:
 
     def _challengers(self) -> list[int]:
         """None, a step less and a step more (in this order of trial); the step is a quarter of the
-        current length, at least one token; from none, also the last length that drafted."""
+        current length, at least one token; from none, also the last length that drafted. Not those
+        set aside as drafting alike (`_close`)."""
         c = self.choice
         step = max(1, c // 4)
         back = (self._drafting,) if c == 0 else ()
-        return list(dict.fromkeys(x for x in (0, c - step, c + step, *back) if 0 <= x <= self.max_length and x != c))
+        return list(dict.fromkeys(x for x in (*back, 0, c - step, c + step)
+                                  if 0 <= x <= self.max_length and x != c and x not in self._alike))
