@@ -36,7 +36,7 @@ def test_drafting_turns_itself_off_where_it_does_not_pay():
 
     chosen = _drive(budget, 64, accept, lambda b, d: 1e-4 * (b + d))
     assert chosen[-50:] == [0] * 50
-    assert budget.score[1] < 0  # the challenger left, one token, keeps losing
+    assert budget.score and all(s < 0 for s in budget.score.values())  # each length tried lost
 
 
 def test_a_cold_budget_starts_on_the_plain_path_and_retries_a_dropped_comparison():
@@ -149,7 +149,7 @@ def test_from_none_the_last_drafting_length_is_tried_again():
         return 1e-3 + (1e-3 * slow + 1e-5 * drafted if drafted else 0.0)
 
     length, chosen = budget.next_length(16, 8), []
-    for calls in range(600):
+    for calls in range(4000):
         accepted = torch.full((16,), length)
         budget.record(length, int((accepted + 1).sum()), cost(16, 16 * length), 16)
         length = budget.next_length(16, 8)

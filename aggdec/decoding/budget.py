@@ -45,12 +45,13 @@ UNKNOWN_OFFER = 1 << 30
 
 class Block(NamedTuple):
     """A measured block of calls: output tokens per second, the fewest and most rows of its calls,
-    and the longest draft any of its calls was offered (before the length cap)."""
+    the longest draft any of its calls was offered (before the length cap), and its seconds."""
 
     rate: float
     fewest: int
     most: int
     longest: int = UNKNOWN_OFFER
+    seconds: float = 0.0
 
 
 class DraftBudget:
@@ -62,6 +63,16 @@ class DraftBudget:
 
     LONGEST = 64
     """`max_length` for drafters without a limit of their own (IAD without a draft cap)."""
+    EXPLORE = 20
+    """After a challenger lost, the next one waits until best-length blocks have run this many times
+    the seconds it lost (its block's time less that of its tokens at the choice's rate), so trials
+    cost at most about 1/EXPLORE of a run: at 256 `gec-base` rows one call drafting 64 tokens a row
+    took 190 ms, about 20 greedy calls, and trials of it every 32 two-call blocks cost more than a
+    tenth of a long run."""
+    COLD_TOKENS = 4096
+    """A cold budget's first drafting challenger drafts at most this many tokens over the rows of its
+    widest call so far (64 a row up to 64 rows, 16 at 256): its first call at a new shape costs the
+    most (at 256 `gec-base` rows, a first call at 64 tokens a row took 670 ms, 70 greedy calls)."""
     WARM = 2
     """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
     quickly what clearly does not pay."""
@@ -74,6 +85,7 @@ class DraftBudget:
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
         self.calls = 0
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
+        self._owed = 0.0  # seconds of best-length blocks to run before the next challenger (`EXPLORE`)
         self._current = 0  # the length of the block being measured
         self._tokens = self._seconds = 0.0
         self._count = self._judged = 0
@@ -106,7 +118,7 @@ class DraftBudget:
         self._widest = max(self._widest, rows)
         self._count += 1
         if self._count >= self._block_length():
-            block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest)
+            block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest, self._seconds)
             self._tokens = self._seconds = 0.0
             self._count = 0
             self._current = self._close(self._current, block)
@@ -133,11 +145,15 @@ class DraftBudget:
             if c.longest < min(challenger, self.choice):
                 self._alike.add(challenger)
             elif max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
-                if self._judge(challenger, math.log(c.rate / (sum(b.rate for b in pair) / len(pair)))):
+                rate = sum(b.rate for b in pair) / len(pair)
+                if self._judge(challenger, math.log(c.rate / rate)):
                     return self.choice
+                self._owed = self.EXPLORE * c.seconds * max(0.0, 1.0 - c.rate / rate)  # the time it lost
+        self._owed -= block.seconds
         self._before = block
         self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
-        if self._since >= self._gap and 1.25 * block.fewest >= self._widest:  # not while a batch drains
+        if (self._since >= self._gap and self._owed <= 0
+                and 1.25 * block.fewest >= self._widest):  # not while a batch drains
             challengers = self._challengers()
             if challengers:
                 self._since = 0
@@ -168,11 +184,13 @@ class DraftBudget:
         return False
 
     def _challengers(self) -> list[int]:
-        """None, a step less and a step more (in this order of trial); the step is a quarter of the
-        current length, at least one token; from none, also the last length that drafted. Not those
-        set aside as drafting alike (`_close`)."""
+        """None, a step less and a step more; the step is a quarter of the current length, at least one
+        token; from none, first the last length that drafted (`COLD_TOKENS` while cold). Not those set
+        aside as drafting alike (`_close`)."""
         c = self.choice
         step = max(1, c // 4)
+        if c == 0 and not self._judged:  # cold: the first drafting challenger verifies <= COLD_TOKENS tokens
+            self._drafting = min(self._drafting, max(1, self.COLD_TOKENS // max(self._widest, 1)))
         back = (self._drafting,) if c == 0 else ()
         return list(dict.fromkeys(x for x in (*back, 0, c - step, c + step)
                                   if 0 <= x <= self.max_length and x != c and x not in self._alike))
