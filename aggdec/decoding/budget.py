@@ -106,7 +106,7 @@ class DraftBudget:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
         `seconds`; `offered`: the longest draft the drafter proposed for it before the length cap
         (None: unknown, as if every draft had been cut). Calls made before the current block began
-        (the loop decides one call ahead) are not counted."""
+        (a loop that decides a call ahead) are not counted."""
         self.calls += 1
         if min(length, self.max_length) != self._current:
             return

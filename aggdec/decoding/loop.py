@@ -254,6 +254,7 @@ class DraftVerifyLoop:
             self._check(r)
         self._refills.reset()
         state: DecodeState | None = None
+        observed = 0.0  # seconds of the last call's observe: drafting for the next call
         while queue or state is not None:
             if state is None:
                 state = self._new_state(self._take(queue, self.max_batch_size, 0))
@@ -297,18 +298,21 @@ class DraftVerifyLoop:
             state.out[rows, state.out_len[:, None] + offs] = new
             state.out_len = state.out_len + n_new
             state.cache.commit(accepted + s)
-            length = self._length  # this call's draft length
+            # The call's seconds: this iteration up to here and the drafting done for it in the last
+            # one's observe (at this call's length); encoding refills (the same per sentence whatever
+            # the draft length) left out. The budget hears them before it picks the next length, so a
+            # challenger block of one call runs one call.
+            seconds = time.perf_counter() - t0 + observed
             if self.budget is not None:
+                tokens, offered = torch.stack([n_new.sum(), draft.num_draft.max()]).tolist()
+                self.budget.record(self._length, tokens, seconds, state.batch_size, offered=offered)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
                 state.budget.fill_(self._length)
             # 5. Observe.
+            t0 = time.perf_counter()
             n_fed = valid.sum(dim=1)
             self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
-            seconds = time.perf_counter() - t0
-            if self.budget is not None:  # drafting and bookkeeping included; encoding refills (the
-                # same per sentence whatever the draft length) left out
-                tokens, offered = torch.stack([n_new.sum(), draft.num_draft.max()]).tolist()
-                self.budget.record(length, tokens, seconds, state.batch_size, offered=offered)
+            observed = time.perf_counter() - t0
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
             self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
             self.counters.calls += 1
