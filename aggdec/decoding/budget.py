@@ -12,21 +12,23 @@ Most blocks run the best length found so far; now and then a block tries a chall
 quarter less or a quarter more, at least one token; from none, first the last length chosen before
 it, since one token often costs more than it gains where a longer draft pays), and its rate is
 compared with the mean rate of the best-length blocks just before and just after it. A cold budget
-starts on the plain path (none), its first challenger the longest draft: where drafting pays (batch
-1) it takes over after one comparison; where it does not (wide batches on a CPU, where a call at 64
-tokens a row over 256 rows costs tens of greedy calls), starting there would pay for those calls
-until greedy won a comparison back. Lengths not yet compared with the current best are tried first,
-none before the others, so that a start where drafting does not pay is short. The paired
-comparison cancels what drifts during a run (sentence lengths, the machine's load). A comparison is
-dropped across a change of batch size, and where no draft offered to the challenger's block reached
-the shorter of the two lengths: IAD's drafts end with the source, so lengths past the longest
-sentence draft the same tokens, and comparing them compares noise (a walk down such equal lengths
-ended by cutting drafts short). Such a challenger is set aside until a block's drafts reach it or
-the choice changes: tried again as still untried, it kept greedy from ever being tried again. No
-challenger is tried while a batch drains at the end of a run. A challenger whose running log-ratio is ahead takes over. The gap
-between challenger blocks starts at one block and doubles (quadruples past a 20% loss, up to
-`max_gap` blocks) each time a challenger loses by more than 5%, so a run where drafting clearly does
-not pay spends little on finding that out again. Challenger blocks are half as long as the others,
+starts on the plain path (none), its first challenger the longest draft, shortened to `COLD_TOKENS`
+over the batch's rows: where drafting pays (batch 1) it takes over after one comparison; where it
+does not (wide batches on a CPU, where a call at 64 tokens a row over 256 rows costs tens of greedy
+calls), starting there paid for those calls until greedy won a comparison back. Lengths not yet
+compared with the current best are tried first, none before the others, so that a start where
+drafting does not pay is short. The paired comparison cancels what drifts during a run (sentence
+lengths, the machine's load). A comparison is dropped across a change of batch size, and where no
+draft offered to the challenger's block reached the shorter of the two lengths: IAD's drafts end
+with the source, so lengths past the longest sentence draft the same tokens, and comparing them
+compares noise (a walk down such equal lengths ended by cutting drafts short). Such a challenger is
+set aside until a block's drafts reach it or the choice changes: tried again as still untried, it
+kept greedy from ever being tried again. No challenger is tried while a batch drains at the end of
+a run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks
+starts at one block and doubles (quadruples past a 20% loss, up to `max_gap` blocks) each time a
+challenger loses by more than 5%, and after a loss the next trial also waits until best-length
+blocks have run `EXPLORE` times the seconds it lost, so a run where drafting clearly does not pay
+spends little on finding that out again. Challenger blocks are half as long as the others,
 and all blocks a quarter until `WARM` comparisons were judged, so that a cold start is short (a
 warm-up whose batch drained judged nothing and leaves the budget cold). A budget can be kept across
 runs of the same options (`aggdec.api` does), so that later runs start from what earlier ones
@@ -174,7 +176,7 @@ class DraftBudget:
             self._drafting = self.choice or self._drafting
             self.score = {self.choice: -s}
             self.choice, self._gap, self._since, self._before = challenger, 1, 1, None
-            self._alike = set()
+            self._alike, self._owed = set(), 0.0
             return True
         self.score[challenger] = s
         if s < math.log(0.95):  # lost: try it again later, much later if it lost by far
