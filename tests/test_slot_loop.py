@@ -307,7 +307,8 @@ def test_compiled_steps_keep_their_own_weights():
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span, source width
     and narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached
-    through the public option of greedy and of IAD (which compiles below batch size 3)."""
+    through the public option of greedy and of IAD (which compiles below batch size 3, its draft
+    budget not timing the calls that compiled)."""
     from aggdec.decoding.methods import DraftContext, decode_options, get_method
     from aggdec.model.projection import OutputProjection
 
@@ -331,7 +332,14 @@ def test_compiled_step_equals_greedy():
     iad = decode_options("iad", compile=True, max_batch_size=2)
     loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
     assert loop._compiled is not None
+    heard, record = [], loop.budget.record
+    loop.budget.record = lambda *a, **k: (heard.append(a[0]), record(*a, **k))
+    frames = torch._dynamo.utils.counters["frames"]["total"]
     assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    # the draft budget does not hear the calls that compiled their program (seconds, once: a first
+    # trial of drafting that paid its compile lost, and greedy stayed chosen)
+    built = torch._dynamo.utils.counters["frames"]["total"] - frames
+    assert built > 0 and len(heard) == loop.counters.calls - built
     wide = decode_options("iad", compile=True, max_batch_size=3)
     with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
         assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \

@@ -225,6 +225,11 @@ class SlotLoop:
                 return
         graph.replay()
 
+    def _programs(self) -> tuple[int, int]:
+        """How many step programs were built so far: frames TorchDynamo compiled (in any loop of the
+        process) and CUDA graphs this loop captured."""
+        return torch._dynamo.utils.counters["frames"]["total"], len(self._captured)
+
     def _compile(self, slots: int):
         """`_step` compiled for this loop alone. TorchDynamo keeps compiled programs per code object, and
         with frozen weights and no guards on modules, a program compiled for one loop would serve
@@ -419,7 +424,9 @@ class SlotLoop:
             src_width = bucket(max(src_len), self.cache.src_width - 1, exact)
             width = min(length, src_width)  # no draft is longer than its source
             span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact)
+            built = self._programs()
             self._run_step(width, span, src_width)
+            built = self._programs() != built  # this call compiled or captured its program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
@@ -429,7 +436,8 @@ class SlotLoop:
             self.counters.fed += fed
             self.counters.padded += n * (width + 1)
             if self.budget is not None and self.max_draft:
-                self.budget.record(length, tokens, seconds, len(live), offered=offered)
+                if not built:  # a program's build (seconds, once) is no cost of the length that met it
+                    self.budget.record(length, tokens, seconds, len(live), offered=offered)
                 length = self.budget.next_length(len(live), self.max_draft)
             finished = [s for s in range(n) if done[s]]
             if finished:
