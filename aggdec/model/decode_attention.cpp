@@ -128,12 +128,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (rows) {  // every entry a query will read names a row of k and v (the reads are unchecked)
     const int64_t* rp = rows->data_ptr<int64_t>();
     const int64_t* cp = count.data_ptr<int64_t>();
-    for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t r0 = rows->stride(0), r1 = rows->stride(1), c0 = count.stride(0), c1 = count.stride(1);
+    const int64_t batch = q.size(0), queries = q.size(1), k_rows = k.size(0), keys = k.size(1);
+    for (int64_t b = 0; b < batch; ++b) {
       int64_t n = 0;
-      for (int64_t t = 0; t < q.size(1); ++t) n = std::max(n, cp[b * count.stride(0) + t * count.stride(1)]);
-      for (int64_t j = 0; j < std::min(n, k.size(1)); ++j) {
-        const int64_t r = rp[b * rows->stride(0) + j * rows->stride(1)];
-        TORCH_CHECK(0 <= r && r < k.size(0), "decode_attention: rows[", b, ", ", j, "] = ", r, " is not a row of k");
+      for (int64_t t = 0; t < queries; ++t) n = std::max(n, cp[b * c0 + t * c1]);
+      for (int64_t j = 0; j < std::min(n, keys); ++j) {
+        const int64_t r = rp[b * r0 + j * r1];
+        TORCH_CHECK(0 <= r && r < k_rows, "decode_attention: rows[", b, ", ", j, "] = ", r, " is not a row of k");
       }
     }
   }
