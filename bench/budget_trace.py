@@ -5,8 +5,9 @@
 
 Decodes the sentences once after a 16-sentence warm-up (as bench/bulk_bench.py does) and prints
 sentences/s, then per draft length the calls, output tokens, seconds and tokens/s of the loop
-iterations the budget measured, and the calls at which its choice changed. `--fixed-length 0`
-holds every call at that length instead (the loop's cost without exploring).
+iterations the budget measured, and the calls at which its choice changed; `--calls` also each
+drafting call (a first call at a new length pays first-use costs). `--fixed-length 0` holds every
+call at that length instead (the loop's cost without exploring).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--fixed-length", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls", action="store_true", help="also print every drafting call (length > 0)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     calls: list[tuple[int, int, float, int]] = []  # (length, tokens, seconds, choice after the call)
@@ -63,6 +65,10 @@ def main(argv=None) -> None:
         print(f"length {length}: {n} calls, {tokens} tokens, {seconds:.2f} s, {tokens / seconds:.0f} tokens/s")
     changes = [(i, c[3]) for i, c in enumerate(calls) if i == 0 or c[3] != calls[i - 1][3]]
     print("choice (call, length):", changes)
+    if a.calls:
+        for i, (length, tokens, seconds, _) in enumerate(calls):
+            if length:
+                print(f"call {i}: length {length}, {tokens} tokens, {1000 * seconds:.1f} ms")
 
 
 if __name__ == "__main__":
