@@ -156,6 +156,8 @@ class DraftBudget:
         self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
         if (self._since >= self._gap and self._owed <= 0
                 and 1.25 * block.fewest >= self._widest):  # not while a batch drains
+            if self.choice == 0 and not self._judged:  # cold: the first drafting challenger's tokens
+                self._drafting = min(self._drafting, max(1, self.COLD_TOKENS // max(self._widest, 1)))
             challengers = self._challengers()
             if challengers:
                 self._since = 0
@@ -187,12 +189,10 @@ class DraftBudget:
 
     def _challengers(self) -> list[int]:
         """None, a step less and a step more; the step is a quarter of the current length, at least one
-        token; from none, first the last length that drafted (`COLD_TOKENS` while cold). Not those set
-        aside as drafting alike (`_close`)."""
+        token; from none, first the last length that drafted (`_close` sizes it by `COLD_TOKENS` while
+        cold). Not those set aside as drafting alike (`_close`)."""
         c = self.choice
         step = max(1, c // 4)
-        if c == 0 and not self._judged:  # cold: the first drafting challenger verifies <= COLD_TOKENS tokens
-            self._drafting = min(self._drafting, max(1, self.COLD_TOKENS // max(self._widest, 1)))
         back = (self._drafting,) if c == 0 else ()
         return list(dict.fromkeys(x for x in (*back, 0, c - step, c + step)
                                   if 0 <= x <= self.max_length and x != c and x not in self._alike))
