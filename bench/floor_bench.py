@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,15 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.methods import options_from_mapping  # noqa: E402
-from host_bench import Floor  # noqa: E402
+from host_bench import Floor, write_results  # noqa: E402
 from tree_compare import test_sources  # noqa: E402
 
 
-def measure(model: str, method: str, bs: int, limit: int, data: str, repeat: int) -> dict:
-    """Wall seconds (best of `repeat`) and floor seconds of decoding `limit` sentences."""
-    sources = test_sources(data, model, limit)
+def measure(model: str, method: str, bs: str, limit: str, *, data: str, repeat: int) -> dict:
+    """Wall seconds (best of `repeat`) and floor seconds of decoding `limit` sentences at batch size
+    `bs` (both as a run names them); printed as a JSON line, and returned."""
+    bs = int(bs)
+    sources = test_sources(data, model, int(limit))
     tr = Translator.load(str(REPO / "models" / model))
     opts = options_from_mapping({"method": method, "max_batch_size": bs}, method)[0]
     tr.translate_batch(sources[: max(2 * bs, 8)], opts)  # warm-up
@@ -48,8 +49,10 @@ def measure(model: str, method: str, bs: int, limit: int, data: str, repeat: int
     with Floor() as floor:
         tr.translate_batch(sources, opts)
     wall = min(walls)
-    return {"model": model, "method": method, "batch_size": bs, "sentences": len(sources), "wall_s": round(wall, 3),
+    row = {"model": model, "method": method, "batch_size": bs, "sentences": len(sources), "wall_s": round(wall, 3),
             "floor_s": round(floor.seconds, 3), "host_share": round(1 - floor.seconds / wall, 3)}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,16 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = []
-    for run in a.runs.split(","):
-        model, method, bs, limit = run.split(":")
-        row = measure(model, method, int(bs), int(limit), a.data, a.repeat)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    rows = [measure(*run.split(":"), data=a.data, repeat=a.repeat) for run in a.runs.split(",")]
     if a.out:
-        a.out.write_text(json.dumps({"command": "python bench/floor_bench.py " + " ".join(argv or sys.argv[1:]),
-                                     "cpu": platform.processor() or platform.machine(), "threads": a.threads,
-                                     "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+        write_results(a.out, "floor_bench.py", argv, a.threads, rows)
     return 0
 
 

@@ -115,6 +115,13 @@ def floor_us(kind: str, model: Transformer, method: str, bs: int, reqs: list[Req
     return 1e6 * floor.seconds / loop.counters.calls
 
 
+def write_results(path: Path, script: str, argv: list[str] | None, threads: int, rows: list[dict]) -> None:
+    """A results file: the command that made it, the CPU, threads, torch and the rows."""
+    path.write_text(json.dumps({"command": f"python bench/{script} " + " ".join(argv or sys.argv[1:]),
+                                "cpu": platform.processor() or platform.machine(), "threads": threads,
+                                "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+
+
 def tiny() -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(src_vocab=64, tgt_vocab=64, d_model=32, enc_layers=1, dec_layers=1, enc_heads=2, dec_heads=2,
@@ -197,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result), flush=True)
                 rows.append(result)
     if a.out:
-        a.out.write_text(json.dumps({"command": "python bench/host_bench.py " + " ".join(argv or sys.argv[1:]),
-                                     "cpu": platform.processor() or platform.machine(), "threads": a.threads,
-                                     "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+        write_results(a.out, "host_bench.py", argv, a.threads, rows)
     return 0
 
 
