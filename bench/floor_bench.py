@@ -36,11 +36,11 @@ from tree_compare import test_sources  # noqa: E402
 def measure(model: str, method: str, bs: str, limit: str, *, data: str, repeat: int) -> dict:
     """Wall seconds (best of `repeat`) and floor seconds of decoding `limit` sentences at batch size
     `bs` (both as a run names them); printed as a JSON line, and returned."""
-    bs = int(bs)
+    batch = int(bs)
     sources = test_sources(data, model, int(limit))
     tr = Translator.load(str(REPO / "models" / model))
-    opts = options_from_mapping({"method": method, "max_batch_size": bs}, method)[0]
-    tr.translate_batch(sources[: max(2 * bs, 8)], opts)  # warm-up
+    opts = options_from_mapping({"method": method, "max_batch_size": batch}, method)[0]
+    tr.translate_batch(sources[: max(2 * batch, 8)], opts)  # warm-up
     walls = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -49,8 +49,8 @@ def measure(model: str, method: str, bs: str, limit: str, *, data: str, repeat: 
     with Floor() as floor:
         tr.translate_batch(sources, opts)
     wall = min(walls)
-    row = {"model": model, "method": method, "batch_size": bs, "sentences": len(sources), "wall_s": round(wall, 3),
-            "floor_s": round(floor.seconds, 3), "host_share": round(1 - floor.seconds / wall, 3)}
+    row = {"model": model, "method": method, "batch_size": batch, "sentences": len(sources), "wall_s": round(wall, 3),
+           "floor_s": round(floor.seconds, 3), "host_share": round(1 - floor.seconds / wall, 3)}
     print(json.dumps(row), flush=True)
     return row
 
