@@ -203,7 +203,7 @@ class Translator:
                 r.nbest = [(self.bundle.tgt_tok.decode(toks), score) for toks, score in hyp.nbest]
         return results
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def rescore(self, results: list[TranslationResult], *, max_batch_size: int = 32,
                 options: DecodeOptions | None = None) -> None:
         """Set `score` of every "ok"/"truncated" result whose score is None to the verifier's sum of

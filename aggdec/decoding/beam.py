@@ -61,7 +61,7 @@ class BeamOptions(DecodeOptions):
                            nbest=self.nbest, prompt=prompt)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                 max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                 prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:

@@ -240,7 +240,7 @@ class DraftVerifyLoop:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> Iterator[Hypothesis]:
         """Yield one Hypothesis per request, in completion order (use `.index` to restore order).
 

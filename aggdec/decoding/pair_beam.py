@@ -30,7 +30,7 @@ from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                      max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                      prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:

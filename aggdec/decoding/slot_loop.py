@@ -387,7 +387,7 @@ class SlotLoop:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> Iterator[Hypothesis]:
         """Yield one Hypothesis per request, in completion order (use `.index` to restore order);
         pending requests are admitted longest first."""
