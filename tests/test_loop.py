@@ -1,6 +1,7 @@
 """The draft -> verify loop is lossless: any drafter with exact-match acceptance gives greedy's output,
 for any batch size, token budget, draft cap and refill order (float64 random models)."""
 
+import copy
 import random
 
 import pytest
@@ -17,7 +18,10 @@ from aggdec.decoding.iad import InputCopy
 from aggdec.decoding import loop as loop_module
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import DraftBatch, Request
+from aggdec.model import linear
+from aggdec.model.config import ModelConfig
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
+from aggdec.model.transformer import Transformer
 
 
 class GuideDrafter(NoDraft):
@@ -252,3 +256,27 @@ def test_cross_kv_drops_padding_every_row_has():
     cache.select(torch.tensor([0]))
     cache.trim_cross()
     assert cache.cross.src_pad.shape[1] == 3 and torch.equal(cache.cross.k[0], kv[0][:1, :3])
+
+
+def test_a_model_trains_after_decoding_and_then_decodes_its_new_weights():
+    """Decoding runs under inference mode. What it leaves on the model (fused q/k/v weights, packed
+    weights) must not reach autograd, and must follow the weights: a training step after decoding
+    works, and the next decode equals that of a fresh copy of the trained model."""
+    torch.manual_seed(5)  # fp32 and wide enough that products are packed; default initialization
+    model = Transformer(ModelConfig(src_vocab=32, tgt_vocab=32, d_model=256, enc_layers=1, dec_layers=1, enc_heads=4,
+                                    dec_heads=4, enc_ffn=1024, dec_ffn=1024, max_source_positions=64,
+                                    max_target_positions=64)).eval()
+    reqs = _requests(random.Random(5), 8, model.cfg.src_vocab, model.cfg.eos)
+    before = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=4).items()}
+    if linear.enabled():  # oneDNN in this build of PyTorch
+        assert any(getattr(m, "_pack", None) is not None for m in model.modules()), "decoding packed no weight"
+    model.train()
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(4, model.cfg.src_vocab, (3, 7), generator=g)
+    prev = torch.randint(4, model.cfg.tgt_vocab, (3, 5), generator=g)
+    model(src, prev).logsumexp(-1).mean().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.eval()
+    after = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=4).items()}
+    fresh = {i: h.tokens for i, h in _decode(copy.deepcopy(model), NoDraft(), reqs, max_batch_size=4).items()}
+    assert after == fresh and after != before
