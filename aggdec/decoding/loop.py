@@ -262,69 +262,102 @@ class DraftVerifyLoop:
             t0 = time.perf_counter()
             # 1. Propose.
             draft = self.drafter.propose(state)
-            room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
-            num_draft = torch.minimum(torch.minimum(draft.num_draft, room), state.budget)
-            num_draft = num_draft - num_draft % s  # whole steps only
-            # 2. Verify: [last step ; draft] for every row in one call; project only real positions.
-            block = torch.cat([state.last_step(), draft.tokens], dim=1)  # (B, K+S)
-            k1 = block.shape[1]
-            offs = torch.arange(k1, device=self.device)[None]
-            valid = offs < num_draft[:, None] + s  # (B, K+S)
-            hidden = self.model.decode_hidden(block, state.cache, valid=valid)  # (N, D), packed
-            out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
-            max_len = state.max_len[:, None].expand_as(valid)[valid]
-
-            def constrain(z: torch.Tensor, at: torch.Tensor | None, out_index=out_index, max_len=max_len) -> None:
-                idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-                constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
-
-            scores = VerifierScores(self.projection, hidden, constrain)
-            # 3. Accept.
-            accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, scores, valid)
-            bonus = bonus[:, None]  # (B, S)
-            if s > 1:  # whole pairs; the bonus pair is the verifier's top-1 at m, m + 1
-                accepted = accepted - accepted % s
-                steps = accepted[:, None] + torch.arange(s, device=self.device)[None]
-                bonus = unpack(scores.top1, valid, cfg.pad).gather(1, steps)
-            # 4. Commit d_1..d_m + bonus; truncate after the step that holds eos.
-            drafted = torch.nn.functional.pad(draft.tokens, (0, s), value=cfg.pad)  # (B, K+S)
-            fill = bonus if s == 1 else bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1))
-            new = torch.where(offs < accepted[:, None], drafted, fill)
-            is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
-            done = is_eos.any(dim=1)
-            n_new = torch.where(done, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s)
-            state.reserve_out(k1)
-            rows = torch.arange(state.batch_size, device=self.device)[:, None].expand(-1, k1)
-            state.out[rows, state.out_len[:, None] + offs] = new
-            state.out_len = state.out_len + n_new
-            state.cache.commit(accepted + s)
+            plain = draft.tokens.shape[1] == 0 and s == 1
+            if plain:  # nothing drafted: steps 2-4 at a width of 0
+                fed_hidden, done = self._plain_step(state)
+                accepted = torch.zeros_like(state.out_len)
+                padded = state.batch_size
+            else:
+                room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
+                num_draft = torch.minimum(torch.minimum(draft.num_draft, room), state.budget)
+                num_draft = num_draft - num_draft % s  # whole steps only
+                # 2. Verify: [last step ; draft] for every row in one call; project only real positions.
+                block = torch.cat([state.last_step(), draft.tokens], dim=1)  # (B, K+S)
+                k1 = block.shape[1]
+                offs = torch.arange(k1, device=self.device)[None]
+                valid = offs < num_draft[:, None] + s  # (B, K+S)
+                hidden = self.model.decode_hidden(block, state.cache, valid=valid)  # (N, D), packed
+                out_index = (state.generated[:, None] + offs).expand_as(valid)[valid]
+                max_len = state.max_len[:, None].expand_as(valid)[valid]
+                scores = VerifierScores(self.projection, hidden, self._constrain(out_index, max_len))
+                # 3. Accept.
+                accepted, bonus = self.acceptance.accept(draft.tokens, num_draft, scores, valid)
+                bonus = bonus[:, None]  # (B, S)
+                if s > 1:  # whole pairs; the bonus pair is the verifier's top-1 at m, m + 1
+                    accepted = accepted - accepted % s
+                    steps = accepted[:, None] + torch.arange(s, device=self.device)[None]
+                    bonus = unpack(scores.top1, valid, cfg.pad).gather(1, steps)
+                # 4. Commit d_1..d_m + bonus; truncate after the step that holds eos.
+                drafted = torch.nn.functional.pad(draft.tokens, (0, s), value=cfg.pad)  # (B, K+S)
+                fill = bonus if s == 1 else bonus.gather(1, (offs - accepted[:, None]).clamp(0, s - 1))
+                new = torch.where(offs < accepted[:, None], drafted, fill)
+                is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
+                done = is_eos.any(dim=1)
+                n_new = torch.where(done, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s)
+                state.reserve_out(k1)
+                rows = torch.arange(state.batch_size, device=self.device)[:, None].expand(-1, k1)
+                state.out[rows, state.out_len[:, None] + offs] = new
+                state.out_len = state.out_len + n_new
+                state.cache.commit(accepted + s)
+                n_fed = valid.sum(dim=1)
+                fed_hidden = hidden[torch.cumsum(n_fed, 0) - n_fed + accepted]  # each row's last verified state
+                padded = block.numel()
             # The call's seconds: this iteration up to here and the drafting done for it in the last
             # one's observe (at this call's length); encoding refills (the same per sentence whatever
             # the draft length) left out. The budget hears them before it picks the next length, so a
             # challenger block of one call runs one call.
             seconds = time.perf_counter() - t0 + observed
             if self.budget is not None:
-                tokens, offered = torch.stack([n_new.sum(), draft.num_draft.max()]).tolist()
+                tokens, offered = ((state.batch_size, 0) if plain
+                                   else torch.stack([n_new.sum(), draft.num_draft.max()]).tolist())
                 self.budget.record(self._length, tokens, seconds, state.batch_size, offered=offered)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
                 state.budget.fill_(self._length)
             # 5. Observe.
             t0 = time.perf_counter()
-            n_fed = valid.sum(dim=1)
-            self.drafter.observe(state, draft, accepted, hidden[torch.cumsum(n_fed, 0) - n_fed + accepted])
+            self.drafter.observe(state, draft, accepted, fed_hidden)
             observed = time.perf_counter() - t0
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
-            self._record(state, num_draft, torch.minimum(accepted, n_new), seconds)
+            if plain:
+                zeros = [0] * state.batch_size
+                self._record(state, zeros, zeros, seconds)
+            else:
+                self._record(state, num_draft.tolist(), torch.minimum(accepted, n_new).tolist(), seconds)
             self.counters.calls += 1
-            self.counters.padded += block.numel()
+            self.counters.padded += padded
             # 6. Retire finished rows, refill their slots.
             done_list = done.tolist()
             if any(done_list):
                 state = yield from self._retire(state, done_list, queue)
         self._refills.reset()
 
-    def _record(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor, seconds: float) -> None:
-        nd, acc = num_draft.tolist(), accepted.tolist()
+    def _plain_step(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 2-4 of a call in which no row drafts (greedy, or drafting turned off; single-token
+        verifiers): each row's top-1 after its last token, committed. The tokens and statistics of the
+        general step at a width of 0 (every rule accepts nothing there and takes the top-1), with
+        about half its operators. Returns (the rows' final states (B, D), which rows ended (B,))."""
+        tokens = state.last_step()  # (B, 1)
+        hidden = self.model.decode_hidden(tokens, state.cache).flatten(0, 1)  # (B, D)
+        scores = VerifierScores(self.projection, hidden, self._constrain(state.generated, state.max_len))
+        top1 = scores.top1
+        state.reserve_out(1)
+        state.out.scatter_(1, state.out_len[:, None], top1[:, None])
+        state.out_len = state.out_len + 1
+        state.cache.commit(1)
+        return hidden, top1 == self.model.cfg.eos
+
+    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor):
+        """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
+        as `VerifierScores` takes them: on all of them, or on the positions `at`."""
+        cfg = self.model.cfg
+
+        def constrain(z: torch.Tensor, at: torch.Tensor | None) -> None:
+            idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+            constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
+        return constrain
+
+    def _record(self, state: DecodeState, nd: list[int], acc: list[int], seconds: float) -> None:
+        """Each row's statistics after a call that offered it nd[b] draft tokens, acc[b] of them kept."""
         fed = sum(nd) + self.stride * len(nd)
         self.counters.fed += fed
         for st, d, a in zip(state.stats, nd, acc):
