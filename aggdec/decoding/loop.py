@@ -262,7 +262,7 @@ class DraftVerifyLoop:
             t0 = time.perf_counter()
             # 1. Propose.
             draft = self.drafter.propose(state)
-            plain = draft.tokens.shape[1] == 0 and s == 1
+            plain = draft.tokens.shape[1] == 0
             if plain:  # nothing drafted: steps 2-4 at a width of 0
                 fed_hidden, done = self._plain_step(state)
                 accepted = torch.zeros_like(state.out_len)
@@ -308,7 +308,7 @@ class DraftVerifyLoop:
             # challenger block of one call runs one call.
             seconds = time.perf_counter() - t0 + observed
             if self.budget is not None:
-                tokens, offered = ((state.batch_size, 0) if plain
+                tokens, offered = ((state.batch_size * s, 0) if plain
                                    else torch.stack([n_new.sum(), draft.num_draft.max()]).tolist())
                 self.budget.record(self._length, tokens, seconds, state.batch_size, offered=offered)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
@@ -332,19 +332,25 @@ class DraftVerifyLoop:
         self._refills.reset()
 
     def _plain_step(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 2-4 of a call in which no row drafts (greedy, or drafting turned off; single-token
-        verifiers): each row's top-1 after its last token, committed. The tokens and statistics of the
-        general step at a width of 0 (every rule accepts nothing there and takes the top-1), with
-        about half its operators. Returns (the rows' final states (B, D), which rows ended (B,))."""
-        tokens = state.last_step()  # (B, 1)
-        hidden = self.model.decode_hidden(tokens, state.cache).flatten(0, 1)  # (B, D)
-        scores = VerifierScores(self.projection, hidden, self._constrain(state.generated, state.max_len))
-        top1 = scores.top1
-        state.reserve_out(1)
-        state.out.scatter_(1, state.out_len[:, None], top1[:, None])
-        state.out_len = state.out_len + 1
-        state.cache.commit(1)
-        return hidden, top1 == self.model.cfg.eos
+        """Steps 2-4 of a call in which no row drafts (greedy, or drafting turned off): each row's
+        top-1 step (a double-token model's: its pair) after its last one, committed. The tokens and
+        statistics of the general step at a width of 0 (every rule accepts nothing there and takes
+        the top-1), with about half its operators. Returns (each row's state at its first position
+        (B, D), which rows ended (B,))."""
+        s = self.stride
+        hidden = self.model.decode_hidden(state.last_step(), state.cache).flatten(0, 1)  # (B*S, D)
+        if s == 1:
+            at, out_index, max_len = state.out_len[:, None], state.generated, state.max_len
+        else:
+            offs = torch.arange(s, device=self.device)
+            at = state.out_len[:, None] + offs
+            out_index, max_len = (state.generated[:, None] + offs).flatten(), state.max_len.repeat_interleave(s)
+        step = VerifierScores(self.projection, hidden, self._constrain(out_index, max_len)).top1.view(-1, s)
+        state.reserve_out(s)
+        state.out.scatter_(1, at, step)
+        state.out_len = state.out_len + s
+        state.cache.commit(s)
+        return hidden[::s], (step == self.model.cfg.eos).any(dim=1)
 
     def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor):
         """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
