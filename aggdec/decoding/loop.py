@@ -30,7 +30,7 @@ from aggdec.decoding.state import NO_LIMIT, DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
 from aggdec.model.cache import CrossKV
-from aggdec.model.projection import OutputProjection
+from aggdec.model.projection import Constrain, OutputProjection
 from aggdec.model.transformer import Transformer
 
 
@@ -352,7 +352,7 @@ class DraftVerifyLoop:
         state.cache.commit(s)
         return hidden[::s], (step == self.model.cfg.eos).any(dim=1)
 
-    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor):
+    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor) -> Constrain:
         """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
         as `VerifierScores` takes them: on all of them, or on the positions `at`."""
         cfg = self.model.cfg
