@@ -107,8 +107,8 @@ class DraftBudget:
     def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
         `seconds`; `offered`: the longest draft the drafter proposed for it before the length cap
-        (None: unknown, as if every draft had been cut). Calls made before the current block began
-        (a loop that decides a call ahead) are not counted."""
+        (None: unknown, as if every draft had been cut). Calls at another length than the current
+        block's (cut by a drafter's limit below it, or picked before the block began) are not counted."""
         self.calls += 1
         if min(length, self.max_length) != self._current:
             return
