@@ -1,12 +1,12 @@
 """Host work per decoder call: the row loop (aggdec.decoding.loop) against the slot loop
-(aggdec.decoding.slot_loop) on a tiny random model whose arithmetic is negligible, one run.
+(aggdec.decoding.slot_loop) on a tiny random model, one run.
 
     python bench/host_bench.py --batch-sizes 1,64,256 --out bench/results/host.json
 
 The model: d_model 32, 1 encoder and 1 decoder layer, vocabulary 64, fp32, random weights; sources
 of 12-20 random tokens, outputs up to 24 tokens. Per loop and batch size: wall microseconds per
-decoder call (medians over `--repeat` interleaved runs; with negligible arithmetic this is host
-work), aten operators dispatched per call (TorchDispatchMode), and host reads per iteration: calls of
+decoder call (medians over `--repeat` interleaved runs; mostly host work at small batches, not at
+256 rows: `--floor`), aten operators dispatched per call (TorchDispatchMode), and host reads per iteration: calls of
 item/tolist/__bool__/__int__/__float__/any/all/nonzero/cpu on tensors (TorchFunctionMode), each a
 device -> host synchronization on a GPU. Greedy and IAD (draft cap 8).
 
