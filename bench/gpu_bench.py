@@ -14,6 +14,10 @@ of the shipped models, and transformers `generate` on the same GPU.
 Per run: sentences/s, output tokens/s, verifier calls per sentence, identical share against fp32
 greedy of the row loop on the CPU, and (slot loop) the first run's time, graph captures included.
 `--busy` adds the share of wall time the GPU runs kernels (torch.profiler) for the slot loop.
+
+The results file is rewritten after every row, so a run stopped at a device's time limit keeps what
+it measured; a system that raises leaves a row with its `error` instead of figures, the others run,
+and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -85,6 +89,31 @@ def busy_share(fn) -> float | None:
     return round(us / 1e6 / wall, 3) if kernels else None
 
 
+class Results:
+    """The rows measured so far, printed as they come and written (whole) to `path` after each."""
+
+    def __init__(self, path: Path | None, command: str, device: str):
+        self.path, self.command, self.device, self.rows = path, command, device, []
+
+    def add(self, r: dict) -> None:
+        self.rows.append(r)
+        print(json.dumps(r), flush=True)
+        if self.path:
+            self.path.write_text(json.dumps({"command": self.command, "device": self.device, "torch": torch.__version__,
+                                             "rows": self.rows}, indent=2) + "\n")
+
+    def attempt(self, system: str, bs: int | None, fn) -> None:
+        """fn(), which adds its rows; if it raises, a row naming the error instead."""
+        try:
+            fn()
+        except Exception as e:
+            self.add({"system": system, "batch_size": bs, "error": f"{type(e).__name__}: {e}"[:500]})
+
+    @property
+    def failed(self) -> bool:
+        return any("error" in r for r in self.rows)
+
+
 def row(name: str, bs: int, hyps: dict, seconds: float, ref: dict | None, **extra) -> dict:
     n = len(hyps)
     toks = sum(len(h.tokens) + 1 for h in hyps.values())
@@ -95,7 +124,6 @@ def row(name: str, bs: int, hyps: dict, seconds: float, ref: dict | None, **extr
     if ref is not None:
         r["identical_to_cpu_greedy"] = round(sum(hyps[i].tokens == ref[i] for i in hyps) / max(n, 1), 4)
     r.update(extra)
-    print(json.dumps(r), flush=True)
     return r
 
 
@@ -111,14 +139,13 @@ def loops(model, kind: str, bs: int):
     return out
 
 
-def bench_loops(kind: str, model_dir: Path, texts: list[str], sizes: list[int], bs1_limit: int, device: str,
-                systems: list[str] | None, busy: bool) -> list[dict]:
+def bench_loops(results: Results, kind: str, model_dir: Path, texts: list[str], sizes: list[int], bs1_limit: int,
+                device: str, systems: list[str] | None, busy: bool) -> None:
     cpu = Translator.load(model_dir)
     reqs = requests(cpu, texts)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     ref = {h.index: h.tokens for h in DraftVerifyLoop(cpu.model, NoDraft(), max_batch_size=64).run(reqs)}
     model = Translator.load(model_dir, device=device).model
-    rows = []
     for bs in sizes:
         sub = reqs[:bs1_limit] if bs == 1 else reqs
         for name, make in loops(model, kind, bs).items():
@@ -126,38 +153,42 @@ def bench_loops(kind: str, model_dir: Path, texts: list[str], sizes: list[int], 
                 continue
             if bs >= 256 and name.endswith("-rows") and name != "greedy-rows":
                 continue
-            loop = make()
-            first_hyps, first = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
-            hyps, seconds = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
-            if isinstance(loop, SlotLoop):  # the second run captures again (a new slot cache): time a third
-                hyps, seconds = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
-            extra = {"first_run_seconds": round(first, 3)}
-            if isinstance(loop, SlotLoop):
-                extra["graphs"] = len(loop._captured)
-                if busy and device == "cuda" and bs >= 64:
-                    try:
-                        extra["gpu_busy"] = busy_share(lambda: list(loop.run(sub)))
-                    except Exception as e:  # the profiler is an extra: report, go on
-                        extra["gpu_busy_error"] = repr(e)[:200]
-            rows.append(row(f"{kind}:{name}", bs, hyps, seconds, ref, **extra))
-    return rows
+            results.attempt(f"{kind}:{name}", bs, lambda: results.add(run_loop(f"{kind}:{name}", make(), bs, sub, ref,
+                                                                                device, busy)))
 
 
-def bench_api(model_dir: Path, texts: list[str], sizes: list[int], bs1_limit: int, device: str,
-              methods: list[tuple[str, dict]]) -> list[dict]:
+def run_loop(system: str, loop, bs: int, sub: list[Request], ref: dict, device: str, busy: bool) -> dict:
+    """One loop's row: its first run (captures included), then a timed one."""
+    first_hyps, first = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
+    hyps, seconds = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
+    if isinstance(loop, SlotLoop):  # the second run captures again (a new slot cache): time a third
+        hyps, seconds = timed(lambda: {h.index: h for h in loop.run(sub)}, device)
+    extra = {"first_run_seconds": round(first, 3)}
+    if isinstance(loop, SlotLoop):
+        extra["graphs"] = len(loop._captured)
+        if busy and device == "cuda" and bs >= 64:
+            try:
+                extra["gpu_busy"] = busy_share(lambda: list(loop.run(sub)))
+            except Exception as e:  # the profiler is an extra: report, go on
+                extra["gpu_busy_error"] = repr(e)[:200]
+    return row(system, bs, hyps, seconds, ref, **extra)
+
+
+def bench_api(results: Results, model_dir: Path, texts: list[str], sizes: list[int], bs1_limit: int, device: str,
+              methods: list[tuple[str, dict]]) -> None:
     tr = Translator.load(model_dir, device=device)
     cpu = Translator.load(model_dir)
     ref_res = cpu.translate_batch(texts, method="greedy", max_batch_size=64)
     ref = {i: r.tokens for i, r in enumerate(ref_res)}
-    rows = []
     for bs in sizes:
         sub = texts[:bs1_limit] if bs == 1 else texts
         for name, kw in methods:
-            tr.translate_batch(sub[:8], max_batch_size=bs, **kw)  # warm-up
-            res, seconds = timed(lambda: tr.translate_batch(sub, max_batch_size=bs, **kw), device)
-            hyps = {i: _Hyp(r.tokens, r.stats) for i, r in enumerate(res)}
-            rows.append(row(f"{model_dir.name}:{name}", bs, hyps, seconds, ref if "double" not in name else None))
-    return rows
+            def run(name=name, kw=kw, bs=bs, sub=sub):
+                tr.translate_batch(sub[:8], max_batch_size=bs, **kw)  # warm-up
+                res, seconds = timed(lambda: tr.translate_batch(sub, max_batch_size=bs, **kw), device)
+                hyps = {i: _Hyp(r.tokens, r.stats) for i, r in enumerate(res)}
+                results.add(row(f"{model_dir.name}:{name}", bs, hyps, seconds, ref if "double" not in name else None))
+            results.attempt(f"{model_dir.name}:{name}", bs, run)
 
 
 class _Hyp:
@@ -165,7 +196,7 @@ class _Hyp:
         self.tokens, self.stats = tokens, stats
 
 
-def bench_hf(texts: list[str], sizes: list[int], max_new: int, device: str, work: Path) -> list[dict]:
+def bench_hf(results: Results, texts: list[str], sizes: list[int], max_new: int, device: str, work: Path) -> None:
     from hf_bench import build_model
     from transformers import MarianMTModel, MarianTokenizer
 
@@ -173,7 +204,6 @@ def bench_hf(texts: list[str], sizes: list[int], max_new: int, device: str, work
     tok = MarianTokenizer.from_pretrained(model_dir)
     hf = MarianMTModel.from_pretrained(model_dir).to(device).eval()
     tr = Translator.load(model_dir, device=device)
-    rows = []
     for bs in sizes:
         order = sorted(range(len(texts)), key=lambda i: len(tok(texts[i]).input_ids))
         outs: dict[int, list[int]] = {}
@@ -195,15 +225,13 @@ def bench_hf(texts: list[str], sizes: list[int], max_new: int, device: str, work
         res, ours_s = timed(lambda: tr.translate_batch(texts, **kw), device)
         same = sum(r.tokens[: max_new - 1] == outs[i][: max_new - 1] for i, r in enumerate(res)) / len(texts)
         toks = sum(len(outs[i]) + 1 for i in outs)
-        rows.append({"system": "marian:transformers-generate", "batch_size": bs, "sentences": len(texts),
+        results.add({"system": "marian:transformers-generate", "batch_size": bs, "sentences": len(texts),
                      "seconds": round(hf_s, 3), "sentences_per_s": round(len(texts) / hf_s, 1),
                      "tokens_per_s": round(toks / hf_s, 1)})
-        rows.append({"system": "marian:aggdec-greedy", "batch_size": bs, "sentences": len(texts),
+        results.add({"system": "marian:aggdec-greedy", "batch_size": bs, "sentences": len(texts),
                      "seconds": round(ours_s, 3), "sentences_per_s": round(len(texts) / ours_s, 1),
                      "tokens_per_s": round(sum(len(r.tokens) + 1 for r in res) / ours_s, 1),
                      "identical_to_transformers": round(same, 4), "speedup_vs_transformers": round(hf_s / ours_s, 2)})
-        print(json.dumps(rows[-2]), json.dumps(rows[-1]), flush=True)
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,32 +255,36 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     systems = [s for s in a.systems.split(",") if s]
-    rows: list[dict] = []
     models = REPO / "models"
+    api = {"gad": dict(method="gad", drafter=str(models / "ende-base-draft-head")),
+           "gad++": dict(method="gad++", drafter=str(models / "ende-base-draft-head")),
+           "blockwise": dict(method="blockwise", drafter=str(models / "ende-base-heads")),
+           "beam": dict(method="beam", beam=5)}
+    chosen = [m for m in a.api_methods.split(",") if m]
+    if unknown := set(chosen) - {*api, "double-token"}:
+        ap.error(f"--api-methods: unknown {', '.join(sorted(unknown))}")
+    api_sizes = [int(x) for x in a.api_batch_sizes.split(",")]
+    device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
+    results = Results(a.out, "python bench/gpu_bench.py " + " ".join(argv or sys.argv[1:]), device)
     if a.gec_data:
         texts = read_column(a.gec_data, "noisy", a.limit) * a.repeat_data
-        rows += bench_loops("gec", models / "gec-base", texts, sizes, a.bs1_limit, a.device, systems, a.busy)
+        results.attempt("gec", None, lambda: bench_loops(results, "gec", models / "gec-base", texts, sizes, a.bs1_limit,
+                                                         a.device, systems, a.busy))
     if a.ende_data:
         texts = read_column(a.ende_data, "en", a.limit)
-        rows += bench_loops("ende", models / "ende-base", texts, sizes, a.bs1_limit, a.device, systems, False)
-        api = {"gad": dict(method="gad", drafter=str(models / "ende-base-draft-head")),
-               "gad++": dict(method="gad++", drafter=str(models / "ende-base-draft-head")),
-               "blockwise": dict(method="blockwise", drafter=str(models / "ende-base-heads")),
-               "beam": dict(method="beam", beam=5)}
-        chosen = [m for m in a.api_methods.split(",") if m]
-        api_sizes = [int(x) for x in a.api_batch_sizes.split(",")]
-        rows += bench_api(models / "ende-base", texts, api_sizes, a.bs1_limit // 2, a.device,
-                          [(m, api[m]) for m in chosen if m in api])
+        results.attempt("ende", None, lambda: bench_loops(results, "ende", models / "ende-base", texts, sizes,
+                                                          a.bs1_limit, a.device, systems, False))
+        results.attempt("ende-base", None, lambda: bench_api(results, models / "ende-base", texts, api_sizes,
+                                                             a.bs1_limit // 2, a.device,
+                                                             [(m, api[m]) for m in chosen if m in api]))
         if "double-token" in chosen:
-            rows += bench_api(models / "ende-base-double-token", texts, api_sizes, a.bs1_limit // 2, a.device,
-                              [("double-token-greedy", dict(method="greedy"))])
+            results.attempt("ende-base-double-token", None, lambda: bench_api(
+                results, models / "ende-base-double-token", texts, api_sizes, a.bs1_limit // 2, a.device,
+                [("double-token-greedy", dict(method="greedy"))]))
         if a.hf:
-            rows += bench_hf(read_column(a.ende_data, "en", a.hf_limit), [64], a.max_new, a.device, a.work)
-    if a.out:
-        gpu = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
-        a.out.write_text(json.dumps({"command": "python bench/gpu_bench.py " + " ".join(argv or sys.argv[1:]),
-                                     "device": gpu, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
-    return 0
+            results.attempt("marian", 64, lambda: bench_hf(results, read_column(a.ende_data, "en", a.hf_limit), [64],
+                                                           a.max_new, a.device, a.work))
+    return 1 if results.failed else 0
 
 
 if __name__ == "__main__":
