@@ -170,9 +170,10 @@ class FusedLinear:
     `linear` (prepacked as `packed_for` decides) split back into each layer's output: one 256x768
     product costs less than three 256x256 ones (20 rows: 31 against 3 x 22 us on an AVX-512 CPU).
 
-    With gradients, under torch.compile, or where a layer is not an fp32/bf16 `Linear` of one dtype
-    and device (an int8 model's), the layers run one by one. Copies and pickles leave the fused
-    weight out (it is built again on first use)."""
+    While torch.compile traces, the concatenation is part of the program (the slot loop's compiled
+    step freezes its weights, so TorchInductor folds it into one constant weight). With gradients, or
+    where a layer is not an fp32/bf16 `Linear` of one dtype and device (an int8 model's), the layers
+    run one by one. Copies and pickles leave the fused weight out (it is built again on first use)."""
 
     def __init__(self) -> None:
         self._reset()
@@ -185,9 +186,14 @@ class FusedLinear:
     def __call__(self, layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(layer(x) for layer in layers), each (..., layer.out_features)."""
         first = layers[0].weight if isinstance(layers[0], Linear) else None
-        if (first is None or torch.is_grad_enabled() or torch.compiler.is_compiling()
+        if (first is None or torch.is_grad_enabled()
                 or any(not isinstance(l, Linear) or l.bias is None or l.weight.dtype != first.dtype
-                       or l.weight.device != first.device or l.weight.is_inference() for l in layers)):
+                       or l.weight.device != first.device for l in layers)):
+            return tuple(layer(x) for layer in layers)
+        if torch.compiler.is_compiling():  # frozen weights: their concatenation is folded into a constant
+            y = F.linear(x, torch.cat([l.weight for l in layers]), torch.cat([l.bias for l in layers]))
+            return y.split([l.out_features for l in layers], dim=-1)
+        if any(l.weight.is_inference() for l in layers):
             return tuple(layer(x) for layer in layers)
         key = tuple((p.data_ptr(), p._version) for l in layers for p in (l.weight, l.bias))
         if key != self._key:
