@@ -11,6 +11,7 @@ free: it is just not advancing the length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,6 +28,18 @@ class CrossKV:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     src_pad: torch.Tensor
+
+    @cached_property
+    def keep(self) -> torch.Tensor:
+        """(B,1,1,S) bool, True at real source positions; made on first use and kept: `src_pad` must
+        not change in place afterwards (`DecoderCache.replace`, which writes rows into it, then makes
+        a new CrossKV of the same tensors)."""
+        return (~self.src_pad)[:, None, None, :]
+
+    @cached_property
+    def count(self) -> torch.Tensor:
+        """(B,) int64: each row's real source positions; made once, as `keep`."""
+        return self.keep.sum(dim=-1).view(-1)
 
     def take(self, rows: torch.Tensor, trim: bool = False) -> "CrossKV":
         """The given rows (1-D index tensor), in that order; `trim` also drops source positions that
@@ -242,5 +255,6 @@ class DecoderCache:
         for dst, src in zip(self.cross.k + self.cross.v, cross.k + cross.v):
             dst[slots] = torch.nn.functional.pad(src, (0, 0, 0, s_old - s_new))
         self.cross.src_pad[slots] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
+        self.cross = CrossKV(k=self.cross.k, v=self.cross.v, src_pad=self.cross.src_pad)  # without its masks
         self.lengths[slots] = 0
         self.length = None

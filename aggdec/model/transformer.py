@@ -371,9 +371,9 @@ class Transformer(nn.Module):
         pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
         span = cache.longest + t
         limit = self._default_limit(pos) if key_limit is None else key_limit
-        cross_keep = (~cache.cross.src_pad)[:, None, None, :]  # (B',1,1,S), B' = B / cache.group
+        cross_keep = cache.cross.keep  # (B',1,1,S), B' = B / cache.group
         ragged = decode_attention.usable(tokens.device, cache.k[0].dtype)
-        self_rows, cross_rows, cross_count = cache.key_rows(span), None, cross_keep.sum(dim=-1).view(-1)
+        self_rows, cross_rows, cross_count = cache.key_rows(span), None, cache.cross.count
         if self_rows is not None and not ragged:
             raise ValueError("a cache with indirect reorders is read by the CPU attention kernel only "
                              "(decode_attention.usable: gradients off)")
