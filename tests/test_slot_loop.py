@@ -1,6 +1,7 @@
 """The slot loop (fixed slots, device-side bookkeeping) is lossless and reads the host once per
-iteration: greedy and IAD give naive greedy's output on random float64 models, for any slot count,
-token budget, draft length, refill order and reuse of the loop across runs."""
+iteration: greedy, IAD, the draft head (GAD) and proposal heads (blockwise) give naive greedy's output
+on random float64 models, for any slot count, token budget, draft length, refill order and reuse of
+the loop across runs."""
 
 import random
 
@@ -11,12 +12,16 @@ from hypothesis import strategies as st
 from test_loop import RandomBudget, _requests
 from tiny_models import naive_greedy, tiny_model
 
+from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.slot_loop import SlotLoop, slot_count
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
+from aggdec.model.heads import ProposalHeads
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
          "bart-like"]
@@ -70,6 +75,44 @@ def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nea
             assert 0 <= st_.iterations + st_.accepted - (len(h.tokens) + 1) <= 1
 
 
+def _head_drafter(kind: str, model, k: int, vocab: int = 0):
+    """A random draft head (GAD) or proposal heads (blockwise) of `k` drafts on `model`, float64."""
+    if kind == "blockwise":
+        return BlockwiseHeads(model, ProposalHeads(model.cfg.d_model, k, 32).double().eval())
+    head = DraftHead(DraftHeadConfig(d_model=model.cfg.d_model, heads=2, ffn=24, layers=1, block_size=k,
+                                     draft_vocab=vocab)).double().eval()
+    if vocab:
+        head.vocab.copy_(torch.tensor([2, 4, 5, 6][:vocab]))
+    return DraftHeadDrafter(model, head)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["gad", "blockwise"]), bs=st.integers(1, 9),
+       k=st.integers(1, 5), vocab=st.sampled_from([0, 4]), budget=st.sampled_from([None, "random", "measured"]),
+       max_tokens=st.one_of(st.none(), st.integers(1, 60)))
+def test_slot_head_drafters_equal_greedy(seed, kind, bs, k, vocab, budget, max_tokens):
+    """Drafters that draft from each call's verifier states (`StateDrafter`: the draft head and
+    proposal heads) draft after the budget picks the next length, at any lengths it picks (0
+    included), and leave greedy's output; a refilled row drafts nothing on its first call."""
+    model = tiny_model("shallow-decoder-tied-output", seed=seed % 5, vocab=9)
+    rng = random.Random(seed)
+    reqs = _requests(rng, rng.randint(1, 12), model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    torch.manual_seed(seed)
+    drafter = _head_drafter(kind, model, k, vocab)
+    budgets = {None: None, "random": RandomBudget(seed, k), "measured": DraftBudget(k, block=2)}
+    loop = SlotLoop(model, drafter, max_batch_size=bs, max_tokens=max_tokens, budget=budgets[budget])
+    for _ in range(2):  # a second run reuses the slots and the drafter's rows, reset in place
+        pending = drafter.rows.pending if drafter.rows.tensors() else None
+        got = _run(loop, reqs)
+        assert {i: h.tokens for i, h in got.items()} == ref
+        for h in got.values():
+            st_ = h.stats
+            assert st_.iterations == len(st_.accepted_per_iter) and st_.accepted_per_iter[0] == 0
+            assert st_.accepted == sum(st_.accepted_per_iter) <= st_.drafted <= k * (st_.iterations - 1)
+        assert pending is None or drafter.rows.pending.data_ptr() == pending.data_ptr()
+
+
 def test_slots_are_reused_and_grown():
     """A run that fits the last run's slots keeps their storage; a longer one gets larger buffers;
     refills of every slot at once (one slot) keep the drafter's row tensors in place."""
@@ -86,7 +129,8 @@ def test_slots_are_reused_and_grown():
     assert loop.cache.length >= 60 and got[0].tokens == naive_greedy(model, long[0].src, 60)
 
 
-@pytest.mark.parametrize("drafter", [NoDraft, lambda: InputCopy(max_draft=3, adaptive=True, min_draft=1)])
+@pytest.mark.parametrize("drafter", [lambda m: NoDraft(), lambda m: InputCopy(max_draft=3, adaptive=True, min_draft=1),
+                                     lambda m: _head_drafter("gad", m, 3)])
 def test_the_tail_narrows_to_the_live_rows(drafter):
     """Once no request waits, live rows move into the first slots and the steps run on the power of two
     (at least 2) that holds them; outputs and statistics are as on all slots, and the next run gets
@@ -96,7 +140,8 @@ def test_the_tail_narrows_to_the_live_rows(drafter):
     reqs = _requests(rng, 30, model.cfg.src_vocab, model.cfg.eos)
     reqs[7] = Request(index=reqs[7].index, src=reqs[7].src, max_len=40)  # one long row keeps the tail going
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
-    loop = SlotLoop(model, drafter(), max_batch_size=8)
+    torch.manual_seed(5)
+    loop = SlotLoop(model, drafter(model), max_batch_size=8)
     sizes = []
     step = loop._step
     loop._step = lambda *key: (sizes.append(loop.state.batch_size), step(*key))[1]

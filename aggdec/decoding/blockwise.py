@@ -18,8 +18,7 @@ from typing import ClassVar
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
-from aggdec.decoding.drafters import RowState
-from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.drafters import StateDrafter
 from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.heads import ProposalHeads
@@ -42,12 +41,9 @@ class BlockwiseOptions(Drafting, DraftModel, DecodeOptions):
         return MinBlock.around(inner, self.min_block)
 
 
-class BlockwiseHeads:
-    """Drafter for the shared loop: the next draft is the heads' proposals from the last call.
-
-    A row's first call drafts nothing (there is no verifier state yet); afterwards every call
-    proposes k-1 tokens after the bonus token.
-    """
+class BlockwiseHeads(StateDrafter):
+    """Drafter for the shared loop: the next draft is the heads' proposals from the last call, k-1
+    tokens after the bonus token (`StateDrafter`)."""
 
     name = "blockwise"
 
@@ -57,13 +53,11 @@ class BlockwiseHeads:
         out_weight (V, D): projects proposals (default: the verifier's); heads run in its dtype."""
         if block_size is not None and block_size < 2:
             raise ValueError(f"blockwise block size must be >= 2, got {block_size}")
+        super().__init__(heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads))
         self.heads = heads
         self.out_weight = verifier.output_weight if out_weight is None else out_weight
         bias = verifier.output_bias  # Marian/BART's final_logits_bias, in the proposals' dtype
         self.out_bias = None if bias is None else bias.detach().to(self.out_weight.dtype)
-        self.k1 = heads.num_heads if block_size is None else min(block_size - 1, heads.num_heads)
-        self.max_draft = self.k1
-        self.rows = RowState()  # pending (B, <= k-1): proposals for the next call; ready (B,): has proposals
 
     @classmethod
     def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
@@ -71,27 +65,11 @@ class BlockwiseHeads:
         return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
-    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        if self.rows.admit(state, slots, ready=False):  # a new batch; refilled rows keep stale proposals, not ready
-            self.rows.pending = torch.full((state.batch_size, self.k1), state.pad, device=state.out.device)
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.rows.select(rows)
-
-    def propose(self, state: DecodeState) -> DraftBatch:
-        ready = self.rows.ready
-        if not bool(ready.any()):
-            return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        pending = self.rows.pending
-        return DraftBatch(tokens=pending.clone(), num_draft=torch.where(ready, pending.shape[1], 0))
-
-    @torch.no_grad()
-    def observe(self, state, draft, accepted, hidden):
-        k = state.next_draft(self.k1)  # only the heads of the next call's draft run
-        if k == 0:
-            self.rows.ready = torch.zeros_like(self.rows.ready)
-            return
+    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The first k heads' proposals (only the heads of the next call's draft run)."""
         logits = linear(self.heads(hidden.to(self.out_weight.dtype), k), self.out_weight, self.out_bias)  # (B, k, V)
         logits[..., state.pad] = -float("inf")
-        self.rows.pending = draft_argmax(logits)
-        self.rows.ready = torch.ones_like(self.rows.ready)
+        return draft_argmax(logits)
+
+    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
+        return self._draft(state, hidden, self.max_draft)

@@ -86,6 +86,70 @@ class RowState:
             self._tensors[name] = t.index_select(0, rows)
 
 
+class StateDrafter:
+    """Base of the drafters that draft the next call's tokens from the verifier's states of the call
+    that just ran (the draft head, proposal heads): up to `max_draft` tokens a row, pending in
+    `rows.pending` (B, max_draft) behind `rows.ready` (B,). A row's first call drafts nothing (there is
+    no verifier state yet).
+
+    In the row loop, `observe` drafts the next call's length (`state.next_draft`), none where it
+    drafts nothing; in the slot loop (`aggdec.decoding.slot_loop`), `draft_fixed` hands each call its
+    width of the pending tokens and `draft_after` drafts all `max_draft` of them, in place (their
+    storage stays put for CUDA graphs), once the loop knows the next call drafts. Subclasses give
+    `_draft(state, hidden, k)` (the row loop's cache) and `_draft_slots(state, hidden, span, src_width)`
+    (the slot loop's), each row's proposals (B, k) from its state `hidden` (B, D)."""
+
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
+        self.rows = RowState()
+        self._k = 0  # the row loop's length of the pending drafts
+
+    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
+        self.rows.admit(state, slots, ready=False,
+                        pending=torch.full((self.max_draft,), state.pad, dtype=torch.long))
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows.select(rows)
+
+    def propose(self, state: DecodeState) -> DraftBatch:
+        ready = self.rows.ready
+        if not bool(ready.any()):
+            return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
+        return DraftBatch(tokens=self.rows.pending[:, : self._k].clone(), num_draft=torch.where(ready, self._k, 0))
+
+    @torch.no_grad()
+    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._k = state.next_draft(self.max_draft)
+        if self._k == 0:  # the next call drafts nothing
+            self.rows.ready = torch.zeros_like(self.rows.ready)
+            return
+        drafts = self._draft(state, hidden, self._k)
+        self.rows.pending = torch.nn.functional.pad(drafts, (0, self.max_draft - self._k), value=state.pad)
+        self.rows.ready = torch.ones_like(self.rows.ready)
+
+    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> tuple[DraftBatch, torch.Tensor]:
+        """`propose` as a fixed-shape tensor program: each ready row's first `width` pending tokens
+        (B, width), and the length offered before that cut (B,). `depth` is IAD's (unused)."""
+        ready = self.rows.ready
+        return (DraftBatch(tokens=self.rows.pending[:, :width], num_draft=torch.where(ready, width, 0)),
+                torch.where(ready, self.max_draft, 0))
+
+    def draft_after(self, state: DecodeState, hidden: torch.Tensor, accepted: torch.Tensor, span: int,
+                    src_width: int) -> None:
+        """`observe` for the slot loop, after a call where the next call drafts: every slot's
+        `max_draft` tokens from the call's states `hidden` (B, T, D) at its last verified position
+        (`accepted`), the call's `span` and `src_width`; every slot is then ready."""
+        behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+        self.rows.pending.copy_(self._draft_slots(state, behind, span, src_width))
+        self.rows.ready.fill_(True)
+
+    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
 def adapt_length(length: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor, low: int,
                  high: int) -> torch.Tensor:
     """The adaptive per-row draft length (option `adaptive_draft`): doubled after a call whose draft

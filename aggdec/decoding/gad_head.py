@@ -16,8 +16,7 @@ from typing import ClassVar
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
-from aggdec.decoding.drafters import RowState
-from aggdec.decoding.metadata import DraftBatch
+from aggdec.decoding.drafters import StateDrafter
 from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, OptionError, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.draft_head import DraftHead
@@ -77,8 +76,9 @@ def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor |
     return cache[key][2:]
 
 
-class DraftHeadDrafter:
-    """Drafter for the shared loop; `block_size` (at most the head's) tokens per call.
+class DraftHeadDrafter(StateDrafter):
+    """Drafter for the shared loop; `block_size` (at most the head's) tokens per call
+    (`StateDrafter`).
 
     out_weight (V, D): the output projection to draft with (default: the verifier's, in the head's
     dtype); only the head's draft vocabulary rows are used.
@@ -88,14 +88,11 @@ class DraftHeadDrafter:
 
     def __init__(self, verifier: Transformer, head: DraftHead, block_size: int | None = None,
                  out_weight: torch.Tensor | None = None):
+        super().__init__(head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size))
         self.head = head
-        self.k = head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size)
         self.weight, self.packed, self.bias, self.token_table = _prepared(verifier, head, out_weight)
-        dec = verifier.decoder
-        self.last_layer = len(dec.layers) - 1
+        self.last_layer = len(verifier.decoder.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
-        self.max_draft = self.k
-        self.rows = RowState()  # pending (B, k): the next draft; ready (B,): the row has one
 
     @classmethod
     def from_options(cls, opts, ctx) -> "DraftHeadDrafter":
@@ -107,37 +104,29 @@ class DraftHeadDrafter:
         return cls(ctx.model, head, opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
-    def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        if self.rows.admit(state, slots, ready=False):  # a new batch; refilled rows keep stale drafts, not ready
-            self.rows.pending = torch.full((state.batch_size, self.k), state.pad, device=state.out.device)
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.rows.select(rows)
-
-    def propose(self, state: DecodeState) -> DraftBatch:
-        ready = self.rows.ready
-        if not bool(ready.any()):
-            return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        pending = self.rows.pending
-        return DraftBatch(tokens=pending.clone(), num_draft=torch.where(ready, pending.shape[1], 0))
-
-    @torch.no_grad()
-    def observe(self, state, draft, accepted, hidden):
-        k = state.next_draft(self.k)
-        if k == 0:  # the next call drafts nothing
-            self.rows.ready = torch.zeros_like(self.rows.ready)
-            return
-        dtype = self.weight.dtype
-        ctx = self.head.context(hidden.to(dtype), self.token_table, state.last_tokens())
+    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
         cache, layer = state.cache, self.last_layer
         span = int(cache.lengths.max())
-        pk, pv = cache.k[layer][:, :span].to(dtype), cache.v[layer][:, :span].to(dtype)
-        keep = torch.arange(span, device=pk.device)[None] < cache.lengths[:, None]
-        ck, cv = cache.cross.k[layer].to(dtype), cache.cross.v[layer].to(dtype)
-        states = self.head.from_context(ctx, pk, pv, keep, ck, cv, cache.cross.src_pad, k)
+        return self._head(state, hidden, cache.k[layer][:, :span], cache.v[layer][:, :span], cache.lengths,
+                          cache.cross.k[layer], cache.cross.v[layer], cache.cross.src_pad, k)
+
+    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
+        cache, layer = state.cache, self.last_layer
+        return self._head(state, hidden, cache.k[layer][:, :span], cache.v[layer][:, :span], state.generated,
+                          cache.cross_k[layer][:, :src_width], cache.cross_v[layer][:, :src_width],
+                          ~cache.src_keep[:, :src_width], self.max_draft)
+
+    def _head(self, state: DecodeState, hidden: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+              lengths: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, src_pad: torch.Tensor, k: int) -> torch.Tensor:
+        """(B, k) drafts from each row's verifier state `hidden` (B, D) behind its last token, the
+        last layer's self-attention keys/values pk, pv (B, L, D) of which each row's first
+        `lengths` (B,) are its prefix, and its cross keys/values ck, cv (B, S, D) with `src_pad`."""
+        dtype = self.weight.dtype
+        ctx = self.head.context(hidden.to(dtype), self.token_table, state.last_tokens())
+        keep = torch.arange(pk.shape[1], device=pk.device)[None] < lengths[:, None]
+        states = self.head.from_context(ctx, pk.to(dtype), pv.to(dtype), keep, ck.to(dtype), cv.to(dtype), src_pad, k)
         logits = linear(states, self.weight, self.bias, packed=self.packed)  # (B, k, V_draft)
         if self.vocab is None:
             logits[..., state.pad] = -float("inf")
         ids = draft_argmax(logits)
-        self.rows.pending = ids if self.vocab is None else self.vocab[ids]
-        self.rows.ready = torch.ones_like(self.rows.ready)
+        return ids if self.vocab is None else self.vocab[ids]

@@ -138,6 +138,10 @@ class SlotLoop:
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
+        # the drafter drafts from each call's verifier states (`draft_after`: the draft head), not in the step
+        self._after = hasattr(self.drafter, "draft_after")
+        self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
+        self._graph_states: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -191,9 +195,11 @@ class SlotLoop:
         self.accepted.add_(kept)
         done = ended & active
         active &= ~done
-        # 5. Observe.
-        if width:
+        # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
+        if width and not self._after:
             self.drafter.observe_fixed(st, num, accepted)
+        if self._after:
+            self._states = (hidden, accepted)
         self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None], offered[None]]))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
@@ -224,6 +230,8 @@ class SlotLoop:
                 self._step(width, span, src_width)
                 return
         graph.replay()
+        if self._after:  # the replayed graph's own output buffers
+            self._states = self._graph_states[key]
 
     def _programs(self) -> tuple[int, int]:
         """How many step programs were built so far: frames TorchDynamo compiled (in any loop of the
@@ -258,6 +266,8 @@ class SlotLoop:
             self._step(*key[1:])
         self._pool = graph.pool()
         self._captured[key] = graph
+        if self._after:
+            self._graph_states[key] = self._states
         return graph
 
     def _drafter_tensors(self) -> list[torch.Tensor]:
@@ -298,7 +308,7 @@ class SlotLoop:
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
-        self._captured, self._pool = {}, None
+        self._captured, self._pool, self._graph_states = {}, None, {}
         self._reset()
 
     def _narrow(self, n: int) -> None:
@@ -319,8 +329,6 @@ class SlotLoop:
         least 2: a compiled step specializes a batch of 1) that holds them, so that a run's tail
         computes no empty slots past it; returns each live row's slot, in `live`'s order."""
         n = max(2, 1 << (len(live) - 1).bit_length())
-        if self.state.batch_size == self._whole_state.batch_size and not isinstance(self.drafter, NoDraft):
-            self._whole_drafter = self.drafter.rows.tensors()  # as the last admission left them
         taken = set(live)
         movers = [s for s in live if s >= n]
         holes = [s for s in range(n) if s not in taken][: len(movers)]
@@ -337,8 +345,8 @@ class SlotLoop:
         return [where.get(s, s) for s in live]
 
     def _reset(self) -> None:
-        """Every slot empty; tensors keep their storage (captured steps stay valid)."""
-        self._whole_drafter = {}
+        """Every slot empty; tensors keep their storage (captured steps stay valid), the drafter's too:
+        its rows are its whole tensors again (a tail may have narrowed them), admitted in place."""
         self._narrow(self._whole_state.batch_size)
         st = self.state
         st.out.fill_(st.pad)
@@ -349,6 +357,7 @@ class SlotLoop:
             t.zero_()
         if not isinstance(self.drafter, NoDraft):
             self.drafter.admit(st, torch.arange(st.batch_size, device=self.device))
+            self._whole_drafter = self.drafter.rows.tensors()
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
         """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
@@ -408,6 +417,7 @@ class SlotLoop:
         out_len = [1] * n
         length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
                                                 else self.budget.next_length(1, self.max_draft))
+        observed = 0.0  # seconds of the last call's `draft_after`: drafting for this call
         while queue or len(free) < n:
             if free and queue:
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
@@ -430,7 +440,7 @@ class SlotLoop:
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 + observed
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
@@ -439,6 +449,11 @@ class SlotLoop:
                 if not built:  # a program's build (seconds, once) is no cost of the length that met it
                     self.budget.record(length, tokens, seconds, len(live), offered=offered)
                 length = self.budget.next_length(len(live), self.max_draft)
+            observed = 0.0
+            if self._after and length:  # the next call drafts: from this call's states
+                t0 = time.perf_counter()
+                self.drafter.draft_after(self.state, *self._states, span, src_width)
+                observed = time.perf_counter() - t0
             finished = [s for s in range(n) if done[s]]
             if finished:
                 yield from self._retire(finished, out_len)
