@@ -30,8 +30,12 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   elsewhere it runs eagerly.
 
 Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
-that draft as tensor programs (`draft_fixed` / `observe_fixed`: greedy's empty draft, IAD). The
-other methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
+that draft as tensor programs: greedy's empty draft; IAD, whose drafting and re-alignment run inside
+the step (`draft_fixed` / `observe_fixed`); the draft head (GAD) and proposal heads (blockwise), which
+draft from each call's verifier states once the draft budget has picked the next call's length, after
+the step and only where that call drafts (`drafters.StateDrafter.draft_after`: the step keeps its
+states and accepted counts; eager, also where the step is a CUDA graph or compiled). The other
+methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
 """
 
 from __future__ import annotations
