@@ -134,13 +134,19 @@ class MultiheadAttention(nn.Module):
 ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
 
+def dropout_in_training(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`F.dropout`, but `x` itself where it changes nothing (inference, or p = 0): no operator
+    dispatched (a decoder call of a one-layer model dispatched five)."""
+    return F.dropout(x, p, training) if training and p > 0 else x
+
+
 class FeedForward(nn.Module):
     """Mixin for fc1/fc2 with fairseq's names; used by both layer kinds."""
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1.relu(x) if self.act is F.relu else self.act(self.fc1(x))
-        h = F.dropout(h, self.activation_dropout, self.training)
-        return F.dropout(self.fc2(h), self.dropout, self.training)
+        h = dropout_in_training(h, self.activation_dropout, self.training)
+        return dropout_in_training(self.fc2(h), self.dropout, self.training)
 
 
 class EncoderLayer(FeedForward, nn.Module):
@@ -160,7 +166,7 @@ class EncoderLayer(FeedForward, nn.Module):
         """x: token states, (B,S,D) or packed (N,D); self_attn(h) returns the attention output in the
         layout of h (it owns the projections, the mask and the layout)."""
         h = self.self_attn_layer_norm(x) if self.pre else x
-        x = x + F.dropout(self_attn(h), self.dropout, self.training)
+        x = x + dropout_in_training(self_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre else x
@@ -187,11 +193,11 @@ class DecoderLayer(FeedForward, nn.Module):
         """x: token states, (B,T,D) or packed (N,D). self_attn(h) / cross_attn(h) return attention
         outputs in the same layout as h (they own projections, the cache and the layout)."""
         h = self.self_attn_layer_norm(x) if self.pre else x
-        x = x + F.dropout(self_attn(h), self.dropout, self.training)
+        x = x + dropout_in_training(self_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.self_attn_layer_norm(x)
         h = self.encoder_attn_layer_norm(x) if self.pre else x
-        x = x + F.dropout(cross_attn(h), self.dropout, self.training)
+        x = x + dropout_in_training(cross_attn(h), self.dropout, self.training)
         if not self.pre:
             x = self.encoder_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre else x
@@ -220,7 +226,7 @@ class Stack(nn.Module):
         x = self.embed_scale * self.embed_tokens(tokens) + self.embed_positions(pos_index)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
-        return F.dropout(x, self.dropout, self.training)
+        return dropout_in_training(x, self.dropout, self.training)
 
 
 class Transformer(nn.Module):
