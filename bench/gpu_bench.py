@@ -6,8 +6,9 @@ of the shipped models, and transformers `generate` on the same GPU.
 
 - `gec-base` greedy and IAD (draft_cap 16, substitution, nearest_match; `draft_length` max and the
   draft budget) on the slot loop, and greedy/IAD on the row loop, at each batch size;
-- `ende-base` greedy (slots and rows), GAD and GAD++ (draft head, budget), blockwise, beam-5, and
-  `ende-base-double-token` greedy, through the API (the row loop for methods the slot loop does not take);
+- `ende-base` greedy and GAD (the shipped draft head, k = 4, draft budget) on the slot loop and on the
+  row loop; GAD and GAD++ (draft head, budget), blockwise, beam-5, and `ende-base-double-token` greedy
+  through the API (the row loop for methods the slot loop does not take);
 - `--hf`: transformers `generate` greedy on the OPUS-MT-shaped Marian model of bench/hf_bench.py
   (random weights, timing only, every output runs to `--max-new`) against our greedy on the imported model.
 
@@ -37,8 +38,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from aggdec.api import Translator  # noqa: E402
+from aggdec.checkpoint import load_draft_head  # noqa: E402
 from aggdec.decoding.budget import DraftBudget  # noqa: E402
 from aggdec.decoding.drafters import NoDraft  # noqa: E402
+from aggdec.decoding.gad_head import DraftHeadDrafter  # noqa: E402
 from aggdec.decoding.iad import InputCopy  # noqa: E402
 from aggdec.decoding.limits import max_len_for  # noqa: E402
 from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
@@ -136,6 +139,11 @@ def loops(model, kind: str, bs: int):
         out |= {"iad-slots": lambda: SlotLoop(model, iad(), max_batch_size=bs),
                 "iad-slots-budget": lambda: SlotLoop(model, iad(), max_batch_size=bs, budget=DraftBudget(16)),
                 "iad-rows": lambda: DraftVerifyLoop(model, iad(), max_batch_size=bs)}
+    if kind == "ende":  # GAD with the shipped draft head (k = 4) and the draft budget, on either loop
+        head = load_draft_head(REPO / "models" / "ende-base-draft-head").to(next(model.parameters()).device)
+        gad = lambda: DraftHeadDrafter(model, head, 4)  # noqa: E731
+        out |= {"gad-slots-budget": lambda: SlotLoop(model, gad(), max_batch_size=bs, budget=DraftBudget(4)),
+                "gad-rows-budget": lambda: DraftVerifyLoop(model, gad(), max_batch_size=bs, budget=DraftBudget(4))}
     return out
 
 
