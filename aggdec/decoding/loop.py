@@ -346,7 +346,7 @@ class DraftVerifyLoop:
             at = state.out_len[:, None] + offs
             out_index, max_len = (state.generated[:, None] + offs).flatten(), state.max_len.repeat_interleave(s)
         step = VerifierScores(self.projection, hidden, self._constrain(out_index, max_len)).top1.view(-1, s)
-        state.reserve_out(s)
+        state.reserve_out(s, longest=state.cache.longest + s)  # cache.lengths == out_len - stride
         state.out.scatter_(1, at, step)
         state.out_len = state.out_len + s
         state.cache.commit(s)

@@ -73,6 +73,7 @@ class DecoderCache:
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.length: int | None = 0  # every row's length where all are equal and the host knows it (`commit`)
+        self._longest: int | None = 0  # the longest row's length where the host knows it (`longest`)
         # (B0, capacity) with B0 the first batch size: position j of row b is stored in row rows[b, j] of
         # k and v (each row writes its new positions into its own buffer row); None: in row b
         indirect = indirect and decode_attention.usable(ref.device, ref.dtype)
@@ -99,10 +100,14 @@ class DecoderCache:
 
     @property
     def longest(self) -> int:
-        """The longest row's length (read from `lengths` unless `length` holds it)."""
+        """The longest row's length: `length` where it is known, else read from `lengths` once and kept
+        on the host while commits advance every row by one count (a greedy run reads it after
+        each refill or finished row, not at every call)."""
         if self.length is not None:
             return self.length
-        return int(self.lengths.max()) if self.batch_size else 0
+        if self._longest is None:
+            self._longest = int(self.lengths.max()) if self.batch_size else 0
+        return self._longest
 
     def reserve(self, extra: int) -> None:
         """Grow buffers so that every row can take `extra` more positions."""
@@ -172,12 +177,14 @@ class DecoderCache:
             raise ValueError("an indirect cache advances every row by one count (commit an int)")
         self.lengths = self.lengths + n
         self.length = self.length + n if isinstance(n, int) and self.length is not None else None
+        self._longest = self._longest + n if isinstance(n, int) and self._longest is not None else None
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (1-D index tensor), in that order: finished rows leave, beams reorder."""
         if self.group != 1 or self.rows is not None:
             raise ValueError("select takes rows with their own cross K/V and buffer rows (beam search's: reorder)")
         self.lengths = self.lengths.index_select(0, rows)
+        self._longest = None
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
         self.cross = self.cross.take(rows)
@@ -212,6 +219,7 @@ class DecoderCache:
             else:
                 self.sources = self.sources[groups]
         self.lengths = self.lengths.index_select(0, rows)
+        self._longest = None
         if self.rows is not None:  # positions stay where they were written: new rows read their parents'
             self.rows[: rows.numel(), :prefix] = self.rows[:, :prefix].index_select(0, rows)
             return
@@ -257,4 +265,4 @@ class DecoderCache:
         self.cross.src_pad[slots] = torch.nn.functional.pad(cross.src_pad, (0, s_old - s_new), value=True)
         self.cross = CrossKV(k=self.cross.k, v=self.cross.v, src_pad=self.cross.src_pad)  # without its masks
         self.lengths[slots] = 0
-        self.length = None
+        self.length = self._longest = None
