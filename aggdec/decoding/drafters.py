@@ -107,15 +107,19 @@ class StateDrafter:
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
         self.rows.admit(state, slots, ready=False,
                         pending=torch.full((self.max_draft,), state.pad, dtype=torch.long))
+        if slots.numel() == state.batch_size:  # no row is ready
+            self._k = 0
 
     def select(self, rows: torch.Tensor) -> None:
         self.rows.select(rows)
 
     def propose(self, state: DecodeState) -> DraftBatch:
-        ready = self.rows.ready
-        if not bool(ready.any()):
+        """The pending drafts of the ready rows; none where the last `observe` drafted none or every
+        row was admitted since (with `_k` > 0 some row is ready: refills replace only some rows)."""
+        if self._k == 0:
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        return DraftBatch(tokens=self.rows.pending[:, : self._k].clone(), num_draft=torch.where(ready, self._k, 0))
+        return DraftBatch(tokens=self.rows.pending[:, : self._k].clone(),
+                          num_draft=torch.where(self.rows.ready, self._k, 0))
 
     @torch.no_grad()
     def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:

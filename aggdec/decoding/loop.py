@@ -215,6 +215,7 @@ class DraftVerifyLoop:
             max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
             cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
             budget=torch.full((len(reqs),), self._length, dtype=torch.long, device=self.device), stride=self.stride,
+            budget_max=self._length,
         )
 
     def _fill(self, state: DecodeState, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
@@ -313,6 +314,7 @@ class DraftVerifyLoop:
                 self.budget.record(self._length, tokens, seconds, state.batch_size, offered=offered)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
                 state.budget.fill_(self._length)
+                state.budget_max = self._length
             # 5. Observe.
             t0 = time.perf_counter()
             self.drafter.observe(state, draft, accepted, fed_hidden)

@@ -28,6 +28,8 @@ class DecodeState:
     pad, eos: the vocabulary's special ids.
     budget:  (B,) int64, the most draft tokens each row's next call verifies (the loop's
              DraftBudget; a large number when the loop has none). Drafters may skip work beyond it.
+    budget_max: budget.max() where the loop knows it on the host (the row loop gives every row the
+             same budget), so that `next_draft` reads nothing; None: read from `budget`.
     stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
              whose generated tokens are a folded stream of (head, tail) pairs.
     """
@@ -44,6 +46,7 @@ class DecodeState:
     eos: int
     budget: torch.Tensor | None = None
     stride: int = 1
+    budget_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -61,7 +64,9 @@ class DecodeState:
     def next_draft(self, most: int) -> int:
         """The longest draft any row's next call verifies, at most `most` (0: the next call drafts
         nothing, so a drafter can skip its work)."""
-        return min(most, int(self.budget.max())) if self.batch_size else 0
+        if not self.batch_size:
+            return 0
+        return min(most, int(self.budget.max()) if self.budget_max is None else self.budget_max)
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) the last decoder input of each row (not yet fed to the verifier)."""
