@@ -142,7 +142,7 @@ class SlotLoop:
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
-        # the drafter drafts from each call's verifier states (`draft_after`: the draft head), not in the step
+        # drafts from each call's verifier states, after the step (`draft_after`: the draft head, proposal heads)
         self._after = hasattr(self.drafter, "draft_after")
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
         self._graph_states: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
