@@ -214,8 +214,7 @@ class DraftVerifyLoop:
             out_len=torch.full((len(reqs),), self.stride, dtype=torch.long, device=self.device),
             max_len=torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device),
             cache=cache, requests=list(reqs), stats=[RowStats() for _ in reqs], pad=cfg.pad, eos=cfg.eos,
-            budget=torch.full((len(reqs),), self._length, dtype=torch.long, device=self.device), stride=self.stride,
-            budget_max=self._length,
+            budget=self._length, stride=self.stride,
         )
 
     def _fill(self, state: DecodeState, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
@@ -233,7 +232,6 @@ class DraftVerifyLoop:
         state.out[idx, : self.stride] = self.starts
         state.out_len[idx] = self.stride
         state.max_len[idx] = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=self.device)
-        state.budget[idx] = self._length
         for s, r in zip(slots, reqs):
             state.requests[s] = r
             state.stats[s] = RowStats()
@@ -270,7 +268,7 @@ class DraftVerifyLoop:
                 padded = state.batch_size
             else:
                 room = (state.max_len - state.generated).clamp(min=0)  # positions past max_len never accepted
-                num_draft = torch.minimum(torch.minimum(draft.num_draft, room), state.budget)
+                num_draft = torch.minimum(draft.num_draft, room).clamp(max=state.budget)
                 num_draft = num_draft - num_draft % s  # whole steps only
                 # 2. Verify: [last step ; draft] for every row in one call; project only real positions.
                 block = torch.cat([state.last_step(), draft.tokens], dim=1)  # (B, K+S)
@@ -313,8 +311,7 @@ class DraftVerifyLoop:
                                    else torch.stack([n_new.sum(), draft.num_draft.max()]).tolist())
                 self.budget.record(self._length, tokens, seconds, state.batch_size, offered=offered)
                 self._length = self.budget.next_length(state.batch_size, self.budget.max_length)
-                state.budget.fill_(self._length)
-                state.budget_max = self._length
+                state.budget = self._length
             # 5. Observe.
             t0 = time.perf_counter()
             self.drafter.observe(state, draft, accepted, fed_hidden)

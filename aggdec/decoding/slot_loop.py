@@ -91,7 +91,7 @@ step always takes it). With fewer rows the kernel's call costs more than the pad
 (greedy gec-base at 1 slot: 0.92x; ende-base at 64: 1.26x, docs/benchmarks.md)."""
 
 
-STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "budget")
+STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
 
 MATCH_DEPTH = 16

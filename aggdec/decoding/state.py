@@ -26,10 +26,8 @@ class DecodeState:
              (every decoder input but the last step's has been fed).
     requests, stats: host-side, one per row, same order.
     pad, eos: the vocabulary's special ids.
-    budget:  (B,) int64, the most draft tokens each row's next call verifies (the loop's
-             DraftBudget; a large number when the loop has none). Drafters may skip work beyond it.
-    budget_max: budget.max() where the loop knows it on the host (the row loop gives every row the
-             same budget), so that `next_draft` reads nothing; None: read from `budget`.
+    budget:  the most draft tokens any row's next call verifies, the same for every row (the loop's
+             DraftBudget; NO_LIMIT when the loop has none). Drafters may skip work beyond it.
     stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
              whose generated tokens are a folded stream of (head, tail) pairs.
     """
@@ -44,13 +42,8 @@ class DecodeState:
     stats: list[RowStats]
     pad: int
     eos: int
-    budget: torch.Tensor | None = None
+    budget: int = NO_LIMIT
     stride: int = 1
-    budget_max: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.budget is None:
-            self.budget = torch.full_like(self.out_len, NO_LIMIT)
 
     @property
     def batch_size(self) -> int:
@@ -64,9 +57,7 @@ class DecodeState:
     def next_draft(self, most: int) -> int:
         """The longest draft any row's next call verifies, at most `most` (0: the next call drafts
         nothing, so a drafter can skip its work)."""
-        if not self.batch_size:
-            return 0
-        return min(most, int(self.budget.max()) if self.budget_max is None else self.budget_max)
+        return min(most, self.budget) if self.batch_size else 0
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) the last decoder input of each row (not yet fed to the verifier)."""
@@ -93,7 +84,6 @@ class DecodeState:
         self.out = self.out.index_select(0, rows)
         self.out_len = self.out_len.index_select(0, rows)
         self.max_len = self.max_len.index_select(0, rows)
-        self.budget = self.budget.index_select(0, rows)
         self.cache.select(rows)
         self.requests = [self.requests[i] for i in keep]
         self.stats = [self.stats[i] for i in keep]
