@@ -345,7 +345,7 @@ class DraftVerifyLoop:
             at = state.out_len[:, None] + offs
             out_index, max_len = (state.generated[:, None] + offs).flatten(), state.max_len.repeat_interleave(s)
         step = VerifierScores(self.projection, hidden, self._constrain(out_index, max_len)).top1.view(-1, s)
-        state.reserve_out(s, longest=state.cache.longest + s)  # cache.lengths == out_len - stride
+        state.reserve_out(s)
         state.out.scatter_(1, at, step)
         state.out_len = state.out_len + s
         state.cache.commit(s)

@@ -68,10 +68,10 @@ class DecodeState:
         offs = torch.arange(self.stride, device=self.out.device) - self.stride
         return self.out.gather(1, self.out_len[:, None] + offs)
 
-    def reserve_out(self, extra: int, longest: int | None = None) -> None:
-        """Room in `out` for `extra` more tokens a row; `longest`: out_len.max() where the caller
-        knows it (else read)."""
-        need = (int(self.out_len.max()) if longest is None else longest) + extra
+    def reserve_out(self, extra: int) -> None:
+        """Room in `out` for `extra` more tokens a row, between calls: the longest row's out_len is the
+        cache's longest length + stride (the invariant above), which the cache keeps on the host."""
+        need = self.cache.longest + self.stride + extra
         if need > self.out.shape[1]:
             grow = max(need, 2 * self.out.shape[1]) - self.out.shape[1]
             self.out = torch.nn.functional.pad(self.out, (0, grow), value=self.pad)
