@@ -121,11 +121,11 @@ class StateDrafter:
         return DraftBatch(tokens=self.rows.pending[:, : self._k].clone(),
                           num_draft=torch.where(self.rows.ready, self._k, 0))
 
-    @torch.no_grad()
     def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Draft the next call's tokens (the row loop runs it under inference mode); none where the next
+        call drafts nothing (`propose` then reads no row, and a call that drafts makes every row ready)."""
         self._k = state.next_draft(self.max_draft)
-        if self._k == 0:  # the next call drafts nothing
-            self.rows.ready = torch.zeros_like(self.rows.ready)
+        if self._k == 0:
             return
         drafts = self._draft(state, hidden, self._k)
         self.rows.pending = torch.nn.functional.pad(drafts, (0, self.max_draft - self._k), value=state.pad)
