@@ -20,7 +20,7 @@ operator that does no work), summed per call; and the loop's host work, wall tim
 against, e.g. the decode-step issue's base `7f3abaf`): in each repeat, its own process (this script
 with that tree first on the path) warms up and times the same model and requests, interleaved with
 this tree's loops; its outputs must equal this tree's row loop's. Rows get `base` and
-`host_time_ratio_*_vs_base`.
+`host_time_ratio_*_vs_base` (with `--floor`, `host_work_ratio_*_vs_base`).
 
 `--compile` adds, for greedy, the slot loop with a TorchInductor-compiled step (`compiled`; the compile happens
 in a warm-up run, outside the timings; operators and host reads are not counted for it, since the
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="also the slot loop with a compiled step")
     ap.add_argument("--floor", action="store_true", help="also the arithmetic per call and each loop's host work")
-    ap.add_argument("--base", type=Path, help="also the row loop of this source tree (a worktree), in its own processes")
+    ap.add_argument("--base", type=Path, help="also the row loop of this source tree (a worktree), in own processes")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a --base process: the model's weights
     ap.add_argument("--method", help=argparse.SUPPRESS)
@@ -244,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     model = tiny()
     eos = model.cfg.eos
     rows = []
-    if a.base:
-        weights = Path(tempfile.mkdtemp()) / "tiny.pt"
-        torch.save(model.state_dict(), weights)
-    with torch.no_grad():
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        weights = Path(tmp) / "tiny.pt"  # the model a --base process loads
+        if a.base:
+            torch.save(model.state_dict(), weights)
         for bs in [int(x) for x in a.batch_sizes.split(",")]:
             reqs = requests(max(bs, 4) if bs > 1 else 8, eos)
             for method in ("greedy", "iad"):
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 base = []
                 for i in range(a.repeat):  # interleaved
                     if a.base:
-                        base.append(base_run(a.base, weights, bs, method, a.threads, 3, count=i == 0, floor=a.floor and i == 0))
+                        first = i == 0
+                        base.append(base_run(a.base, weights, bs, method, a.threads, 3, first, a.floor and first))
                     for kind, loop in loops.items():
                         loop.counters.calls = 0
                         seconds, calls = measure(loop, reqs)
@@ -276,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                     mine = digest(loops["rows"], reqs)
                     if any(b["digest"] != mine for b in base):
                         raise SystemExit(f"batch {bs} {method}: the base tree's outputs differ from this tree's")
-                    result["base"] = {**base[0], "us_per_call": round(statistics.median(b["us_per_call"] for b in base), 1)}
+                    median = statistics.median(b["us_per_call"] for b in base)
+                    result["base"] = {**base[0], "us_per_call": round(median, 1)}
                     del result["base"]["digest"]
                     for kind in kinds:
                         ratio = result["base"]["us_per_call"] / result[kind]["us_per_call"]
