@@ -32,7 +32,7 @@ from aggdec.decoding.methods import DraftContext, decode_options, drafts_in_bf16
 from aggdec.decoding.options import DecodeOptions
 from aggdec.double_token import teacher_forcing
 from aggdec.model.precision import cpu_isa, cpu_warning, with_precision
-from aggdec.model.projection import OutputProjection, certified_pays
+from aggdec.model.projection import AUTO_CERTIFIED_ROWS, OutputProjection, certified_pays
 from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
@@ -77,7 +77,7 @@ class Translator:
         self.cfg = bundle.model.cfg
         self._drafters: dict[tuple[str, torch.dtype], object] = {}
         self._models: dict[str, Transformer] = {"fp32": bundle.model}
-        self._projections: dict[tuple[str, bool], OutputProjection] = {}
+        self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by options, kept across calls
         self._slot_loops: dict = {}  # the last slot loop (aggdec.decoding.slot_loop), with its captured steps
 
@@ -95,7 +95,8 @@ class Translator:
 
     def projection(self, verify_precision: str = "auto", precision: str = "fp32") -> OutputProjection:
         """The output projection of the verifier at `precision` for `verify_precision` (see
-        DecodeOptions), built once; the certified bf16 top-1 applies to an fp32 verifier only."""
+        DecodeOptions), built once; the certified bf16 top-1 applies to an fp32 verifier only, and
+        under `auto` to calls of at least `AUTO_CERTIFIED_ROWS` positions."""
         model = self.verifier(precision)
         weight = model.output_weight
         fp32 = weight.dtype == torch.float32 and model.output_int8 is None
@@ -103,12 +104,14 @@ class Translator:
             certify = fp32 and certified_pays(weight.device)
         else:
             certify = verify_precision == "bf16-certified" and fp32
-        key = (precision, certify)
+        certify_from = AUTO_CERTIFIED_ROWS if certify and verify_precision == "auto" else 1
+        key = (precision, certify, certify_from)
         if key not in self._projections:
             if certify and weight.device.type == "cuda":
                 warnings.warn("verify_precision='bf16-certified' on a GPU: outputs are unchanged, but it is slower "
                               "than fp32 there (docs/benchmarks.md); 'auto' uses fp32 on GPUs", stacklevel=3)
-            self._projections[key] = OutputProjection(weight, certify, model.output_bias, int8=model.output_int8)
+            self._projections[key] = OutputProjection(weight, certify, model.output_bias, int8=model.output_int8,
+                                                      certify_from=certify_from)
         return self._projections[key]
 
     def _drafter_model(self, path: str, bf16: bool = False, dtype: torch.dtype | None = None):

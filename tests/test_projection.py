@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aggdec import api
 from aggdec.api import Translator
 from aggdec.decoding.acceptance import constrain_logits
 from aggdec.model.precision import Int8Weight
-from aggdec.model.projection import TOP1_ROWS, OutputProjection
+from aggdec.model.projection import AUTO_CERTIFIED_ROWS, TOP1_ROWS, OutputProjection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +65,31 @@ def test_refined_top1_equals_fp32_argmax_at_its_margin(seed):
     h = _confident_and_tied(w, 400, seed, nudge=1e-4)
     assert torch.equal(proj.top1(h, _no_rules), F.linear(h, w).argmax(dim=-1))
     assert proj.refined >= 50 and proj.recomputed >= 50
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_calls_below_certify_from_take_the_fp32_top1(rows):
+    """`verify_precision = "auto"`'s projection certifies calls of at least `certify_from` positions
+    only; every call gives the fp32 argmax."""
+    w = _weights(6)
+    proj = OutputProjection(w, certify=True, certify_from=8)
+    h = _confident_and_tied(w, rows, 6, nudge=1e-3)  # near ties, not within fp32 rounding
+    assert torch.equal(proj.top1(h, _no_rules), F.linear(h, w).argmax(dim=-1))
+    settled = proj.certified + proj.refined + proj.recomputed
+    assert settled == (rows if rows >= 8 else 0)
+
+
+def test_auto_certifies_wide_calls_only_where_it_pays(monkeypatch):
+    """On a CPU where the certified top-1 pays, `auto` takes it from AUTO_CERTIFIED_ROWS positions,
+    an explicit bf16-certified at every call; elsewhere `auto` is the plain fp32 top-1."""
+    tr = Translator.load(ROOT / "models" / "gec-base")
+    assert not tr.projection("fp32").certify
+    monkeypatch.setattr(api, "certified_pays", lambda device: True)
+    auto, explicit = tr.projection("auto"), tr.projection("bf16-certified")
+    assert auto.certify and auto.certify_from == AUTO_CERTIFIED_ROWS
+    assert explicit.certify and explicit.certify_from == 1
+    monkeypatch.setattr(api, "certified_pays", lambda device: False)
+    assert tr.projection("auto") is tr.projection("fp32")
 
 
 def test_refinement_covers_a_vocabulary_smaller_than_its_width():

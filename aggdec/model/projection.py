@@ -59,10 +59,20 @@ def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def certified_pays(device: torch.device) -> bool:
-    """Whether the certified bf16 top-1 is expected to beat fp32 on `device`: a CPU with AMX tiles.
-    Not on GPUs, nor on CPUs whose bf16 products are AVX512-BF16 at best: there it measured 0.87-0.95x
-    of fp32 on trained models (docs/benchmarks.md)."""
+    """Whether the certified bf16 top-1 is expected to beat fp32 on `device`, on calls of at least
+    `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles. Not on GPUs, nor on CPUs whose bf16
+    products are AVX512-BF16 at best: there it measured 0.87-0.95x of fp32 on trained models
+    (docs/benchmarks.md)."""
     return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+AUTO_CERTIFIED_ROWS = 64
+"""Positions from which a call takes the certified top-1 under `verify_precision = "auto"` (fewer
+take fp32's). On a CPU with AMX, the top-1 alone over the shipped models' 8,000 tokens
+(`bench/precision_bench.py --top1`): at 64 positions 1.04x (ende-base, where a fifth of the
+positions need their candidates' fp32 logits) to 1.55x (gec-base) fp32's speed; below 16 as slow
+as 0.52x, and certified throughout, ende-base greedy decoded at 0.92-0.98x at batch 1 to 8
+(docs/benchmarks.md)."""
 
 
 class OutputProjection:
@@ -75,12 +85,14 @@ class OutputProjection:
     included), which then computes the logits (no certified top-1).
 
     Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
-    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax. Counters (positions,
-    see `counts`): `certified` by the bf16 bound, `refined` from their candidates' fp32 logits,
-    `recomputed` as whole fp32 rows.
+    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax; with `certify`, calls
+    of fewer than `certify_from` positions take it too (the argmax is the same either way).
+    Counters (positions, see `counts`): `certified` by the bf16 bound, `refined` from their
+    candidates' fp32 logits, `recomputed` as whole fp32 rows.
     """
 
-    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None):
+    def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None,
+                 certify_from: int = 1):
         if certify and (weight.dtype != torch.float32 or int8 is not None):
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
         self.int8 = int8
@@ -89,7 +101,7 @@ class OutputProjection:
         if self.with_bias:
             weight = torch.cat([weight.detach(), bias.detach()[:, None]], dim=1)
         self.weight = weight
-        self.certify = certify
+        self.certify, self.certify_from = certify, certify_from
         self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = self.draft_weight_bf16 = None
         self.packed = prepack(weight) if int8 is None else None  # an int8 projection never uses the float weight
         if certify:  # the bf16 copy and the bound's coefficients, once
@@ -131,7 +143,7 @@ class OutputProjection:
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
         hidden = self._extend(hidden)
-        if self.certify:
+        if self.certify and hidden.shape[0] >= self.certify_from:
             return self._certified_top1(hidden, constrain)
         n = hidden.shape[0]
         if n <= TOP1_ROWS:
