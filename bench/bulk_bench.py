@@ -11,13 +11,16 @@ bf16, int8), `ct2@COMPUTE` (CTranslate2 greedy; float32, int8, int8_float32) and
 process (two OpenMP runtimes in one process slow each other down), repeats interleaved; reported:
 median sentences/s, share of outputs identical to our fp32 greedy's, BLEU and chrF against the
 references, ERRANT F0.5 for gec (`--errant`), and each system's best batch size. IAD runs with a
-16-token draft cap and both re-alignment fallbacks (`--iad-options`); GAD with `--drafter`.
+16-token draft cap and both re-alignment fallbacks (`--iad-options`); GAD with `--drafter`. A
+system whose process fails (CTranslate2 refuses a compute type the CPU lacks) gets an `error` row
+and is not run again; the others run, and the script exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,6 +105,7 @@ def main(argv=None) -> int:
     from baseline_bench import machine
 
     from aggdec.fairseq_io import save_fairseq
+    from aggdec.model.precision import cpu_isa
 
     srcs, refs = read_tsv(a.data, a.column, a.ref_column)
     srcs, refs = srcs[: a.limit], refs[: a.limit]
@@ -110,10 +114,13 @@ def main(argv=None) -> int:
     systems, sizes = a.systems.split(","), [int(b) for b in a.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     texts: dict[tuple[str, int], list[str]] = {}
+    failed: dict[tuple[str, int], int] = {}  # (system, batch size) -> the worker's exit status
     for rep in range(a.repeat):
         for bs in sizes:
             n = min(a.bs1_limit, len(srcs)) if bs == 1 else len(srcs)
             for system in systems:
+                if (system, bs) in failed:
+                    continue
                 out = work / "result.json"
                 cmd = [sys.executable, str(HERE), "--worker", system, "--batch-size", str(bs), "--result", str(out),
                        "--model", a.model, "--data", a.data, "--column", a.column, "--limit", str(n),
@@ -121,7 +128,11 @@ def main(argv=None) -> int:
                        "--beam", str(a.beam)]
                 if a.drafter:
                     cmd += ["--drafter", a.drafter]
-                subprocess.run(cmd, check=True)
+                status = subprocess.run(cmd).returncode  # a system that fails leaves an error row; the others run
+                if status:
+                    failed[(system, bs)] = status
+                    print(f"rep {rep} {system} bs {bs}: failed (exit {status})", flush=True)
+                    continue
                 r = json.loads(out.read_text())
                 times.setdefault((system, bs), []).append(n / r["seconds"])
                 texts[(system, bs)] = r["texts"]
@@ -143,24 +154,31 @@ def main(argv=None) -> int:
                 f05[key] = gec_scores(srcs[:n], hyps, refs[:n])["f0.5"]
             run["f0.5"] = f05[key]
         runs.append(run)
+    runs += [{"system": system, "batch_size": bs, "error": f"the worker exited with status {status}"}
+             for (system, bs), status in failed.items()]
     best = {}
     for run in runs:
-        if run["batch_size"] != 1 or len(sizes) == 1:
+        if "error" not in run and (run["batch_size"] != 1 or len(sizes) == 1):
             b = best.get(run["system"])
             if b is None or run["sentences_per_s"] > b["sentences_per_s"]:
                 best[run["system"]] = run
-    result = {"model": a.model, "data": a.data, "threads": a.threads, "machine": machine("cpu"), "torch": torch.__version__,
+    result = {"model": a.model, "data": a.data, "threads": a.threads, "machine": machine("cpu"), "cpu_isa": cpu_isa(),
+              "torch": torch.__version__,
               "iad_options": json.loads(a.iad_options), "beam": a.beam, "repeat": a.repeat, "runs": runs,
               "best": {s: {"batch_size": r["batch_size"], "sentences_per_s": r["sentences_per_s"]} for s, r in best.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     for run in sorted(runs, key=lambda r: (r["batch_size"], r["system"])):
+        if "error" in run:
+            print(f"bs {run['batch_size']:>3} {run['system']:<16} {run['error']}")
+            continue
         same = run["identical_to_fp32_greedy"]
         print(f"bs {run['batch_size']:>3} {run['system']:<16} {run['sentences_per_s']:8.1f} sent/s  "
               f"identical {'-' if same is None else f'{same:.3f}'}  BLEU {run['bleu']:.2f}")
     print("best:", json.dumps(result["best"]))
     print(f"wrote {a.out}")
-    return 0
+    shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch
 from aggdec.model.precision import PRECISIONS
+from aggdec.model.projection import AUTO_CERTIFIED_ROWS
 
 VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
 
@@ -72,7 +73,7 @@ class DecodeOptions:
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
                 "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with AMX, on calls of at least "
-                "64 positions (fewer take fp32's, faster there), else fp32.",
+                f"{AUTO_CERTIFIED_ROWS} positions (fewer take fp32's, faster there), else fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 
     def __post_init__(self) -> None:
