@@ -106,7 +106,7 @@ class DraftHeadDrafter(StateDrafter):
 
     def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
         cache, layer = state.cache, self.last_layer
-        span = int(cache.lengths.max())
+        span = cache.longest  # kept on the host by the cache
         return self._head(state, hidden, cache.k[layer][:, :span], cache.v[layer][:, :span], cache.lengths,
                           cache.cross.k[layer], cache.cross.v[layer], cache.cross.src_pad, k)
 
