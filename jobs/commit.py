@@ -16,11 +16,16 @@ columns) and the identity of the input slice (file size, footer hash, row range)
 unit only if both match. A different fingerprint is refused rather than mixed; a changed input
 file is recomputed. One job at a time per output location, enforced by the lease: a job deletes
 stale tmp files and uncommitted units only once it holds it.
+
+Only files provably written by a job are ever removed: commit records and `.*.tmp` files by their
+names, unit Parquet files by their footer, which names their unit (UNIT_KEY), and a unit's TSV
+through its Parquet file; never a path of the job's inputs (`inputs`), whatever its name.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -28,16 +33,20 @@ import pyarrow.parquet as pq
 
 from aggdec.schema import MANIFEST_NAME
 from jobs.spec import SpecError
-from jobs.storage import Location
+from jobs.storage import Location, is_hidden, location_key
 
 MARKER_PREFIX = "_SUCCESS."
+UNIT_KEY = b"aggdec.unit"
+"""Key of the Parquet key-value metadata that names the unit a unit file was written for."""
 
 
 class OutputDir:
-    """Unit files and commit records under one location."""
+    """Unit files and commit records under one location. `inputs`: location keys
+    (jobs.storage.location_key) of the job's inputs, which are never removed."""
 
-    def __init__(self, location: Location | str):
+    def __init__(self, location: Location | str, *, inputs: Iterable[str] = ()):
         self.loc = location if isinstance(location, Location) else Location(location)
+        self.inputs = frozenset(inputs)
 
     @property
     def uri(self) -> str:
@@ -48,7 +57,7 @@ class OutputDir:
         self.loc.makedirs()
         stale = [n for n in self.loc.names() if n.startswith(".") and n.endswith(".tmp")]
         for name in stale:
-            self.loc.delete(name)
+            self._remove(name)
         return stale
 
     def records(self) -> dict[str, dict | None]:
@@ -62,29 +71,70 @@ class OutputDir:
                     out[name[len(MARKER_PREFIX):]] = None
         return out
 
-    def committed(self, unit: str, record: dict | None, fingerprint: dict, identity: dict) -> bool:
-        """Whether `unit` (whose record, read by `records`, is `record`) is committed for this job and
-        this input slice. A record of a job with another fingerprint raises SpecError naming what
-        differs; a unit not committed (no record, an input that changed, a missing or short output)
-        has its files discarded."""
-        if record is not None and record.get("fingerprint") != fingerprint:
-            raise SpecError(f"output.dir: {self.loc.uri_of(MARKER_PREFIX + unit)} was written by a different job: "
-                            f"{_difference(record.get('fingerprint'), fingerprint)}. "
-                            "Use another output.dir or delete that one")
-        if (record is not None and record.get("input") == identity
-                and _num_rows(self.loc, f"{unit}.parquet") == record.get("rows")
-                and (not record.get("tsv") or self.loc.exists(f"{unit}.tsv"))):
-            return True
-        self.discard(unit)
-        return False
+    def check_job(self, records: dict[str, dict | None], fingerprint: dict) -> None:
+        """Raise SpecError naming what differs where a record (as `records` reads them) was written by
+        a job with another fingerprint: its outputs are refused rather than mixed or removed."""
+        for unit, record in sorted(records.items()):
+            if record is not None and record.get("fingerprint") != fingerprint:
+                raise SpecError(f"output.dir: {self.loc.uri_of(MARKER_PREFIX + unit)} was written by a different job: "
+                                f"{_difference(record.get('fingerprint'), fingerprint)}. "
+                                "Use another output.dir or delete that one")
 
-    def discard(self, unit: str) -> None:
-        """Remove a unit's record (first), output and TSV, if present."""
-        for name in (MARKER_PREFIX + unit, f"{unit}.parquet", f"{unit}.tsv"):
-            self.loc.delete(name)
+    def committed(self, unit: str, record: dict | None, identity: dict) -> bool:
+        """Whether `unit` (whose record, read by `records`, is `record`) is committed for this input
+        slice: a record for `identity` and a complete output. Removes nothing (see `clean`)."""
+        return (record is not None and record.get("input") == identity
+                and _num_rows(self.loc, f"{unit}.parquet") == record.get("rows")
+                and (not record.get("tsv") or self.loc.exists(f"{unit}.tsv")))
+
+    def clean(self, records: dict[str, dict | None], keep: Iterable[str], writes: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Remove every job output here that no unit of `keep` owns: commit records, then the TSV and
+        Parquet files of units that a job wrote (an earlier cut of the inputs, a run stopped between
+        a unit's output and its record). A Parquet file is a job's when a record of `records` (as
+        `records` reads them, checked by `check_job`) names it as its output or its footer names its
+        unit (UNIT_KEY). -> (removed names, names of Parquet files here that no job wrote, left
+        alone). Raises SpecError, before removing anything, where a unit of `writes` would replace a
+        file that no job wrote."""
+        keep, writes, names = set(keep), set(writes), self.loc.names()
+        owned = {f"{u}.parquet" for u, r in records.items()
+                 if isinstance(r, dict) and r.get("output") == self.loc.uri_of(f"{u}.parquet")}
+        outputs, strangers = [], []
+        for name in names:
+            unit = name[: -len(".parquet")]
+            if name.endswith(".parquet") and unit not in keep and not is_hidden(name):
+                (outputs if name in owned or self.unit_of(name) == unit else strangers).append(name)
+        for name in strangers:
+            if name[: -len(".parquet")] in writes:
+                raise SpecError(f"output.dir: {self.loc.uri_of(name)} is there and no aggdec job wrote it; this job "
+                                "would replace it: move it away or choose another output.dir")
+        removed = [n for n in names if n.startswith(MARKER_PREFIX) and n[len(MARKER_PREFIX):] not in keep]
+        for name in outputs:  # a TSV before its Parquet file, which proves it a job's
+            tsv = f"{name[: -len('.parquet')]}.tsv"
+            removed += [tsv, name] if tsv in names else [name]
+        for name in removed:  # records first: a unit without its record is not committed
+            self._remove(name)
+        return removed, strangers
+
+    def unit_of(self, name: str) -> str | None:
+        """The unit that Parquet file `name` was written for (its footer's UNIT_KEY), None where it
+        names none or is not readable Parquet."""
+        try:
+            with self.loc.fs.open_input_file(self.loc.path(name)) as f:
+                meta = pq.ParquetFile(f).schema_arrow.metadata or {}
+        except (pa.ArrowException, OSError):
+            return None
+        return meta[UNIT_KEY].decode("utf-8", "replace") if UNIT_KEY in meta else None
+
+    def _remove(self, name: str) -> None:
+        """Delete `name`, refusing (RuntimeError) where it is one of the job's inputs."""
+        if location_key(self.loc.uri_of(name)) in self.inputs:
+            raise RuntimeError(f"{self.loc.uri_of(name)}: an input of this job; not removed")
+        self.loc.delete(name)
 
     def commit(self, unit: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
-        """Make `table` (and `tsv`, if given) the durable output of `unit`, then write its record."""
+        """Make `table` (and `tsv`, if given) the durable output of `unit`, then write its record. The
+        Parquet footer names the unit (UNIT_KEY)."""
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), UNIT_KEY: unit.encode("utf-8")})
         self.loc.write(f"{unit}.parquet", lambda f: pq.write_table(table, f))
         if tsv is not None:
             self.loc.write_bytes(f"{unit}.tsv", tsv)

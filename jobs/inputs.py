@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from aggdec.schema import RESULT_COLUMNS
 from jobs.spec import JobSpec, SpecError
-from jobs.storage import is_hidden, list_files, resolve
+from jobs.storage import glob_base, is_glob, is_hidden, list_files, location_key, resolve, within
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def list_input_files(path: str, hidden: list[str] | None = None) -> list[str]:
         raise SpecError(f"input.path: {path} does not exist") from None
     except (OSError, ValueError) as e:
         raise SpecError(f"input.path: {path}: {e}") from e
-    if not files and any(ch in path for ch in "*?["):
+    if not files and is_glob(path):
         raise SpecError(f"input.path: no files match {path}")
     if not files:
         raise SpecError(f"input.path: directory {path} has no *.parquet files")
@@ -115,6 +115,27 @@ def inspect_inputs(spec: JobSpec) -> list[Shard]:
         shards.append(Shard(path=path, stem=stem, rows=rows, schema=schema, passthrough=passthrough,
                             row_groups=groups, identity=identity))
     return shards
+
+
+def input_locations(spec: JobSpec, shards: list[Shard]) -> dict[str, str]:
+    """{location key (jobs.storage.location_key): path as given} of every input of `spec`: each input
+    file, and input.path itself where it is a file or directory (for a glob, the directory it searches
+    when it is recursive, `**`)."""
+    path = spec.input.path
+    roots = [glob_base(path)] if is_glob(path) and "**" in path else [] if is_glob(path) else [path]
+    return {location_key(p): p for p in [*roots, *(s.path for s in shards)]}
+
+
+def check_output_apart(spec: JobSpec, shards: list[Shard]) -> None:
+    """Refuse (SpecError, one line naming both) an output.dir that is an input, lies inside one or
+    holds one (compared after resolving links; URIs by prefix): the job would write over, or clean
+    up, its own inputs."""
+    out = location_key(spec.output.dir)
+    for key, path in input_locations(spec, shards).items():
+        if within(out, key) or within(key, out):
+            how = "is" if out == key else "is inside" if within(out, key) else "contains"
+            raise SpecError(f"output.dir: {spec.output.dir} {how} the input {path}; a job never writes where its "
+                            "inputs are: choose an output.dir apart from input.path")
 
 
 def _check_column(path: str, schema: pa.Schema, column: str, field: str, kinds: tuple[str, ...]) -> None:

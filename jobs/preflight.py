@@ -1,6 +1,7 @@
 """Checks a job must pass before Ray starts, each failing with one line that names the culprit.
 
-`check_job` reads every input footer (jobs.inputs), makes sure the output location can be written,
+`check_job` reads every input footer (jobs.inputs), refuses an output location that is, holds or
+lies inside an input, makes sure the output location can be written,
 has room and is not in use by another job (jobs.lease), loads the model and the drafter the way the
 decode actors will, and looks at the ids: duplicates are reported (or refused with
 input.duplicate_ids = "error"), as are files in an input directory that are not Parquet or that are
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 
 from aggdec import checkpoint
 from aggdec.decoding.options import OptionError
-from jobs.inputs import Shard, inspect_inputs, list_input_files
+from jobs.inputs import Shard, check_output_apart, inspect_inputs, list_input_files
 from jobs.lease import LeaseHeld, held_message, read_holder
 from jobs.spec import JobSpec, SpecError
 from jobs.storage import Location, is_uri, resolve
@@ -37,6 +38,7 @@ def check_job(spec: JobSpec, *, warn: Callable[[str], None] = lambda msg: None,
     LeaseHeld (a SpecError) naming the other job when another live job holds the output location
     (jobs.lease; `take_over_lease` as in jobs.run.run_job)."""
     shards = inspect_inputs(spec)
+    check_output_apart(spec, shards)
     _check_output(spec, shards, warn, take_over_lease)
     _check_models(spec)
     _check_ids(spec, shards, warn)

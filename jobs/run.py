@@ -4,10 +4,10 @@
     result = jobs.run.run_job(load_spec("examples/correct.toml"))
     print(result.summary_line())
 
-Order of work: (1) read every input footer and take the output location's lease (jobs.lease: one
-job at a time per location), before any Ray work; (2) plan the commit units (jobs.units), delete
-stale tmp files and the files of units that are not committed for this job and these inputs, keep
-committed units; (3) run the pending units on the decode actors, which write their outputs and
+Order of work: (1) read every input footer, refuse an output location that overlaps an input, and
+take the output location's lease (jobs.lease: one job at a time per location), before any Ray
+work; (2) plan the commit units (jobs.units), keep the units committed for this job and these
+inputs, delete stale tmp files and every other file a job wrote there (jobs.commit.OutputDir.clean); (3) run the pending units on the decode actors, which write their outputs and
 commit records themselves (jobs.work); the driver only collects the records and rewrites the
 manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
 actors on the nodes left and run the units that did not commit, up to `resources.max_attempts`
@@ -30,7 +30,7 @@ from aggdec.decoding.methods import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
 from jobs.commit import OutputDir
-from jobs.inputs import Shard, inspect_inputs
+from jobs.inputs import Shard, check_output_apart, input_locations, inspect_inputs
 from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
 from jobs.pipeline import build_pipeline
@@ -152,8 +152,9 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     t0 = time.perf_counter()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     shards = inspect_inputs(spec)
+    check_output_apart(spec, shards)
     model_sha = file_sha(Path(spec.model) / "model.safetensors")
-    out = OutputDir(spec.output.dir)
+    out = OutputDir(spec.output.dir, inputs=input_locations(spec, shards))
     with Lease(out.loc, take_over=take_over_lease) as lease:
         if lease.taken_over is not None:
             log(f"took over the lease of a job that is gone ({lease.taken_over.describe()})")
@@ -169,18 +170,17 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     stale = out.prepare()
     units = plan_units(shards, spec.batching.rows_per_task)
     found = out.records()
-    foreign = _discard_foreign(out, found, units, fp)
-    records: dict[str, dict] = {}
-    todo: list[Unit] = []
-    for unit in units:
-        if out.committed(unit.name, found.get(unit.name), fp, unit.identity):
-            records[unit.name] = found[unit.name]
-        else:
-            todo.append(unit)
+    out.check_job(found, fp)
+    records = {u.name: found[u.name] for u in units if out.committed(u.name, found.get(u.name), u.identity)}
+    todo = [u for u in units if u.name not in records]
+    removed, strangers = out.clean(found, keep=records, writes=[u.name for u in todo])
+    if strangers:
+        warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote ({', '.join(strangers[:3])}"
+             f"{', ...' if len(strangers) > 3 else ''}); readers of the directory see their rows too")
     skipped = sorted(records)
     timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3))
     run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale,
-                "stale_units_deleted": foreign, "units": len(units)}
+                "stale_outputs_deleted": removed, "units": len(units)}
     if skipped:
         log(f"skipping {len(skipped)} committed unit(s)")
     last_write = [0.0]
@@ -242,7 +242,7 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             for unit in todo:
                 if unit.name in records or unit.name in failed:
                     continue
-                if out.committed(unit.name, found.get(unit.name), fp, unit.identity):  # committed, record lost
+                if out.committed(unit.name, found.get(unit.name), unit.identity):  # committed, record lost
                     records[unit.name] = found[unit.name]
                     run_info["committed"].append(unit.name)
                     decoded_rows += unit.rows
@@ -273,19 +273,6 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
                      attempts=attempts, distill=tot.get("distill"))
-
-
-def _discard_foreign(out: OutputDir, found: dict[str, dict | None], units: list[Unit], fp: dict) -> list[str]:
-    """Discard committed units of this job that are not units of this run (inputs removed or cut
-    differently since), so that the output never holds rows that no input row maps to. Records of
-    another job raise SpecError (via OutputDir.committed)."""
-    names = {u.name for u in units}
-    stale = []
-    for name, record in sorted(found.items()):
-        if name not in names:
-            out.committed(name, record, fp, {})  # raises for another job's record; discards ours
-            stale.append(name)
-    return stale
 
 
 def _what_was_lost(e: Exception) -> str:

@@ -14,15 +14,48 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 
 
 def is_uri(path: str) -> bool:
     return "://" in path
+
+
+GLOB_CHARS = "*?["
+
+
+def is_glob(path: str) -> bool:
+    return any(ch in path for ch in GLOB_CHARS)
+
+
+def glob_base(pattern: str) -> str:
+    """The directory a glob searches: its part before the last '/' that precedes the first wildcard."""
+    cut = min(pattern.find(ch) for ch in GLOB_CHARS if ch in pattern)
+    return pattern[: pattern.rfind("/", 0, cut)] if "/" in pattern[:cut] else "."
+
+
+def location_key(path: str) -> str:
+    """A form of a local path or URI in which the same place is spelled one way: local paths and
+    file:// URIs absolute with every symbolic link resolved (the path need not exist); other URIs as
+    scheme://authority/path, without a trailing '/' or repeated '/'."""
+    if not is_uri(path):
+        return os.path.realpath(Path(path).expanduser())
+    parts = urlsplit(path)
+    if parts.scheme.lower() == "file":
+        return os.path.realpath(unquote(parts.path))
+    inner = posixpath.normpath("/" + parts.path.lstrip("/")).rstrip("/")
+    return f"{parts.scheme.lower()}://{parts.netloc}{inner}"
+
+
+def within(inner: str, outer: str) -> bool:
+    """Whether location key `inner` is `outer` or lies under it (see location_key)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -125,11 +158,8 @@ def list_files(pattern: str, hidden: list[str] | None = None) -> list[str]:
     ones too), local or URI -> sorted paths or URIs as given. [] when nothing matches;
     FileNotFoundError when a file or directory does not exist. `hidden`, if given, receives the
     names of the *.parquet files a directory input skips."""
-    glob = any(ch in pattern for ch in "*?[")
-    base = pattern
-    if glob:
-        cut = min(pattern.find(ch) for ch in "*?[" if ch in pattern)
-        base = pattern[: pattern.rfind("/", 0, cut)] if "/" in pattern[:cut] else "."
+    glob = is_glob(pattern)
+    base = glob_base(pattern) if glob else pattern
     fs, path = resolve(base)
     info = fs.get_file_info(path)
     if not glob and info.type == pafs.FileType.File:

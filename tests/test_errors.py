@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from cli import main
 from conftest import synthetic_sentences
 from jobs.preflight import check_job
+from jobs.run import run_job
 from jobs.spec import SpecError, load_spec
 from test_jobs import write_corpus
 
@@ -209,3 +210,56 @@ def test_bad_input_exits_2_and_the_codes_are_documented(tmp_path):
     assert re.search(r"Exit status:\n\s+0\s+done\n", usage)
     for code, what in ((2, "bad input"), (130, "SIGINT"), (143, "SIGTERM")):
         assert re.search(rf"\n\s+{code}\s+.*{what}", usage), usage
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_output_that_overlaps_an_input_is_refused_and_the_inputs_are_untouched(tiny_model_dir, tmp_path):
+    from jobs.commit import OutputDir
+    from jobs.inputs import check_output_apart, input_locations, inspect_inputs
+
+    inp = write_corpus(tmp_path / "in", shards=3, rows=4)
+    before = _snapshot(inp)
+    (tmp_path / "link").symlink_to(inp)
+    cases = [(inp, "is"), (inp / "out", "is inside"), (tmp_path, "contains"), (tmp_path / "link", "is"),
+             (tmp_path / "link" / "sub", "is inside")]
+    for out, how in cases:
+        code, text = _run(["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
+                           "--set", "input.id_column=n"])
+        assert code == 2 and text.count("\n") == 1, text
+        assert text.startswith(f"aggdec: error: output.dir: {out} {how} the input "), text
+        assert str(inp) in text
+    with pytest.raises(SpecError, match=f"^output.dir: {inp} is the input {inp};"):
+        run_job(_spec(tiny_model_dir, inp, inp))  # the library refuses too, before any Ray work
+    assert not (inp / "out").exists() and _snapshot(inp) == before
+    code, text = _run(["run", "--model", str(tiny_model_dir), "--input", str(inp / "part-00001.parquet"),
+                       "--output", str(tmp_path / "link"), "--set", "input.id_column=n"])
+    assert code == 2 and f"{tmp_path / 'link'} contains the input {inp / 'part-00001.parquet'}" in text, text
+    # a job fed its own earlier output through a glob, and object stores by prefix
+    for pattern, out, message in ((f"{inp}/*.parquet", inp, f"{inp} contains the input {inp}/part-00000.parquet;"),
+                                  (f"{inp}/**.parquet", inp / "out", f"{inp}/out is inside the input {inp};")):
+        spec = _spec(tiny_model_dir, pattern, out)
+        with pytest.raises(SpecError, match=re.escape(f"output.dir: {message}")):
+            check_output_apart(spec, inspect_inputs(spec))
+    for out, refused in (("s3://bucket/in/out", True), ("s3://bucket//in/", True), ("s3://bucket/input", False),
+                         ("gs://bucket/in/out", False), ("s3://other/in", False)):
+        spec = load_spec(None, [f"model={tiny_model_dir}", "input.path=s3://bucket/in", f"output.dir={out}"])
+        if refused:
+            with pytest.raises(SpecError, match=r"^output\.dir: s3://.* the input s3://bucket/in;"):
+                check_output_apart(spec, [])
+        else:
+            check_output_apart(spec, [])
+
+    # the clean-up removes only what a job wrote, and never an input
+    spec = _spec(tiny_model_dir, inp, tmp_path / "o")
+    shards = inspect_inputs(spec)
+    out = OutputDir(str(inp), inputs=input_locations(spec, shards))
+    removed, strangers = out.clean({}, keep=[], writes=["other"])
+    assert removed == [] and strangers == [p.name for p in sorted(inp.glob("*.parquet"))]
+    with pytest.raises(SpecError, match=r"part-00000\.parquet is there and no aggdec job wrote it"):
+        out.clean({}, keep=[], writes=["part-00000"])
+    with pytest.raises(RuntimeError, match="an input of this job; not removed"):
+        out._remove("part-00000.parquet")
+    assert _snapshot(inp) == before
