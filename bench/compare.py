@@ -1,0 +1,418 @@
+"""`compare`: systems x models x batch sizes on one device, and `contention`: the same systems beside
+competing processes.
+
+Each system runs in a process of its own (bench/systems.py) kept for the whole run; the repeats go
+round every batch size and system in turn, and each figure is the median of a system's repeats.
+Outputs are token ids, and each run's identical share is taken against the reference system
+(`--reference`, one of the systems) on the same model at the same batch size, in the same run.
+The parent prepares what the peers need, outside any timing: token pieces for CTranslate2 and
+fairseq, the CTranslate2 conversion, the fairseq export and its binarized inputs, made once per
+model under `--work`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from bench.record import REPO, Results, shown
+from bench.systems import Process, System
+
+OPUS_MT_SHAPED = "opus-mt-shaped"  # the model name that builds a Marian model of opus-mt-en-de's shape
+OPUS_MT = dict(vocab_size=58101, decoder_vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6,
+               encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+               max_position_embeddings=512, activation_function="swish", scale_embedding=True, pad_token_id=58100,
+               eos_token_id=0, decoder_start_token_id=58100, forced_eos_token_id=0)
+COMPETITOR = """import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(1024, 1024)
+a @ a
+print("ready", flush=True)
+while True:
+    a @ a
+"""
+
+
+def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
+    """The options `compare` and `contention` share."""
+    ap.add_argument("--model", default="models/gec-base",
+                    help=f"default model of the systems: a model directory, or {OPUS_MT_SHAPED} (random weights)")
+    ap.add_argument("--data", type=Path, required=True, help="a TSV file with a header line")
+    ap.add_argument("--column", default="noisy", help="the source column")
+    ap.add_argument("--ref-column", default=None, help="the reference column: BLEU and chrF of every run")
+    ap.add_argument("--systems", default=systems, help="comma-separated systems (bench/systems.py)")
+    ap.add_argument("--reference", default="greedy", help="the system whose outputs the others are compared with")
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
+    ap.add_argument("--bs1-limit", type=int, default=200, help="first N sentences at batch size 1")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--drafter", default="models/ende-base-draft-head", help="gad and gad++: the draft head")
+    ap.add_argument("--heads", default="models/ende-base-heads", help="blockwise: the proposal heads")
+    ap.add_argument("--beam", type=int, default=5, help="beam size of beam and *-beam systems")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a decode option of every aggdec system (JSON value), repeatable")
+    ap.add_argument("--max-new", type=int, default=None,
+                    help="every output at most N tokens (identity over them): for random-weight models")
+    ap.add_argument("--errant", action="store_true", help="ERRANT F0.5 against the references (correction)")
+    ap.add_argument("--work", type=Path, default=None, help="conversions and exports (default: a temporary folder)")
+    ap.add_argument("--out", type=Path, default=None)
+
+
+def sha(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def opus_mt_shaped(out: Path, texts: list[str]) -> Path:
+    """A Marian model of opus-mt-en-de's shape (6+6 layers, d512, 8 heads, FFN 2048, swish, 58,101-token
+    vocabulary) with random weights (init std 0.1: every output runs to the length limit), and a
+    sentencepiece tokenizer of up to 8,000 pieces trained on `texts`, padded with unused tokens."""
+    import sentencepiece as spm
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "spm"), vocab_size=8000,
+                                   hard_vocab_limit=False, model_type="unigram", character_coverage=1.0,
+                                   minloglevel=2, num_threads=2)
+    sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
+    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+    for i in range(len(vocab), OPUS_MT["vocab_size"] - 1):
+        vocab[f"<unused{i}>"] = i
+    vocab["<pad>"] = OPUS_MT["vocab_size"] - 1
+    for name in ("source.spm", "target.spm"):
+        (out / name).write_bytes((out / "spm.model").read_bytes())
+    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    torch.manual_seed(0)
+    MarianMTModel(MarianConfig(**OPUS_MT, init_std=0.1)).save_pretrained(out)
+    MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json")).save_pretrained(out)
+    return out
+
+
+class Model:
+    """One model as the systems need it: aggdec's framing of the sources and their length limits, text
+    from token ids, and each peer's form of the model and its input, made once under `work`."""
+
+    def __init__(self, path: str, sources: list[str], work: Path, max_new: int | None):
+        from aggdec.api import Translator, decode_options
+        from aggdec.decoding.limits import max_len_for
+
+        self.path, self.work = Path(path), work
+        self.name = self.path.name
+        self.tr = Translator.load(self.path)
+        self.hf = "model_type" in json.loads((self.path / "config.json").read_text())
+        ids = [self.tr.prepare(s)[0] for s in sources]
+        if any(i is None for i in ids):
+            raise ValueError(f"{path}: some sources are empty once cleaned; give sentences with text")
+        self.src_ids = ids
+        opts = decode_options()
+        self.max_len_a, self.max_len_b = (0, max_new) if max_new else (opts.max_len_a, opts.max_len_b)
+        self.limits = [max_len_for(len(i), self.max_len_a, self.max_len_b, self.tr.cfg.max_target_positions)
+                       for i in ids]
+        self.key = f"{self.name}-{sha(self.path)}"
+        if self.hf:
+            from transformers import AutoTokenizer
+
+            self.hf_tok = AutoTokenizer.from_pretrained(self.path)
+            self.pieces = [self.hf_tok.convert_ids_to_tokens(self.hf_tok(s).input_ids) for s in sources]
+        else:
+            sp = self.tr.bundle.src_tok.sp  # aggdec's models: sentencepiece ids, the eos added by the peer
+            self.pieces = [sp.id_to_piece(i[:-1]) for i in ids]
+
+    def ids(self, pieces: list[str]) -> list[int]:
+        """A peer's output pieces as the model's token ids."""
+        if self.hf:
+            return self.hf_tok.convert_tokens_to_ids(pieces)
+        return [self.tr.bundle.tgt_tok.sp.piece_to_id(p) for p in pieces]
+
+    def text(self, ids: list[int]) -> str:
+        return self.tr.bundle.tgt_tok.decode(ids)
+
+    def fairseq_export(self) -> Path:
+        from aggdec.fairseq_io import save_fairseq
+
+        out = self.work / f"{self.key}-fairseq"
+        if not (out / "checkpoint.pt").is_file():
+            save_fairseq(self.path, out)
+        return out
+
+    def ct2_model(self) -> Path:
+        """The model converted by CTranslate2's own converter (in a process of its own)."""
+        out = self.work / f"{self.key}-ct2"
+        if not (out / "model.bin").is_file():
+            if self.hf:
+                cmd = ["ct2-transformers-converter", "--model", str(self.path)]
+            else:
+                export = self.fairseq_export()
+                cmd = ["ct2-fairseq-converter", "--model_path", str(export / "checkpoint.pt"), "--data_dir",
+                       str(export), "--source_lang", "src", "--target_lang", "tgt",
+                       "--unsafe_deserialization"]  # our own export: a trusted pickle
+            env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+            subprocess.run([*cmd, "--output_dir", str(out), "--force"], check=True, capture_output=True, env=env)
+        return out
+
+    def fairseq_inputs(self, counts: list[int]) -> dict[str, str]:
+        """The first n pieces of each count binarized with the export's dictionaries: {n: folder}."""
+        export, out = self.fairseq_export(), {}
+        for n in counts:
+            raw, binary = self.work / f"{self.key}-raw-{n}", self.work / f"{self.key}-bin-{n}"
+            if not (binary / "test.src-tgt.src.bin").is_file():
+                raw.mkdir(parents=True, exist_ok=True)
+                lines = "".join(" ".join(p) + "\n" for p in self.pieces[:n])
+                for lang in ("src", "tgt"):
+                    (raw / f"test.{lang}").write_text(lines, encoding="utf-8")
+                subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
+                                "--target-lang", "tgt", "--testpref", str(raw / "test"), "--destdir", str(binary),
+                                "--srcdict", str(export / "dict.src.txt"), "--tgtdict", str(export / "dict.tgt.txt"),
+                                "--workers", "1"], check=True, capture_output=True)
+            out[str(n)] = str(binary)
+        return out
+
+
+class Matrix:
+    """The systems of a run, their models and their processes."""
+
+    def __init__(self, a: argparse.Namespace):
+        from aggdec.train.ar import read_tsv
+
+        self.a = a
+        self.systems = [System.parse(s) for s in a.systems.split(",") if s]
+        names = [s.name for s in self.systems]
+        if len(set(names)) != len(names):
+            raise ValueError("--systems: a system is named twice")
+        if a.reference not in names:
+            raise ValueError(f"--reference {a.reference}: not one of --systems")
+        self.sizes = [int(b) for b in a.batch_sizes.split(",")]
+        sources, refs = read_tsv(a.data, a.column, a.ref_column or a.column)
+        keep = [i for i, s in enumerate(sources) if s.strip()][: a.limit]
+        self.sources, self.refs = [sources[i] for i in keep], [refs[i] for i in keep]
+        self.work = a.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"aggdec-bench-{os.getpid()}"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.models: dict[str, Model] = {}
+        self.processes: dict[str, Process] = {}
+
+    def count(self, bs: int) -> int:
+        return min(self.a.bs1_limit, len(self.sources)) if bs == 1 else len(self.sources)
+
+    def model(self, system: System) -> Model:
+        path = system.model or self.a.model
+        if path not in self.models:
+            if path == OPUS_MT_SHAPED:
+                from aggdec.train.ar import read_tsv
+
+                texts = read_tsv(self.a.data, self.a.column, self.a.column)[0][:5000]
+                built = opus_mt_shaped(self.work / f"{OPUS_MT_SHAPED}-{len(texts)}", texts)
+                self.models[path] = Model(str(built), self.sources, self.work, self.a.max_new)
+                self.models[path].name = OPUS_MT_SHAPED
+            else:
+                self.models[path] = Model(path, self.sources, self.work, self.a.max_new)
+        return self.models[path]
+
+    def job(self, system: System) -> dict[str, Any]:
+        """What a system's process needs (bench/systems.py's runners)."""
+        a, m = self.a, self.model(system)
+        beam = a.beam if system.method == "beam" else 1
+        job = {"kind": system.kind, "threads": a.threads, "device": a.device, "work": str(self.work),
+               "model": str(m.path), "beam": beam}
+        if system.kind == "aggdec":
+            options: dict[str, Any] = {"method": system.method, "precision": system.precision,
+                                       "max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
+            if system.compile:
+                options["compile"] = True
+            if system.method in ("gad", "gad++"):
+                options["drafter"] = str(Path(a.drafter).resolve())
+            elif system.method == "blockwise":
+                options["drafter"] = str(Path(a.heads).resolve())
+            elif system.method == "beam":
+                options["beam"] = a.beam
+            for item in a.set:
+                key, _, value = item.partition("=")
+                try:
+                    options[key] = json.loads(value)
+                except ValueError:
+                    options[key] = value
+            return {**job, "options": options, "inputs": self.sources}
+        if system.kind == "ct2":
+            return {**job, "ct2_model": str(m.ct2_model()), "compute": system.precision, "inputs": m.pieces,
+                    "max_len": max(m.limits)}
+        if system.kind == "transformers":
+            if not m.hf:
+                raise ValueError(f"{system.name}: transformers runs Hugging Face model directories, not {m.path}")
+            return {**job, "inputs": self.sources, "limits": m.limits}
+        return {**job, "checkpoint": str(m.fairseq_export() / "checkpoint.pt"), "max_len_a": m.max_len_a,
+                "max_len_b": m.max_len_b, "bin": m.fairseq_inputs(sorted({self.count(bs) for bs in self.sizes}))}
+
+    def start(self) -> None:
+        for i, system in enumerate(self.systems):
+            job = self.job(system)
+            (self.work / f"job-{i}.json").write_text(json.dumps(job))
+            self.processes[system.name] = Process(system, self.work / f"job-{i}.json", self.a.threads, REPO)
+
+    def close(self) -> None:
+        for p in self.processes.values():
+            p.close()
+        if self.a.work is None:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def ids(self, system: System, outputs: list) -> list[list[int]]:
+        """A reply's outputs as token ids (CTranslate2 and fairseq answer in pieces)."""
+        if system.kind in ("ct2", "fairseq"):
+            return [self.model(system).ids(o) for o in outputs]
+        return outputs
+
+
+def recorded(a: argparse.Namespace) -> dict[str, Any]:
+    """The options a results file records: paths as `record.shown` writes them."""
+    return {k: shown(str(v)) if isinstance(v, Path) else v for k, v in vars(a).items()
+            if k not in ("out", "work", "func", "command")}
+
+
+def median_rate(seconds: list[float], n: int) -> float:
+    return n / statistics.median(seconds)
+
+
+def compare(a: argparse.Namespace) -> int:
+    matrix = Matrix(a)
+    settings = recorded(a)
+    results = Results(a.out, "compare", settings, a.device)
+    seconds: dict[tuple[str, int], list[float]] = {}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    extra: dict[tuple[str, int], dict] = {}
+    errors: dict[tuple[str, int], str] = {}
+    try:
+        matrix.start()
+        for rep in range(a.repeat):
+            for bs in matrix.sizes:
+                n = matrix.count(bs)
+                for system in matrix.systems:
+                    key = (system.name, bs)
+                    if key in errors:
+                        continue
+                    reply = matrix.processes[system.name].request(bs, n)
+                    if "error" in reply:
+                        errors[key] = reply["error"]
+                        print(f"rep {rep} bs {bs} {system.name}: {reply['error']}", file=sys.stderr, flush=True)
+                        continue
+                    seconds.setdefault(key, []).append(reply["seconds"])
+                    outputs[key] = matrix.ids(system, reply["outputs"])
+                    extra[key] = {k: v for k, v in reply.items() if k not in ("seconds", "outputs", "modules")}
+                    print(f"rep {rep} bs {bs} {system.name}: {n / reply['seconds']:.1f} sentences/s", flush=True)
+                    time.sleep(0.5)  # let the last process's threads go idle before the next one starts
+    finally:
+        matrix.close()
+    scores: dict[tuple, dict] = {}
+    for system in matrix.systems:
+        model = matrix.model(system)
+        ref_system = next(s for s in matrix.systems if s.name == a.reference)
+        same_model = matrix.model(ref_system) is model
+        for bs in matrix.sizes:
+            key, n = (system.name, bs), matrix.count(bs)
+            run: dict[str, Any] = {"model": model.name, "system": system.name, "method": system.name,
+                                   "batch_size": bs, "sentences": n}
+            if key in errors:
+                results.add({**run, "error": errors[key]})
+                continue
+            outs = outputs[key]
+            toks = sum(len(o) + 1 for o in outs)
+            rate = median_rate(seconds[key], n)
+            run.update(sentences_per_s=round(rate, 2), all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
+                       tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
+            ref = outputs.get((a.reference, bs)) if same_model else None
+            if ref is not None:
+                cut = a.max_new or None
+                run["identical"] = round(sum(x[:cut] == y[:cut] for x, y in zip(outs, ref)) / n, 4)
+            if a.ref_column:
+                hyps = tuple(model.text(o) for o in outs)
+                if hyps not in scores:
+                    scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
+                run.update(scores[hyps])
+            results.add(run)
+    return 1 if results.failed else 0
+
+
+def score(sources: list[str], hyps: list[str], refs: list[str], errant: bool) -> dict[str, Any]:
+    from aggdec.evaluate import bleu_chrf, gec_scores
+
+    b = bleu_chrf(hyps, refs)
+    out = {"bleu": round(b["bleu"], 2), "chrf": round(b["chrf"], 2), "bleu_signature": b["bleu_signature"]}
+    if errant:
+        out["f0.5"] = round(gec_scores(sources, hyps, refs)["f0.5"], 4)
+    return out
+
+
+@contextmanager
+def competitors(count: int, threads: int) -> Iterator[None]:
+    """`count` processes, each multiplying matrices on `threads` threads, running until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", COMPETITOR, str(threads)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS=str(threads))) for _ in range(count)]
+    try:
+        for p in procs:
+            p.stdout.readline()  # "ready": it computes
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+
+
+def contention(a: argparse.Namespace) -> int:
+    """Each system quiet, then beside `--competitors` compute processes, in turn; the share it keeps."""
+    matrix = Matrix(a)
+    settings = recorded(a)
+    results = Results(a.out, "contention", settings, a.device)
+    seconds: dict[tuple[str, int, bool], list[float]] = {}
+    errors: dict[tuple[str, int], str] = {}
+    try:
+        matrix.start()
+        for rep in range(a.repeat):
+            for bs in matrix.sizes:
+                n = matrix.count(bs)
+                for system in matrix.systems:
+                    for busy in (False, True):
+                        if (system.name, bs) in errors:
+                            continue
+                        if busy:
+                            with competitors(a.competitors, a.competitor_threads):
+                                reply = matrix.processes[system.name].request(bs, n)
+                        else:
+                            reply = matrix.processes[system.name].request(bs, n)
+                        if "error" in reply:
+                            errors[(system.name, bs)] = reply["error"]
+                            continue
+                        seconds.setdefault((system.name, bs, busy), []).append(reply["seconds"])
+                        print(f"rep {rep} bs {bs} {system.name} {'contended' if busy else 'quiet'}: "
+                              f"{n / reply['seconds']:.1f} sentences/s", flush=True)
+                        time.sleep(0.5)
+    finally:
+        matrix.close()
+    for system in matrix.systems:
+        for bs in matrix.sizes:
+            run = {"model": matrix.model(system).name, "system": system.name, "method": system.name,
+                   "batch_size": bs, "sentences": matrix.count(bs)}
+            if (system.name, bs) in errors:
+                results.add({**run, "error": errors[(system.name, bs)]})
+                continue
+            quiet = median_rate(seconds[(system.name, bs, False)], run["sentences"])
+            busy = median_rate(seconds[(system.name, bs, True)], run["sentences"])
+            results.add({**run, "sentences_per_s": round(busy, 2), "quiet_sentences_per_s": round(quiet, 2),
+                         "contended_sentences_per_s": round(busy, 2), "kept": round(busy / quiet, 3)})
+    return 1 if results.failed else 0

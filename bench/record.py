@@ -1,0 +1,209 @@
+"""One results format for every benchmark, and the markdown tables made from it.
+
+A results file is one JSON object: `format`, `kind` (the subcommand), `command` (as typed, paths
+relative to the repository or its parent), `machine` (CPU model and instruction-set class, cores,
+GPU), `versions` (Python and the libraries), `commit` (and whether the tree differed from it),
+`date`, `settings` and `runs` (one object per measurement). `Results` rewrites the file whole after
+every run, so a benchmark stopped early keeps what it measured; `table` turns a file into the
+markdown table docs/benchmarks.md shows, so the document is regenerated, not retyped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+FORMAT = "aggdec-bench v1"
+REPO = Path(__file__).resolve().parent.parent
+LIBRARIES = {"torch": ("torch",), "ctranslate2": ("ctranslate2",), "transformers": ("transformers",),
+             "fairseq": ("fairseq", "fairseq-fixed"), "sentencepiece": ("sentencepiece",), "ray": ("ray",),
+             "aggdec": ("aggdec",)}
+
+
+def shown(arg: str) -> str:
+    """A command-line argument as recorded: a path inside the repository or its parent relative to
+    the repository (`../shared/...`), anything else as typed."""
+    key, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    path = Path(value).expanduser()
+    if value and path.exists():
+        p = path.resolve()
+        for base, prefix in ((REPO, ""), (REPO.parent, "../")):
+            if p.is_relative_to(base):
+                value = prefix + str(p.relative_to(base)) or "."
+                break
+    return key + eq + value
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: str) -> dict[str, Any]:
+    """What a benchmark ran on: the CPU, its class (aggdec.model.precision.cpu_isa), its cores, and
+    the GPU's name when `device` is a GPU."""
+    from aggdec.model.precision import cpu_isa
+
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_name(torch.device(device))
+    return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "cores": os.cpu_count(), "gpu": gpu}
+
+
+def versions() -> dict[str, str | None]:
+    """Python's version and each library's installed version (None: not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name, dists in LIBRARIES.items():
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def commit() -> dict[str, Any]:
+    """The repository's commit, and whether tracked files differed from it (None: not a git tree)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True,
+                                  text=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    sha = git("rev-parse", "--short=12", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if sha else None
+    return {"commit": sha, "modified": None if status is None else bool(status)}
+
+
+class Results:
+    """A results file being written (module docstring); `path` None prints the runs only."""
+
+    def __init__(self, path: Path | None, kind: str, settings: dict[str, Any], device: str = "cpu"):
+        self.path = path
+        self.head = {"format": FORMAT, "kind": kind,
+                     "command": "python -m bench " + shlex.join(shown(a) for a in sys.argv[1:]),
+                     "machine": machine(device), "versions": versions(), **commit(),
+                     "date": datetime.date.today().isoformat(), "settings": settings}
+        self.runs: list[dict[str, Any]] = []
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, run: dict[str, Any]) -> None:
+        """Record one run: print it and rewrite the file."""
+        self.runs.append(run)
+        print(json.dumps({k: v for k, v in run.items() if not isinstance(v, list)}), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        if self.path is not None:
+            self.path.write_text(json.dumps({**self.head, "runs": self.runs}, indent=1) + "\n", encoding="utf-8")
+
+    @property
+    def failed(self) -> bool:
+        return any("error" in r for r in self.runs)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """A results file; ValueError naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a results file of `python -m bench` (format {FORMAT!r})")
+    return data
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%".replace(".0%", "%")
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _compare(data: dict) -> str:
+    """Rows (model, system), a column per batch size: sentences/s and the ratio to the reference
+    system on the first model at that batch size; the least identical share; BLEU at the largest."""
+    runs = data["runs"]
+    sizes = sorted({r["batch_size"] for r in runs})
+    keys = list(dict.fromkeys((r["model"], r["system"]) for r in runs))
+    by = {(r["model"], r["system"], r["batch_size"]): r for r in runs}
+    base = {bs: by.get((keys[0][0], data["settings"]["reference"], bs)) for bs in sizes}
+    rows = []
+    for model, system in keys:
+        cells = [model, system]
+        for bs in sizes:
+            r, b = by.get((model, system, bs)), base[bs]
+            if r is None or "error" in r:
+                cells.append("failed" if r else "—")
+                continue
+            ratio = f" ({r['sentences_per_s'] / b['sentences_per_s']:.2f}x)" if b and "error" not in b else ""
+            cells.append(f"{r['sentences_per_s']:,.1f}{ratio}")
+        done = [by[(model, system, bs)] for bs in sizes if "error" not in by.get((model, system, bs), {"error": 0})]
+        shares = [r["identical"] for r in done if r.get("identical") is not None]
+        cells.append(_share(min(shares)) if shares else "—")
+        if any("bleu" in r for r in runs):
+            cells.append(_cell(done[-1].get("bleu")) if done else "—")
+        rows.append(cells)
+    header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {data['settings']['reference']}"]
+    return _markdown(header + (["BLEU"] if any("bleu" in r for r in runs) else []), rows)
+
+
+def _contention(data: dict) -> str:
+    n = data["settings"]["competitors"]
+    rows = [[r["model"], r["system"], str(r["batch_size"]), _cell(r.get("quiet_sentences_per_s")),
+             _cell(r.get("contended_sentences_per_s")), _share(r.get("kept")) if "error" not in r else r["error"]]
+            for r in data["runs"]]
+    return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competitors", "kept"], rows)
+
+
+def _generic(data: dict) -> str:
+    """Every scalar field of the runs, in the order they first appear."""
+    keys = list(dict.fromkeys(k for r in data["runs"] for k, v in r.items() if not isinstance(v, (list, dict))))
+    return _markdown(keys, [[_cell(r.get(k)) for k in keys] for r in data["runs"]])
+
+
+def table(data: dict[str, Any]) -> str:
+    """A results file's runs as a markdown table, with the machine and command beneath it."""
+    body = {"compare": _compare, "contention": _contention}.get(data["kind"], _generic)(data)
+    m, v = data["machine"], data["versions"]
+    where = m["gpu"] or f"{m['cpu']} (`{m['cpu_isa']}`, {m['cores']} cores)"
+    libs = ", ".join(f"{k} {val}" for k, val in v.items() if val and k in ("torch", "ctranslate2", "transformers",
+                                                                            "fairseq"))
+    threads = data["settings"].get("threads")
+    return (f"{body}\n\n{where}{f', {threads} threads' if threads else ''}; {libs}; commit "
+            f"`{data['commit']}`{' (modified)' if data['modified'] else ''}, {data['date']}.\n"
+            f"`{data['command']}`")
