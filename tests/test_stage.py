@@ -102,7 +102,7 @@ def test_from_items_with_hooks_bad_rows_and_two_actors(ray_local, processor, tra
     bad = {"none": None, "int": 5, "bytes": b"caf\xe9 .", "blank": "  "}
     items += [{"sentence": v, "key": k, "n": 100 + i, "tags": []} for i, (k, v) in enumerate(bad.items())]
     ds = ray.data.from_items(items, override_num_blocks=7)
-    two = dataclasses.replace(processor, id_column="key", actors=2, batch_size=2,
+    two = dataclasses.replace(processor, task=dataclasses.replace(processor.task, id_column="key"), actors=2, batch_size=2,
                               preprocess=lambda row: {"src": row.pop("sentence"), **row},
                               postprocess=lambda row: {**row, "words": len(row["hyp"].split())})
     before = decode_workers()
@@ -129,7 +129,7 @@ def test_from_items_with_hooks_bad_rows_and_two_actors(ray_local, processor, tra
 
 
 def test_a_missing_or_clashing_column_fails_when_called(ray_local, processor):
-    with pytest.raises(ValueError, match=r"^text_column: no column 'src' in the Dataset \(columns: text\)$"):
+    with pytest.raises(ValueError, match=r"^text_column: no column 'src' in the Dataset \(columns: text, id\)$"):
         processor(ray.data.from_items([{"text": "a", "id": "1"}]))
     with pytest.raises(ValueError, match=r"^column 'status' clashes with an output column"):
         processor(ray.data.from_items([{"src": "a", "id": "1", "status": "new"}]))
