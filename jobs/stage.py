@@ -7,7 +7,8 @@
     processor(ray.data.read_parquet("examples/data/gec-sample")).write_parquet("out/stage")
 
 The shape is ray.data.llm's `build_llm_processor(config, preprocess=, postprocess=)`: a `Processor`
-is a callable Dataset -> Dataset that lazily chains `dataset.map(preprocess)` (when given),
+is a callable Dataset -> Dataset that lazily chains `dataset.map(preprocess)` (when given), a
+streaming `repartition` into blocks of at most `batch_size` rows (no shuffle, order kept),
 `map_batches` on a fixed pool of decode actors, and `dataset.map(postprocess)` (when given). The
 decode actors are the corpus jobs' (cluster.actors.DecodeWorker, which loads the model once); their
 task here (`RowsTask`) decodes the rows of each batch with `Translator.translate_batch`.
@@ -23,12 +24,13 @@ that is missing, or another column named like an output column, fails the Datase
 What the stage does not give, which `aggdec run` (TOML jobs over Parquet) does: exactly-once output
 (rows are committed by whatever sink the user writes to: a driver that dies leaves that sink's
 partial output, and nothing resumes), reruns that skip committed units, a manifest with the
-signature, totals and timings, the output lease, re-planning after lost nodes, and distill jobs.
-Ids are null without `id_column` (a Dataset has no stable row numbers), and row order is Ray Data's
+signature, totals and timings, the output lease, re-planning on the nodes left after lost ones (a
+lost actor is restarted and its batch retried, MAX_RESTARTS times), and distill jobs. Ids are null
+without `id_column` (a Dataset has no stable row numbers), and row order is Ray Data's
 (`DataContext.execution_options.preserve_order`).
 
-Ray is imported only by this module in aggdec's library code paths (`jobs` exports
-`build_processor` lazily); nothing here starts Ray: a Dataset does, or the caller's `ray.init`.
+`jobs` loads this module (and with it Ray) on first use of `build_processor`; nothing here starts
+Ray: a Dataset does, or the caller's `ray.init`.
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ class Processor:
             schema = dataset.schema(fetch_if_missing=False)
             if schema is not None:
                 self.task.passthrough(list(schema.names))
+        # blocks of at most batch_size rows, so that every actor gets work: a reader may hand over
+        # one block for many files (Ray 2.60's read_parquet does), which would go to a single actor
+        dataset = dataset.repartition(target_num_rows_per_block=self.batch_size)
         dataset = map_decode(dataset, self.model, self.options, self.task, plan, batch_size=self.batch_size,
                              batch_format="pyarrow")
         if self.postprocess is not None:
