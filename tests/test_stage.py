@@ -27,22 +27,13 @@ from aggdec.decoding.options import OptionError  # noqa: E402
 from jobs import build_processor  # noqa: E402
 from jobs.run import run_job  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
+from test_jobs import ray_local  # noqa: E402, F401  (a module fixture: a local Ray of 2 CPUs)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "gec-base"
 SAMPLE = REPO / "examples" / "data" / "gec-sample"
 OPTIONS = {"method": "iad", "max_batch_size": 64, "draft_cap": 16}  # examples/stage.py's, examples/correct.toml's
 COMPARED = ("hyp", "status", "error", "src_len", "hyp_len")  # per-row outputs that do not depend on the batch
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
