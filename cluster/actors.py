@@ -40,8 +40,9 @@ class DecodeWorker:
         return self.task(self.translator, self.options, batch)
 
 
-def map_decode(ds: Dataset, model_dir: str, options: DecodeOptions, task: Callable[[Translator, DecodeOptions, Any], pa.Table],
-               plan: ActorPlan, *, batch_size: int, batch_format: str) -> Dataset:
+def map_decode(ds: Dataset, model_dir: str, options: DecodeOptions,
+               task: Callable[[Translator, DecodeOptions, Any], pa.Table], plan: ActorPlan, *, batch_size: int,
+               batch_format: str) -> Dataset:
     """`ds` mapped through `task` on a fixed pool of DecodeWorkers shaped by `plan`, batches of
     `batch_size` rows in `batch_format` ("numpy" gives a dict of arrays, "pyarrow" a Table)."""
     with warnings.catch_warnings():

@@ -63,6 +63,8 @@ forever behind a pool that reserved every CPU)."""
 MAX_RESTARTS = 3
 """Times a lost decode actor is restarted, and a batch retried, before the Dataset fails (Ray Data's
 own default is unbounded, which loops forever on a row that kills the process every time)."""
+INVALID_UTF8 = "the text is not valid UTF-8; invalid bytes were decoded as U+FFFD"
+"""The `error` of an invalid_utf8 row (as a job's)."""
 OUTPUT_COLUMNS = frozenset({"id", "src", "hyp", *RESULT_COLUMNS, "nbest"})
 """Output column names that no other input column may have."""
 
@@ -129,9 +131,6 @@ def source_texts(column: pa.ChunkedArray, name: str) -> tuple[pa.ChunkedArray, l
         src.append(value)
         texts.append(value or "")
     return pa.chunked_array([pa.array(src, type=pa.string())]), texts, problems
-
-
-INVALID_UTF8 = "the text is not valid UTF-8; invalid bytes were decoded as U+FFFD"
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,8 @@ def build_processor(model: str | Path, options: DecodeOptions | Mapping[str, Any
     path = Path(model).expanduser()
     check_model(str(path), options)
     return Processor(model=str(path.resolve()), options=options,
-                     task=RowsTask(text_column=text_column, id_column=id_column, nbest=getattr(options, "nbest", 1) > 1),
+                     task=RowsTask(text_column=text_column, id_column=id_column,
+                                   nbest=getattr(options, "nbest", 1) > 1),
                      batch_size=batch_size, actors=actors, gpus_per_actor=gpus_per_actor,
                      cpus_per_actor=cpus_per_actor, preprocess=preprocess, postprocess=postprocess)
 

@@ -93,7 +93,8 @@ def test_from_items_with_hooks_bad_rows_and_two_actors(ray_local, processor, tra
     bad = {"none": None, "int": 5, "bytes": b"caf\xe9 .", "blank": "  "}
     items += [{"sentence": v, "key": k, "n": 100 + i, "tags": []} for i, (k, v) in enumerate(bad.items())]
     ds = ray.data.from_items(items, override_num_blocks=7)
-    two = dataclasses.replace(processor, task=dataclasses.replace(processor.task, id_column="key"), actors=2, batch_size=2,
+    two = dataclasses.replace(processor, task=dataclasses.replace(processor.task, id_column="key"),
+                              actors=2, batch_size=2,
                               preprocess=lambda row: {"src": row.pop("sentence"), **row},
                               postprocess=lambda row: {**row, "words": len(row["hyp"].split())})
     before = decode_workers()
