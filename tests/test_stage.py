@@ -87,16 +87,15 @@ def test_example_reads_parquet_decodes_with_iad_and_writes_a_jobs_rows(ray_local
     assert all({k: rows[i][k] for k in COMPARED} == {k: r[k] for k in COMPARED} for i, r in by_id.items())
 
 
-def test_from_items_with_hooks_bad_rows_and_two_actors(ray_local, processor, translator):
+def test_from_items_with_hooks_bad_rows_and_two_actors(ray_local, translator):
     sample = pq.read_table(SAMPLE).slice(0, 10).to_pylist()
     items = [{"sentence": r["src"], "key": r["id"], "n": i, "tags": ["a"] * (i % 3)} for i, r in enumerate(sample)]
     bad = {"none": None, "int": 5, "bytes": b"caf\xe9 .", "blank": "  "}
     items += [{"sentence": v, "key": k, "n": 100 + i, "tags": []} for i, (k, v) in enumerate(bad.items())]
     ds = ray.data.from_items(items, override_num_blocks=7)
-    two = dataclasses.replace(processor, task=dataclasses.replace(processor.task, id_column="key"),
-                              actors=2, batch_size=2,
-                              preprocess=lambda row: {"src": row.pop("sentence"), **row},
-                              postprocess=lambda row: {**row, "words": len(row["hyp"].split())})
+    two = build_processor(MODEL, OPTIONS, text_column="src", id_column="key", actors=2, batch_size=2,
+                          preprocess=lambda row: {"src": row.pop("sentence"), **row},
+                          postprocess=lambda row: {**row, "words": len(row["hyp"].split())})
     before = decode_workers()
     out = two(ds)
     rows = {r["id"]: r for r in out.take_all()}
