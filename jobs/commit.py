@@ -12,8 +12,8 @@ Every file is written whole or not at all (a rename on local file systems, one P
 stores), and the record only after the output, so a crash at any point leaves either no record
 (the unit is redone and its output overwritten: names are deterministic) or a complete unit.
 A record carries the job fingerprint (every option that can change an output, the model, the
-columns) and the identity of the input slice (file size, footer hash, row range): a rerun reuses a
-unit only if both match. A different fingerprint is refused rather than mixed; a changed input
+columns) and the identity of the input slice (file size, footer hash, row range and the hash of
+the slice's bytes, jobs.units): a rerun reuses a unit only if both match. A different fingerprint is refused rather than mixed; a changed input
 file is recomputed. One job at a time per output location, enforced by the lease: a job deletes
 stale tmp files and uncommitted units only once it holds it.
 

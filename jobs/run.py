@@ -20,6 +20,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -35,7 +36,7 @@ from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
 from jobs.pipeline import build_pipeline
 from jobs.spec import JobSpec, SpecError
-from jobs.units import Unit, plan_units
+from jobs.units import Unit, plan_units, slice_content
 from jobs.work import UnitTask
 
 MANIFEST_EVERY_S = 2.0
@@ -171,14 +172,16 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     units = plan_units(shards, spec.batching.rows_per_task)
     found = out.records()
     out.check_job(found, fp)
-    records = {u.name: found[u.name] for u in units if out.committed(u.name, found.get(u.name), u.identity)}
+    t_hash = time.perf_counter()
+    records = _committed_units(out, units, found)
+    hash_s = time.perf_counter() - t_hash
     todo = [u for u in units if u.name not in records]
     removed, strangers = out.clean(found, keep=records, writes=[u.name for u in todo])
     if strangers:
         warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote ({', '.join(strangers[:3])}"
              f"{', ...' if len(strangers) > 3 else ''}); readers of the directory see their rows too")
     skipped = sorted(records)
-    timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3))
+    timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3), content_hash_s=round(hash_s, 3))
     run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale,
                 "stale_outputs_deleted": removed, "units": len(units)}
     if skipped:
@@ -242,7 +245,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             for unit in todo:
                 if unit.name in records or unit.name in failed:
                     continue
-                if out.committed(unit.name, found.get(unit.name), unit.identity):  # committed, record lost
+                record = found.get(unit.name)
+                if _same_plan(record, unit) and out.committed(unit.name, record, record["input"]):  # record lost
                     records[unit.name] = found[unit.name]
                     run_info["committed"].append(unit.name)
                     decoded_rows += unit.rows
@@ -273,6 +277,26 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
                      attempts=attempts, distill=tot.get("distill"))
+
+
+HASH_THREADS = 8
+"""Committed units whose input slices are hashed at once when a job starts (reading is most of it)."""
+
+
+def _committed_units(out: OutputDir, units: list[Unit], found: dict[str, dict | None]) -> dict[str, dict]:
+    """{unit: record} of the units committed for their input as it is now: a record for the same
+    file size, footer and rows whose slice hashes the same now (jobs.units.slice_content)."""
+    candidates = [u for u in units if _same_plan(found.get(u.name), u)]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        contents = list(pool.map(slice_content, candidates))
+    return {u.name: found[u.name] for u, content in zip(candidates, contents)
+            if content is not None and out.committed(u.name, found[u.name], {**u.identity, "content": content})}
+
+
+def _same_plan(record: dict | None, unit: Unit) -> bool:
+    """Whether `record` was committed for `unit`'s file size, footer and rows (its content aside)."""
+    planned = (record or {}).get("input")
+    return isinstance(planned, dict) and {k: v for k, v in planned.items() if k != "content"} == unit.identity
 
 
 def _what_was_lost(e: Exception) -> str:

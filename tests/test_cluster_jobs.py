@@ -171,6 +171,23 @@ def test_a_rerun_after_an_input_changed_recomputes_that_file(ray_local, tiny_mod
     rerun = run_job(_spec(tiny_model_dir, inp, out))
     assert rerun.skipped == ["part-00000"] and rerun.committed == ["part-00001"]
     assert pq.read_table(out / "part-00001.parquet").column("src").to_pylist() == ["the dog runs ."] * 6
+    # a same-length edit of one value keeps the file's size and footer; the unit's content hash tells
+    from jobs.inputs import read_footer
+
+    first = inp / "part-00000.parquet"
+    table = pq.read_table(first)
+    pq.write_table(table, first, compression="none")
+    assert run_job(_spec(tiny_model_dir, inp, out)).committed == ["part-00000"]
+    src = table.column("src").to_pylist()
+    i = next(k for k, v in enumerate(src) if min(src)[0] < v[0] < max(src)[0] and v[2] != v[3])
+    edited = src[i][:2] + src[i][3] + src[i][2] + src[i][4:]  # "Theer are" -> "Their are", as it were
+    before = read_footer(str(first))[3]
+    pq.write_table(table.set_column(0, "src", pa.array(src[:i] + [edited] + src[i + 1:])), first, compression="none")
+    assert read_footer(str(first))[3] == before  # size and footer hash alike
+    rerun = run_job(_spec(tiny_model_dir, inp, out))
+    assert rerun.committed == ["part-00000"] and rerun.skipped == ["part-00001"]
+    assert pq.read_table(out / "part-00000.parquet").column("src").to_pylist()[i] == edited
+    assert run_job(_spec(tiny_model_dir, inp, out)).decoded_rows == 0  # and nothing changed since
     other = tmp_path / "other"  # another input directory whose files share stems
     write_corpus(other, shards=1, rows=6, seed=11)
     moved = run_job(_spec(tiny_model_dir, other, out))
