@@ -35,10 +35,13 @@ def quiet_ray() -> None:
 
 class _ExecutionFailures(logging.Filter):
     """Hides Ray Data's console records of a failed execution: those that carry the exception the
-    execution then raises to the driver, and the one that gives up on actors dying as they start."""
+    execution then raises to the driver, those that announce it, and the one that gives up on actors
+    dying as they start."""
+
+    HIDDEN = ("failing execution", "An exception was raised from a task of operator", "Exception occurred in user code")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info or "failing execution" in record.getMessage())
+        return not (record.exc_info or any(text in record.getMessage() for text in self.HIDDEN))
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ through its Parquet file; never a path of the job's inputs (`inputs`), whatever 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -133,19 +133,34 @@ class OutputDir:
 
     def commit(self, unit: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
         """Make `table` (and `tsv`, if given) the durable output of `unit`, then write its record. The
-        Parquet footer names the unit (UNIT_KEY)."""
+        Parquet footer names the unit (UNIT_KEY). Raises UnwritableOutput naming the file, the unit
+        and the OS message where a write fails (nothing of it is left behind)."""
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), UNIT_KEY: unit.encode("utf-8")})
-        self.loc.write(f"{unit}.parquet", lambda f: pq.write_table(table, f))
+        writes = [(f"{unit}.parquet", lambda f: pq.write_table(table, f))]
         if tsv is not None:
-            self.loc.write_bytes(f"{unit}.tsv", tsv)
-        write_json(self.loc, MARKER_PREFIX + unit, record)
+            writes.append((f"{unit}.tsv", lambda f: f.write(tsv)))
+        writes.append((MARKER_PREFIX + unit, lambda f: f.write(_json_bytes(record))))
+        for name, write in writes:
+            self._write(name, write, f"unit {unit}: ")
 
     def write_manifest(self, manifest: dict) -> None:
-        write_json(self.loc, MANIFEST_NAME, manifest)
+        """Write `_manifest.json`; raises UnwritableOutput naming it and the OS message."""
+        self._write(MANIFEST_NAME, lambda f: f.write(_json_bytes(manifest)))
+
+    def _write(self, name: str, write: Callable[[IO[bytes]], None], what: str = "") -> None:
+        try:
+            self.loc.write(name, write)
+        except (OSError, pa.ArrowException) as e:
+            raise UnwritableOutput(f"{self.loc.uri_of(name)}: {what}cannot be written "
+                                   f"({' '.join(str(e).split())})") from e
 
 
-def write_json(loc: Location, name: str, obj: Any) -> None:
-    loc.write_bytes(name, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+class UnwritableOutput(Exception):
+    """An output file could not be written; the message names the file (and unit) and the OS error."""
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
 
 
 def _difference(old: Any, new: dict) -> str:

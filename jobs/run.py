@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from aggdec.checkpoint import file_sha
 from aggdec.decoding.methods import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
-from jobs.commit import OutputDir
+from jobs.commit import OutputDir, UnwritableOutput
 from jobs.inputs import Shard, check_output_apart, input_locations, inspect_inputs
 from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
@@ -187,6 +188,7 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     if skipped:
         log(f"skipping {len(skipped)} committed unit(s)")
     last_write = [0.0]
+    unwritten: list[str] = []  # why the last manifest write failed, if it did
 
     def write_manifest(complete: bool, force: bool = True) -> None:
         now = time.perf_counter()
@@ -194,9 +196,13 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             return
         last_write[0] = now
         timing["wall_s"] = round(now - t0, 3)
-        out.write_manifest(build_manifest(
-            spec=spec.to_dict(), model_path=spec.model, model_sha=model_sha, signature=signature, records=records,
-            complete=complete, timings=timing, run=run_info))
+        try:
+            out.write_manifest(build_manifest(
+                spec=spec.to_dict(), model_path=spec.model, model_sha=model_sha, signature=signature,
+                records=records, complete=complete, timings=timing, run=run_info))
+            unwritten.clear()
+        except UnwritableOutput as e:  # the units commit without it; said when the job ends
+            unwritten[:] = [str(e)]
 
     task = UnitTask(output=out.uri, text_column=spec.input.text_column, id_column=spec.input.id_column,
                     passthrough=shards[0].passthrough if shards else (), method=spec.method, fingerprint=fp,
@@ -235,6 +241,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                                           units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
                                           errors=errors, seconds=time.perf_counter() - t_pipe))
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
+                if _is_task_error(e):  # the task itself raised: running it again would raise again
+                    raise RuntimeError(f"a decode actor failed: {_root_cause(e)}") from None
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise
                 lost = f"{_what_was_lost(e)} ({type(e).__name__})"  # not `e`: its frames hold the old actors
@@ -268,6 +276,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
         first = next(iter(failed.values()))
         raise SpecError(f"{first}" + (f" (and {len(failed) - 1} more unit(s))" if len(failed) > 1 else "")
                         + f"; the other {len(records)} unit(s) committed, a rerun retries the failed ones")
+    if unwritten:
+        raise SpecError(f"{unwritten[0]}; every unit committed, a rerun writes it")
     tot = totals(records)
     speed = tot["speedup"]
     return JobResult(output_dir=out.uri, manifest=out.loc.uri_of("_manifest.json"), rows=tot["rows"],
@@ -309,6 +319,22 @@ def _what_was_lost(e: Exception) -> str:
     if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)) or "actor" in text.lower():
         return "lost a decode actor"
     return "the pipeline failed"
+
+
+def _is_task_error(e: Exception) -> bool:
+    """Whether `e` is an exception the decode task raised (not a lost actor or node)."""
+    import ray.exceptions
+
+    return isinstance(e, ray.exceptions.UserCodeException)
+
+
+def _root_cause(e: BaseException) -> str:
+    """'<type>: <message>' of the exception a Ray task raised: the first exception line of the remote
+    traceback that Ray keeps as text (its own wrappers, `ray.*`, left out)."""
+    for line in str(e).splitlines():
+        if re.match(r"[A-Za-z_][\w.]*: ", line) and not line.startswith("ray."):
+            return line.strip()
+    return type(e).__name__
 
 
 def _is_ray_failure(e: Exception) -> bool:

@@ -117,17 +117,24 @@ class Location:
             return f.read()
 
     def write(self, name: str, write: Callable[[IO[bytes]], None]) -> None:
-        """Write `name` once, whole (see module docstring)."""
+        """Write `name` once, whole (see module docstring); a write that fails leaves nothing behind."""
         if not self.local:
             with self.fs.open_output_stream(self.path(name)) as f:
                 write(f)
             return
         tmp = self.path(f".{name}.tmp")
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(name))
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         fd = os.open(self.root, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -20,7 +20,7 @@ from aggdec.api import Translator
 from aggdec.decoding.options import DecodeOptions
 from aggdec.distill import PairFilter, distill_table
 from aggdec.schema import decoded_columns, decoded_schema
-from jobs.commit import OutputDir
+from jobs.commit import OutputDir, UnwritableOutput
 from jobs.output import build_output_table, shard_stats
 from jobs.units import Slice, Unit, UnreadableInput, open_slice
 
@@ -50,8 +50,9 @@ class UnitTask:
                         schema=RECORD_SCHEMA)
 
     def run(self, translator: Translator, options: DecodeOptions, unit: Unit) -> dict:
-        """Decode and commit `unit`; -> its commit record. An input that cannot be read yields a
-        record with `failed` (naming the file and row group) and commits nothing."""
+        """Decode and commit `unit`; -> its commit record. An input that cannot be read (gone,
+        changed since the job started, damaged) or an output that cannot be written (a full disk)
+        yields a record with `failed`, naming the file, the unit and the error, and commits nothing."""
         t0 = time.perf_counter()
         if self._out is None:
             self._out = OutputDir(self.output)
@@ -84,7 +85,10 @@ class UnitTask:
         record["seconds"] = round(time.perf_counter() - t0, 3)
         record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         record["node"] = _node_id()
-        self._out.commit(unit.name, table, record, tsv)
+        try:
+            self._out.commit(unit.name, table, record, tsv)
+        except UnwritableOutput as e:
+            return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
         return record
 
 

@@ -623,3 +623,66 @@ def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkey
     held.release()
     assert (tmp_path / "beat" / LEASE_NAME).exists()  # theirs: left alone
     won[0].release()
+
+
+def _raising_worker() -> type:
+    """A DecodeWorker whose task raises (shipped by value to the actors)."""
+    from cluster.actors import DecodeWorker
+
+    class Raising(DecodeWorker):
+        def __call__(self, batch):
+            raise ValueError("a bug in the task\nsecond line")
+
+    return Raising
+
+
+def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_local, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    inp = write_corpus(tmp_path / "in", shards=4, rows=3, seed=21)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "decode.method=greedy", "resources.actors=1"])
+
+    def after_the_checks(msg: str) -> None:  # the pipeline starts: one input goes, another is rewritten
+        if msg.startswith("decoding "):
+            (inp / "part-00001.parquet").unlink()
+            pq.write_table(pa.table({"src": ["a b ."], "ref": ["x"], "n": [0]}), inp / "part-00002.parquet")
+
+    warned: list[str] = []
+    with pytest.raises(SpecError) as err:
+        run_job(spec, log=after_the_checks, warn=warned.append)
+    text = str(err.value)
+    assert "\n" not in text and not warned, (text, warned)  # not taken for a lost actor: no rerun
+    gone = rf"{re.escape(str(inp / 'part-00001.parquet'))}: unit part-00001: cannot be read \(.*No such file"
+    changed = (rf"{re.escape(str(inp / 'part-00002.parquet'))}: unit part-00002: the file changed since the job "
+               r"started \(size \d+ then, \d+ now")
+    assert re.match(rf"({gone}|{changed}).*\(and 1 more unit\(s\)\); the other 2 unit\(s\) committed", text), text
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["run"]["attempts"] == 1 and not manifest["complete"]
+    assert set(manifest["run"]["failed"]) == {"part-00001", "part-00002"}
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["part-00000.parquet", "part-00003.parquet"]
+
+    # a write that fails (here: a directory where the unit's file goes; root can write anywhere else)
+    inp = write_corpus(tmp_path / "in2", shards=3, rows=3, seed=22)
+    out = tmp_path / "out2"
+    (out / "part-00001.parquet").mkdir(parents=True)
+    res = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
+                                    "--method", "greedy", "--set", "input.id_column=n"])
+    assert res.exit_code == 2, res.output
+    assert "lost a" not in res.output and "ERROR" not in res.output, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert re.fullmatch(rf"aggdec: error: {re.escape(str(out / 'part-00001.parquet'))}: unit part-00001: cannot be "
+                        r"written \(.*\); the other 2 unit\(s\) committed, a rerun retries the failed ones", last), last
+    assert sorted(p.name for p in out.glob("_SUCCESS.*")) == ["_SUCCESS.part-00000", "_SUCCESS.part-00002"]
+    assert not list(out.glob(".*.tmp"))
+
+    # an exception of the task itself is not a lost actor either: raised at once, in one line
+    monkeypatch.setattr("jobs.pipeline.DecodeWorker", _raising_worker())
+    with pytest.raises(RuntimeError, match=r"^a decode actor failed: ValueError: a bug in the task$"):
+        run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'out3'}",
+                                 "decode.method=greedy"]), warn=warned.append)
+    assert not warned and json.loads((tmp_path / "out3" / "_manifest.json").read_text())["run"]["attempts"] == 1
