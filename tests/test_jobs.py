@@ -458,6 +458,25 @@ def test_a_large_file_commits_and_resumes_unit_by_unit(ray_local, tiny_model_dir
     assert table.column("n").to_pylist() == list(range(12))
     assert table.column("id").to_pylist() == [f"part-00000:{i}" for i in range(12)]
 
+    # cut differently, after a run stopped between a unit's output and its record: every file of the
+    # old cut goes (the record-less one by its footer), so a reader of the directory sees each row once
+    (out / "_SUCCESS.part-00000.rows-0000000008-0000000012").unlink()
+    recut = run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                                     "decode.method=greedy", "batching.rows_per_task=12"]))
+    assert recut.committed == ["part-00000"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == ["part-00000.parquet"]
+    assert sorted(pq.read_table(out).column("n").to_pylist()) == list(range(12))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert "part-00000.rows-0000000008-0000000012.parquet" in manifest["run"]["stale_outputs_deleted"]
+    # a Parquet file no job wrote is left alone, and named
+    pq.write_table(pa.table({"x": [1]}), out / "notes.parquet")
+    warned: list[str] = []
+    assert run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                                    "decode.method=greedy", "batching.rows_per_task=12"]), warn=warned.append).skipped
+    assert (out / "notes.parquet").exists()
+    assert warned == ["warning: output.dir: 1 Parquet file(s) that no aggdec job wrote (notes.parquet); readers of "
+                      "the directory see their rows too"]
+
 
 def test_a_damaged_id_column_fails_its_unit_and_the_others_commit(ray_local, tiny_model_dir, tmp_path):
     from click.testing import CliRunner
