@@ -110,18 +110,15 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
         raise Failure(str(e)) from e
 
 
-def _method_names() -> list[str]:
-    from aggdec.decoding.methods import METHODS
+def _decoding_params() -> list[click.Option]:
+    """`aggdec decode`'s --method and one option per decoding option of every registered method
+    (aggdec.decoding.methods), generated from the options' fields: name, type, bounds, choices and
+    help. Unset flags are None."""
+    from aggdec.decoding.methods import METHODS, all_options
 
-    return list(METHODS)
-
-
-def _option_flags(fn):
-    """One click option per decoding option of every registered method (aggdec.decoding.methods),
-    generated from the options' fields: name, type, bounds, choices and help. Unset flags are None."""
-    from aggdec.decoding.methods import all_options
-
-    for name, (f, hint) in reversed(list(all_options().items())):
+    params = [click.Option(["--method"], default="greedy", show_default=True, type=click.Choice(list(METHODS)),
+                           help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")]
+    for name, (f, hint) in all_options().items():
         meta, base = f.metadata, _base_type(hint)
         if base is bool:
             kind = {"is_flag": True}
@@ -136,8 +133,19 @@ def _option_flags(fn):
             kind = {"type": str}
         default = "" if f.default is None else f"  [default: {f.default}]"
         flag = meta.get("flag") or "--" + name.replace("_", "-")
-        fn = click.option(flag, name, default=None, help=meta["help"] + default, **kind)(fn)
-    return fn
+        params.append(click.Option([flag, name], default=None, help=meta["help"] + default, **kind))
+    return params
+
+
+class _DecodeCommand(click.Command):
+    """A command whose decoding flags (_decoding_params) are made when it is used, not when the CLI
+    loads: listing the commands, or any other command's help, does not import the method registry
+    and torch with it."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not any(p.name == "method" for p in self.params):
+            self.params[1:1] = _decoding_params()  # after --model, as the help lists them
+        return super().get_params(ctx)
 
 
 def _base_type(hint):
@@ -147,13 +155,10 @@ def _base_type(hint):
     return args[0] if args else hint
 
 
-@main.command()
+@main.command(cls=_DecodeCommand)
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Project model directory, a Hugging Face model directory (marian, bart, mbart, m2m_100/NLLB), "
                    "or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
-@click.option("--method", default="greedy", show_default=True, type=click.Choice(_method_names()),
-              help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
-@_option_flags
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
@@ -329,8 +334,8 @@ _spec_overrides = [
     click.option("--input", "input_path", default=None, help="Same as --set input.path=PATH."),
     click.option("--output", "-o", "output", default=None, help="Same as --set output.dir=DIR."),
     click.option("--model", "-m", "model", default=None, help="Same as --set model=DIR."),
-    click.option("--method", default=None, type=click.Choice(_method_names()),
-                 help="Same as --set decode.method=METHOD."),
+    click.option("--method", default=None, metavar="METHOD",
+                 help="Same as --set decode.method=METHOD (the methods of `aggdec decode --method`)."),
     click.option("--drafter", default=None, help="Same as --set decode.drafter=DIR (gad, gad++, blockwise)."),
     click.option("--actors", type=click.IntRange(min=0), default=None, help="Same as --set resources.actors=N."),
     click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=None,

@@ -263,3 +263,24 @@ def test_an_output_that_overlaps_an_input_is_refused_and_the_inputs_are_untouche
     with pytest.raises(RuntimeError, match="an input of this job; not removed"):
         out._remove("part-00000.parquet")
     assert _snapshot(inp) == before
+
+
+def test_help_answers_without_torch_and_decoding_loads_no_inductor(tiny_model_dir):
+    script = """
+import sys
+from click.testing import CliRunner
+from cli import main
+for args in [[], *([name] for name in main.commands if name != "decode")]:
+    res = CliRunner().invoke(main, [*args, "--help"])
+    assert res.exit_code == 0 and "Usage:" in res.output, (args, res.output)
+print("help imports torch:", "torch" in sys.modules)
+res = CliRunner().invoke(main, ["decode", "--help"])
+assert res.exit_code == 0 and "--batch-size" in res.output and "[greedy|beam|iad" in res.output, res.output
+res = CliRunner().invoke(main, ["decode", "-m", sys.argv[1], "--method", "iad"], input="the cat runs .\\n")
+assert res.exit_code == 0, res.output
+print("decoding imports TorchInductor:", "torch._inductor" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["help imports torch: False", "decoding imports TorchInductor: False"]
