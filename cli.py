@@ -381,6 +381,8 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
       aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
     """
+    import torch
+
     from aggdec.model.precision import cpu_isa, cpu_warning
     from cluster.connection import connect, disconnect
     from jobs.preflight import check_job
@@ -397,7 +399,8 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
         raise Failure(str(e)) from e
     say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
         f"output {job.output.dir}")
-    if job.resources.gpus_per_actor == 0 and not (address or os.environ.get("RAY_ADDRESS")):
+    gpus = job.resources.gpus_per_actor
+    if not (gpus or address or os.environ.get("RAY_ADDRESS")) and (gpus == 0 or not torch.cuda.is_available()):
         slow = cpu_warning(job.decode.precision, cpu_isa())  # the actors run on this machine's CPU
         if slow:
             say(f"aggdec: warning: {slow}")

@@ -147,7 +147,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     `take_over_lease` takes over any holder's lease (for a holder known to be gone).
 
     `log` gets what the job does (one line each), `warn` what the user should see even when `log`
-    is not shown (one line when lost actors or nodes make the job redo units), `progress` a
+    is not shown (the plan line: rows, units, actors and their resources, before the first pipeline
+    run; one line when lost actors or nodes make the job redo units), `progress` a
     Progress after every committed or failed unit; `timings` (e.g. {"ray_init_s": ...}) is
     recorded in the manifest.
     """
@@ -218,8 +219,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             plan = _plan(spec)
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}
-            log(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} unit(s) with {plan.actors} "
-                f"actor(s) on {plan.device} ({spec.method})")
+            (warn if attempts == 1 else log)(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} "
+                                             f"unit(s) with {plan.describe()}; method {spec.method}")
             try:
                 # closed on any exit, so Ray Data stops its executor before Ray is shut down
                 with closing(iter(build_pipeline(spec, plan, task, pending).iter_rows())) as rows:

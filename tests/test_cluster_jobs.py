@@ -112,6 +112,28 @@ def test_losing_a_node_mid_job_keeps_every_row_exactly_once_and_says_so_in_one_l
     assert "192 rows (" in stdout
 
 
+def test_the_default_plan_takes_the_gpus_a_cluster_declares(tiny_model_dir, tmp_path):
+    from jobs.run import _plan
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=2, num_gpus=1)  # declared resources: no GPU is used
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        spec = _spec(tiny_model_dir, tmp_path / "in", tmp_path / "out")
+        assert spec.resources.gpus_per_actor is None  # unset
+        plan = _plan(spec)
+        assert (plan.actors, plan.num_gpus, plan.num_cpus, plan.device) == (1, 1.0, 1.0, "cuda")
+        assert plan.describe() == "1 actor(s) on cuda (1 GPU, 1 CPU each)"
+        assert plan.map_batches_kwargs()["num_gpus"] == 1.0
+        cpu = _plan(_spec(tiny_model_dir, tmp_path / "in", tmp_path / "out", "resources.gpus_per_actor=0"))
+        assert (cpu.actors, cpu.num_gpus, cpu.device) == (3, 0.0, "cpu")
+        assert cpu.describe() == "3 actor(s) on cpu (1 CPU, 1 thread(s) each)"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 @pytest.fixture
 def s3():
     """A local S3 API server (moto) on 127.0.0.1 with a bucket; AWS_* variables point at it."""

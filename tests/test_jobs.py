@@ -168,8 +168,9 @@ def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp
     result = run_job(spec, warn=warned.append)
     assert marker.is_file()  # an actor did call os._exit(1) on its first batch
     # the pool's only actor died with its unit: the driver redid the units that had not committed
-    assert result.attempts == 2 and len(warned) == 1, warned
-    assert re.match(r"lost a decode actor \(\w+\); redoing the \d+ unit\(s\) that did not commit", warned[0]), warned
+    assert result.attempts == 2 and len(warned) == 2, warned
+    assert warned[0] == f"decoding {SHARDS * ROWS} rows in {SHARDS} unit(s) with 1 actor(s) on cpu (1 CPU, 1 thread(s) each); method greedy"
+    assert re.match(r"lost a decode actor \(\w+\); redoing the \d+ unit\(s\) that did not commit", warned[1]), warned
     table = read_outputs(out)
     assert table.num_rows == result.rows == SHARDS * ROWS
     assert sorted(table.column("n").to_pylist()) == list(range(SHARDS * ROWS))
@@ -315,6 +316,9 @@ def test_actor_plans_fit_every_actor_on_one_node():
         plan_actors([{"CPU": 2.0}, {"CPU": 2.0}], cpus_per_actor=4)
     gpu = plan_actors([{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}], gpus_per_actor=1)
     assert (gpu.actors, gpu.num_gpus, gpu.device, gpu.num_cpus) == (4, 1, "cuda", 1.0)
+    mixed = [{"CPU": 4.0}, {"CPU": 8.0, "GPU": 2.0}]  # gpus_per_actor unset: one actor per GPU where there are GPUs
+    assert plan_actors(mixed) == plan_actors(mixed, gpus_per_actor=1)
+    assert plan_actors(mixed, gpus_per_actor=0).device == "cpu" and one_node.device == "cpu"
     with pytest.raises(ValueError, match="resources.gpus_per_actor: .*0 GPUs"):
         plan_actors([{"CPU": 8.0}], gpus_per_actor=1)
     kwargs = one_node.map_batches_kwargs()
@@ -666,16 +670,18 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
                             "decode.method=greedy", "resources.actors=1"])
 
-    def after_the_checks(msg: str) -> None:  # the pipeline starts: one input goes, another is rewritten
+    warned: list[str] = []
+
+    def after_the_checks(msg: str) -> None:  # the plan line: one input goes, another is rewritten
+        warned.append(msg)
         if msg.startswith("decoding "):
             (inp / "part-00001.parquet").unlink()
             pq.write_table(pa.table({"src": ["a b ."], "ref": ["x"], "n": [0]}), inp / "part-00002.parquet")
 
-    warned: list[str] = []
     with pytest.raises(SpecError) as err:
-        run_job(spec, log=after_the_checks, warn=warned.append)
+        run_job(spec, warn=after_the_checks)
     text = str(err.value)
-    assert "\n" not in text and not warned, (text, warned)  # not taken for a lost actor: no rerun
+    assert "\n" not in text and len(warned) == 1, (text, warned)  # not taken for a lost actor: no rerun
     gone = rf"{re.escape(str(inp / 'part-00001.parquet'))}: unit part-00001: cannot be read \(.*No such file"
     changed = (rf"{re.escape(str(inp / 'part-00002.parquet'))}: unit part-00002: the file changed since the job "
                r"started \(size \d+ then, \d+ now")
@@ -704,4 +710,4 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     with pytest.raises(RuntimeError, match=r"^a decode actor failed: ValueError: a bug in the task$"):
         run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'out3'}",
                                  "decode.method=greedy"]), warn=warned.append)
-    assert not warned and json.loads((tmp_path / "out3" / "_manifest.json").read_text())["run"]["attempts"] == 1
+    assert len(warned) == 2 and json.loads((tmp_path / "out3" / "_manifest.json").read_text())["run"]["attempts"] == 1
