@@ -737,6 +737,9 @@ def report_cmd(out_dir, bench, out_path) -> None:
 def export_cmd(out_dir, fmt, out_file, ref_column) -> None:
     """Export a job's output directory as text, rows in natural id order.
 
+    A backslash or a control character (tab, line break, NUL, ...) in an id is written as its
+    Python escape (\\\\, \\t, \\n, \\x00, \\u2028), so that every record stays on one line.
+
     \b
     Examples:
       aggdec export out/ende --format fairseq --out generate-test.txt
