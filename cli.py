@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-import time
-import warnings
-from pathlib import Path
 
-import click
+
+def _interrupted_while_loading(kind, value, tb, hook=sys.excepthook) -> None:
+    """SIGINT before `run` handles it (while the CLI loads): the one line and exit status of a stopped
+    command instead of a traceback; nothing has started that needs stopping."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stderr.write("aggdec: stopped (SIGINT)\n")
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
+    hook(kind, value, tb)
+
+
+sys.excepthook = _interrupted_while_loading
+
+import json  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "models" / "gec-base")
 
@@ -379,8 +393,23 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
       aggdec run
       aggdec run examples/correct.toml --set decode.method=greedy --output out/greedy
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
-      aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
+      aggdec run job.toml --address auto          # on GPU nodes: one actor per GPU
+      aggdec run job.toml --address auto --gpus-per-actor 0   # CPU actors even there
     """
+    from jobs.storage import removed_if_left_empty
+
+    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
+                           actors=actors, gpus_per_actor=gpus_per_actor)
+    job = _load_spec(spec or DEFAULT_SPEC, overrides)
+    with removed_if_left_empty(job.output.dir):  # a job that fails to start leaves no directory behind
+        result = _run_checked(job, address, num_cpus, verbose, take_over_lease, own_spec=spec is not None,
+                              overrides=overrides)
+    click.echo(result.summary_line())
+
+
+def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, take_over_lease: bool, *,
+                 own_spec: bool, overrides: list[str]):
+    """`aggdec run`'s work once the spec is read: check the job, connect to Ray, run it."""
     import torch
 
     from aggdec.model.precision import cpu_isa, cpu_warning
@@ -389,9 +418,6 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
     from jobs.run import run_job
     from jobs.spec import SpecError
 
-    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
-                           actors=actors, gpus_per_actor=gpus_per_actor)
-    job = _load_spec(spec or DEFAULT_SPEC, overrides)
     say = _echo_err
     try:
         shards = check_job(job, warn=say, take_over_lease=take_over_lease)  # inputs, output, model: before Ray starts
@@ -404,13 +430,15 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
         slow = cpu_warning(job.decode.precision, cpu_isa())  # the actors run on this machine's CPU
         if slow:
             say(f"aggdec: warning: {slow}")
-    ignored = _ignored_options(job, spec is not None, overrides)
+    ignored = _ignored_options(job, own_spec, overrides)
     if ignored:
         say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
     progress = _ProgressLine()
-    conn = None
     try:
         conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
+    except ConnectionError as e:
+        raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
+    try:
         result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
                          timings={"ray_init_s": round(conn.seconds, 3)}, take_over_lease=take_over_lease)
     except SpecError as e:
@@ -420,10 +448,9 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
     finally:
         progress.end()
         stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
-        if conn is not None:
-            disconnect(conn)
+        disconnect(conn)
         signal.signal(signal.SIGTERM, stop)
-    click.echo(result.summary_line())
+    return result
 
 
 def _ignored_options(job, own_spec: bool, overrides: list[str]) -> list[str]:

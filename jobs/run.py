@@ -217,6 +217,7 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
         while pending:
             attempts += 1
             plan = _plan(spec)
+            plan = dataclasses.replace(plan, actors=min(plan.actors, len(pending)))  # no actor without a unit
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}
             (warn if attempts == 1 else log)(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} "

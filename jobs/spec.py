@@ -81,7 +81,7 @@ class BatchingSpec:
 class ResourcesSpec:
     actors: int = 0
     """Decode actors. 0: as many as the nodes hold (one per GPU when actors take GPUs, else one per
-    cpus_per_actor CPUs)."""
+    cpus_per_actor CPUs). Never more than the units a run has to decode."""
     gpus_per_actor: float | None = None
     """GPUs per actor (the model then runs on cuda). None: 1 where the cluster has GPUs (one actor per
     GPU), else CPU decoding. 0: CPU decoding on any cluster."""
