@@ -21,7 +21,6 @@ import json
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -37,7 +36,7 @@ from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
 from jobs.pipeline import build_pipeline
 from jobs.spec import JobSpec, SpecError
-from jobs.units import Unit, plan_units, slice_content
+from jobs.units import Unit, plan_units, slice_contents
 from jobs.work import UnitTask
 
 MANIFEST_EVERY_S = 2.0
@@ -291,17 +290,11 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      attempts=attempts, distill=tot.get("distill"))
 
 
-HASH_THREADS = 8
-"""Committed units whose input slices are hashed at once when a job starts (reading is most of it)."""
-
-
 def _committed_units(out: OutputDir, units: list[Unit], found: dict[str, dict | None]) -> dict[str, dict]:
     """{unit: record} of the units committed for their input as it is now: a record for the same
-    file size, footer and rows whose slice hashes the same now (jobs.units.slice_content)."""
+    file size, footer and rows whose slice hashes the same now (jobs.units.slice_contents)."""
     candidates = [u for u in units if _same_plan(found.get(u.name), u)]
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        contents = list(pool.map(slice_content, candidates))
-    return {u.name: found[u.name] for u, content in zip(candidates, contents)
+    return {u.name: found[u.name] for u, content in zip(candidates, slice_contents(candidates))
             if content is not None and out.committed(u.name, found[u.name], {**u.identity, "content": content})}
 
 

@@ -7,10 +7,10 @@ the file and `rows_per_task`, never on the cluster, so a rerun on another cluste
 units. Each unit is one task of a decode actor, which reads its own rows and writes its own output.
 
 A unit's input identity is its file's size and footer hash and its row range, planned from the
-footer, plus the content hash of its slice (CONTENT_HASH over the bytes of every row group that
-holds its rows, every column), which the actor computes as it reads the unit and records; a rerun
-reuses a committed unit only where the file's slice hashes the same again (`slice_content`), so
-that any change of an input value is decoded again.
+footer, plus the content hash of its slice (CONTENT_HASH of the CONTENT_HASH of the bytes of every
+row group that holds its rows, all columns), which the actor computes as it reads the unit and
+records; a rerun reuses a committed unit only where the file's slice hashes the same again
+(`slice_contents`, each row group read once), so that any change of an input value is decoded again.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -32,6 +33,8 @@ CONTENT_HASH = "sha256"
 """The hash of a unit's input bytes (hashlib name; recorded with the digest)."""
 HASH_BLOCK = 1 << 20
 """Bytes read and hashed at a time."""
+HASH_THREADS = 8
+"""Files hashed at once when a job checks its committed units (reading is most of it)."""
 
 
 @dataclass(frozen=True)
@@ -97,48 +100,79 @@ def open_slice(unit: Unit) -> Iterator[Slice]:
     try:
         with fs.open_input_file(path) as f:
             identity, meta = file_identity(f)
-            planned = {k: unit.identity[k] for k in ("size", "footer_sha")}
-            if dict(identity) != planned:
+            if dict(identity) != _planned(unit):
                 raise UnreadableInput(f"{unit.path}: unit {unit.name}: the file changed since the job started "
-                                      f"({_changed(dict(identity), planned)}); a rerun decodes it as it is then")
+                                      f"({_changed(dict(identity), _planned(unit))}); a rerun decodes it as it is then")
             t0 = time.perf_counter()
-            digest, size = hashlib.new(CONTENT_HASH), 0
-            for a, b in _group_spans(meta, unit.start, unit.stop):
-                f.seek(a)
-                while a < b:
-                    block = f.read(min(HASH_BLOCK, b - a))
-                    if not block:
-                        raise OSError(f"the file ends at byte {a}, inside row group bytes {a}-{b}")
-                    digest.update(block)
-                    a += len(block)
-                    size += len(block)
-            yield Slice(pq.ParquetFile(f, metadata=meta), f"{CONTENT_HASH}:{digest.hexdigest()}", size,
-                        time.perf_counter() - t0)
+            content, size = _content(f, meta, unit, {})
+            yield Slice(pq.ParquetFile(f, metadata=meta), content, size, time.perf_counter() - t0)
     except (pa.ArrowException, OSError) as e:
         raise UnreadableInput(f"{unit.path}: unit {unit.name}: cannot be read ({' '.join(str(e).split())})") from e
 
 
-def slice_content(unit: Unit) -> str | None:
-    """The content hash of the unit's slice as its file is now (see open_slice); None where the file
-    cannot be read or no longer matches the unit's plan."""
-    try:
-        with open_slice(unit) as sl:
-            return sl.content
-    except UnreadableInput:
-        return None
+def slice_contents(units: list[Unit]) -> list[str | None]:
+    """The content hash of each unit's slice as its file is now (as open_slice computes it), each row
+    group of each file read once, HASH_THREADS files at a time; None where the file cannot be read
+    or no longer matches the unit's plan."""
+    by_file: dict[str, list[int]] = {}
+    for i, unit in enumerate(units):
+        by_file.setdefault(unit.path, []).append(i)
+
+    def of_file(path: str, indices: list[int]) -> dict[int, str | None]:
+        fs, inner = resolve(path)
+        try:
+            with fs.open_input_file(inner) as f:
+                identity, meta = file_identity(f)
+                groups: dict[int, bytes] = {}
+                return {i: _content(f, meta, units[i], groups)[0] if dict(identity) == _planned(units[i]) else None
+                        for i in indices}
+        except (pa.ArrowException, OSError):
+            return dict.fromkeys(indices)
+
+    contents: dict[int, str | None] = {}
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for found in pool.map(of_file, by_file, by_file.values()):
+            contents.update(found)
+    return [contents[i] for i in range(len(units))]
 
 
-def _group_spans(meta: pq.FileMetaData, start: int, stop: int) -> list[tuple[int, int]]:
-    """[byte start, byte end) of each row group holding rows of [start, stop): from its first column
-    chunk's first page (dictionary or data) to the end of its last."""
-    spans, first = [], 0
+def _planned(unit: Unit) -> dict:
+    return {k: unit.identity[k] for k in ("size", "footer_sha")}
+
+
+def _content(f: pa.NativeFile, meta: pq.FileMetaData, unit: Unit, groups: dict[int, bytes]) -> tuple[str, int]:
+    """("<CONTENT_HASH>:<hex>" of the unit's slice, bytes read): the hash of the hashes of the bytes
+    of every row group holding its rows. `groups` holds row groups' hashes already read (and gets
+    those this reads)."""
+    size = 0
+    spans = _group_spans(meta, unit.start, unit.stop)
+    for g, (a, b) in spans.items():
+        if g in groups:
+            continue
+        digest = hashlib.new(CONTENT_HASH)
+        f.seek(a)
+        while a < b:
+            block = f.read(min(HASH_BLOCK, b - a))
+            if not block:
+                raise OSError(f"the file ends at byte {a}, inside row group {g}")
+            digest.update(block)
+            a += len(block)
+            size += len(block)
+        groups[g] = digest.digest()
+    return f"{CONTENT_HASH}:{hashlib.new(CONTENT_HASH, b''.join(groups[g] for g in spans)).hexdigest()}", size
+
+
+def _group_spans(meta: pq.FileMetaData, start: int, stop: int) -> dict[int, tuple[int, int]]:
+    """{row group: [byte start, byte end)} of each row group holding rows of [start, stop): from its
+    first column chunk's first page (dictionary or data) to the end of its last."""
+    spans, first = {}, 0
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
         if first < stop and first + rg.num_rows > start:
             chunks = [rg.column(c) for c in range(rg.num_columns)]
             begins = [c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset
                       else c.data_page_offset for c in chunks]
-            spans.append((min(begins), max(b + c.total_compressed_size for b, c in zip(begins, chunks))))
+            spans[g] = (min(begins), max(b + c.total_compressed_size for b, c in zip(begins, chunks)))
         first += rg.num_rows
     return spans
 

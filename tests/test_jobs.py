@@ -342,6 +342,19 @@ def test_units_cut_large_files_at_fixed_rows(tmp_path):
     assert units[0].identity["footer_sha"] == dict(shards[0].identity)["footer_sha"]
     assert sorted(u.name for u in units) == [u.name for u in units]  # names sort in input order
 
+    # content hashes: the actor's (open_slice) and the rerun's (slice_contents, each row group read once) agree
+    from jobs.units import open_slice, slice_contents
+
+    read = []
+    for u in units:
+        with open_slice(u) as sl:
+            read.append((sl.content, sl.bytes))
+    contents = slice_contents(units)
+    assert contents == [c for c, _ in read] and contents[0].startswith("sha256:")
+    assert len(set(contents)) == 2 and all(n > 0 for _, n in read)  # one row group per file here
+    (inp / "part-00001.parquet").unlink()
+    assert slice_contents(units)[:3] == contents[:3] and slice_contents(units)[3:] == [None] * 3
+
 
 def test_cli_run(ray_local, tiny_model_dir, tmp_path):
     from click.testing import CliRunner
