@@ -13,9 +13,10 @@ stores), and the record only after the output, so a crash at any point leaves ei
 (the unit is redone and its output overwritten: names are deterministic) or a complete unit.
 A record carries the job fingerprint (every option that can change an output, the model, the
 columns) and the identity of the input slice (file size, footer hash, row range and the hash of
-the slice's bytes, jobs.units): a rerun reuses a unit only if both match. A different fingerprint is refused rather than mixed; a changed input
-file is recomputed. One job at a time per output location, enforced by the lease: a job deletes
-stale tmp files and uncommitted units only once it holds it.
+the slice's bytes, jobs.units): a rerun reuses a unit only if both match. A different fingerprint
+is refused rather than mixed; a changed input is recomputed. One job at a time per output
+location, enforced by the lease: a job deletes stale tmp files and uncommitted units only once it
+holds it.
 
 Only files provably written by a job are ever removed: commit records and `.*.tmp` files by their
 names, unit Parquet files by their footer, which names their unit (UNIT_KEY), and a unit's TSV
@@ -87,7 +88,8 @@ class OutputDir:
                 and _num_rows(self.loc, f"{unit}.parquet") == record.get("rows")
                 and (not record.get("tsv") or self.loc.exists(f"{unit}.tsv")))
 
-    def clean(self, records: dict[str, dict | None], keep: Iterable[str], writes: Iterable[str]) -> tuple[list[str], list[str]]:
+    def clean(self, records: dict[str, dict | None], keep: Iterable[str],
+              writes: Iterable[str]) -> tuple[list[str], list[str]]:
         """Remove every job output here that no unit of `keep` owns: commit records, then the TSV and
         Parquet files of units that a job wrote (an earlier cut of the inputs, a run stopped between
         a unit's output and its record). A Parquet file is a job's when a record of `records` (as

@@ -7,9 +7,10 @@
 Order of work: (1) read every input footer, refuse an output location that overlaps an input, and
 take the output location's lease (jobs.lease: one job at a time per location), before any Ray
 work; (2) plan the commit units (jobs.units), keep the units committed for this job and these
-inputs, delete stale tmp files and every other file a job wrote there (jobs.commit.OutputDir.clean); (3) run the pending units on the decode actors, which write their outputs and
-commit records themselves (jobs.work); the driver only collects the records and rewrites the
-manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
+inputs as they are now, delete stale tmp files and every other file a job wrote there
+(jobs.commit.OutputDir.clean); (3) run the pending units on the decode actors, which write their
+outputs and commit records themselves (jobs.work); the driver only collects the records and
+rewrites the manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
 actors on the nodes left and run the units that did not commit, up to `resources.max_attempts`
 times, saying so in one line.
 """
@@ -179,8 +180,9 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     todo = [u for u in units if u.name not in records]
     removed, strangers = out.clean(found, keep=records, writes=[u.name for u in todo])
     if strangers:
-        warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote ({', '.join(strangers[:3])}"
-             f"{', ...' if len(strangers) > 3 else ''}); readers of the directory see their rows too")
+        warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote "
+             f"({', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''}); readers of the directory "
+             "see their rows too")
     skipped = sorted(records)
     timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3), content_hash_s=round(hash_s, 3))
     run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale,

@@ -307,7 +307,8 @@ def test_a_job_that_fails_to_start_says_so_in_one_line_and_leaves_nothing(tiny_m
                        "--set", "input.id_column=n", "--address", "127.0.0.1:1"])
     assert time.monotonic() - t0 < 15
     lines = text.strip().splitlines()
-    assert code == 2 and lines[-1].startswith("aggdec: error: --address 127.0.0.1:1: no Ray cluster answers there ("), text
+    assert code == 2, text
+    assert lines[-1].startswith("aggdec: error: --address 127.0.0.1:1: no Ray cluster answers there ("), text
     assert len(lines) <= 2 and not out.exists(), text  # the inputs line, the error
     # SIGINT while the command is still loading: the stopped line, no traceback
     proc = subprocess.run([sys.executable, "-c", "import os, signal, cli; os.kill(os.getpid(), signal.SIGINT)"],
