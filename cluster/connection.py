@@ -101,13 +101,13 @@ def check_reachable(address: str) -> None:
     """Raise ConnectionError naming `address` where it has the form [ray://]HOST:PORT and nothing
     accepts a TCP connection there within PROBE_TIMEOUT_S ('auto' and other forms are Ray's)."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or "://" in host:
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as e:
-        raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or "
-                              "check the address (the head's GCS port, 6379 by default)") from None
+        raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or check "
+                              "the address (HOST:PORT of the head's GCS, port 6379 by default)") from None
 
 
 def disconnect(conn: Connection | None = None) -> None:
