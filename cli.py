@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-import time
-import warnings
-from pathlib import Path
 
-import click
+
+def _interrupted_while_loading(kind, value, tb, hook=sys.excepthook) -> None:
+    """SIGINT before `run` handles it (while the CLI loads): the one line and exit status of a stopped
+    command instead of a traceback; nothing has started that needs stopping."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stderr.write("aggdec: stopped (SIGINT)\n")
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
+    hook(kind, value, tb)
+
+
+sys.excepthook = _interrupted_while_loading
+
+import json  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "models" / "gec-base")
 
@@ -110,18 +124,15 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
         raise Failure(str(e)) from e
 
 
-def _method_names() -> list[str]:
-    from aggdec.decoding.methods import METHODS
+def _decoding_params() -> list[click.Option]:
+    """`aggdec decode`'s --method and one option per decoding option of every registered method
+    (aggdec.decoding.methods), generated from the options' fields: name, type, bounds, choices and
+    help. Unset flags are None."""
+    from aggdec.decoding.methods import METHODS, all_options
 
-    return list(METHODS)
-
-
-def _option_flags(fn):
-    """One click option per decoding option of every registered method (aggdec.decoding.methods),
-    generated from the options' fields: name, type, bounds, choices and help. Unset flags are None."""
-    from aggdec.decoding.methods import all_options
-
-    for name, (f, hint) in reversed(list(all_options().items())):
+    params = [click.Option(["--method"], default="greedy", show_default=True, type=click.Choice(list(METHODS)),
+                           help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")]
+    for name, (f, hint) in all_options().items():
         meta, base = f.metadata, _base_type(hint)
         if base is bool:
             kind = {"is_flag": True}
@@ -136,8 +147,19 @@ def _option_flags(fn):
             kind = {"type": str}
         default = "" if f.default is None else f"  [default: {f.default}]"
         flag = meta.get("flag") or "--" + name.replace("_", "-")
-        fn = click.option(flag, name, default=None, help=meta["help"] + default, **kind)(fn)
-    return fn
+        params.append(click.Option([flag, name], default=None, help=meta["help"] + default, **kind))
+    return params
+
+
+class _DecodeCommand(click.Command):
+    """A command whose decoding flags (_decoding_params) are made when it is used, not when the CLI
+    loads: listing the commands, or any other command's help, does not import the method registry
+    and torch with it."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not any(p.name == "method" for p in self.params):
+            self.params[1:1] = _decoding_params()  # after --model, as the help lists them
+        return super().get_params(ctx)
 
 
 def _base_type(hint):
@@ -147,13 +169,10 @@ def _base_type(hint):
     return args[0] if args else hint
 
 
-@main.command()
+@main.command(cls=_DecodeCommand)
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Project model directory, a Hugging Face model directory (marian, bart, mbart, m2m_100/NLLB), "
                    "or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
-@click.option("--method", default="greedy", show_default=True, type=click.Choice(_method_names()),
-              help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")
-@_option_flags
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
 @click.option("--bpe-model", type=click.Path(exists=True, dir_okay=False), default=None, help="BPE codes or sentencepiece model.")
@@ -329,8 +348,8 @@ _spec_overrides = [
     click.option("--input", "input_path", default=None, help="Same as --set input.path=PATH."),
     click.option("--output", "-o", "output", default=None, help="Same as --set output.dir=DIR."),
     click.option("--model", "-m", "model", default=None, help="Same as --set model=DIR."),
-    click.option("--method", default=None, type=click.Choice(_method_names()),
-                 help="Same as --set decode.method=METHOD."),
+    click.option("--method", default=None, metavar="METHOD",
+                 help="Same as --set decode.method=METHOD (the methods of `aggdec decode --method`)."),
     click.option("--drafter", default=None, help="Same as --set decode.drafter=DIR (gad, gad++, blockwise)."),
     click.option("--actors", type=click.IntRange(min=0), default=None, help="Same as --set resources.actors=N."),
     click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=None,
@@ -374,17 +393,31 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
       aggdec run
       aggdec run examples/correct.toml --set decode.method=greedy --output out/greedy
       aggdec run job.toml --input 'data/*.parquet' --actors 2 --set decode.max_tokens=4096
-      aggdec run job.toml --address auto --gpus-per-actor 1 --actors 0   # one actor per GPU
+      aggdec run job.toml --address auto          # on GPU nodes: one actor per GPU
+      aggdec run job.toml --address auto --gpus-per-actor 0   # CPU actors even there
     """
+    from jobs.storage import removed_if_left_empty
+
+    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
+                           actors=actors, gpus_per_actor=gpus_per_actor)
+    job = _load_spec(spec or DEFAULT_SPEC, overrides)
+    with removed_if_left_empty(job.output.dir):  # a job that fails to start leaves no directory behind
+        result = _run_checked(job, address, num_cpus, verbose, take_over_lease, own_spec=spec is not None,
+                              overrides=overrides)
+    click.echo(result.summary_line())
+
+
+def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, take_over_lease: bool, *,
+                 own_spec: bool, overrides: list[str]):
+    """`aggdec run`'s work once the spec is read: check the job, connect to Ray, run it."""
+    import torch
+
     from aggdec.model.precision import cpu_isa, cpu_warning
     from cluster.connection import connect, disconnect
     from jobs.preflight import check_job
     from jobs.run import run_job
     from jobs.spec import SpecError
 
-    overrides = _overrides(sets, input_path=input_path, output=output, model=model, method=method, drafter=drafter,
-                           actors=actors, gpus_per_actor=gpus_per_actor)
-    job = _load_spec(spec or DEFAULT_SPEC, overrides)
     say = _echo_err
     try:
         shards = check_job(job, warn=say, take_over_lease=take_over_lease)  # inputs, output, model: before Ray starts
@@ -392,17 +425,20 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
         raise Failure(str(e)) from e
     say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
         f"output {job.output.dir}")
-    if job.resources.gpus_per_actor == 0 and not (address or os.environ.get("RAY_ADDRESS")):
+    gpus = job.resources.gpus_per_actor
+    if not (gpus or address or os.environ.get("RAY_ADDRESS")) and (gpus == 0 or not torch.cuda.is_available()):
         slow = cpu_warning(job.decode.precision, cpu_isa())  # the actors run on this machine's CPU
         if slow:
             say(f"aggdec: warning: {slow}")
-    ignored = _ignored_options(job, spec is not None, overrides)
+    ignored = _ignored_options(job, own_spec, overrides)
     if ignored:
         say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
     progress = _ProgressLine()
-    conn = None
     try:
         conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
+    except ConnectionError as e:
+        raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
+    try:
         result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
                          timings={"ray_init_s": round(conn.seconds, 3)}, take_over_lease=take_over_lease)
     except SpecError as e:
@@ -412,10 +448,9 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
     finally:
         progress.end()
         stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
-        if conn is not None:
-            disconnect(conn)
+        disconnect(conn)
         signal.signal(signal.SIGTERM, stop)
-    click.echo(result.summary_line())
+    return result
 
 
 def _ignored_options(job, own_spec: bool, overrides: list[str]) -> list[str]:
@@ -728,6 +763,9 @@ def report_cmd(out_dir, bench, out_path) -> None:
 @click.option("--ref-column", default=None, help="Also write T-<id> lines from this reference column.")
 def export_cmd(out_dir, fmt, out_file, ref_column) -> None:
     """Export a job's output directory as text, rows in natural id order.
+
+    A backslash or a control character (tab, line break, NUL, ...) in an id is written as its
+    Python escape (\\\\, \\t, \\n, \\x00, \\u2028), so that every record stays on one line.
 
     \b
     Examples:

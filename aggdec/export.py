@@ -11,11 +11,14 @@ fairseq-generate style (`fairseq_lines`), one block per row in natural id order:
 <score> is the row's `score` column when the output has one, else 0. H and D carry the same
 (detokenised) text, since outputs store only that. I is this project's addition: verifier calls
 and the draft tokens accepted at each call. Tabs and line breaks inside text become spaces so
-that every record stays on one line.
+that every record stays on one line. Ids are escaped (`escape_id`): a backslash and every control
+character (tab, line breaks, NUL, ...) in an id is written as its Python escape (`\\\\`, `\\t`,
+`\\n`, `\\x00`, `\\u2028`), so that an id stays one field of one line and two ids stay two.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +27,19 @@ import pyarrow.parquet as pq
 from aggdec.schema import id_sort_key, output_files, read_outputs
 
 FAIRSEQ_COLUMNS = ("id", "src", "hyp", "iterations", "accepted_per_iter")
+
+
+_ESCAPES = {"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def escape_id(id_: str) -> str:
+    """`id_` with a backslash and every control character (Unicode categories Cc, Zl, Zp) written as
+    a Python escape: one field of one line, from which the id reads back unambiguously."""
+    if id_.isprintable() and "\\" not in id_:
+        return id_
+    return "".join(_ESCAPES.get(ch) or (
+        (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        if unicodedata.category(ch) in ("Cc", "Zl", "Zp") else ch) for ch in id_)
 
 
 def _one_line(text: str | None) -> str:
@@ -41,7 +57,7 @@ def fairseq_lines(out_dir: str | Path, *, ref_column: str | None = None) -> Iter
     rows = read_outputs(out_dir, columns).to_pylist()
     rows.sort(key=lambda row: id_sort_key(str(row["id"])))
     for row in rows:
-        id_, hyp = row["id"], _one_line(row["hyp"])
+        id_, hyp = escape_id(str(row["id"])), _one_line(row["hyp"])
         score = row["score"] if has_score and row["score"] is not None else 0
         yield f"S-{id_}\t{_one_line(row['src'])}"
         if ref_column:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
 
 RAY_AUTH_LOGGER = "ray._private.authentication"
+PROBE_TIMEOUT_S = 5.0
+"""How long connecting to a HOST:PORT address may take before the cluster is taken to be unreachable."""
 
 
 def quiet_ray() -> None:
@@ -35,10 +38,13 @@ def quiet_ray() -> None:
 
 class _ExecutionFailures(logging.Filter):
     """Hides Ray Data's console records of a failed execution: those that carry the exception the
-    execution then raises to the driver, and the one that gives up on actors dying as they start."""
+    execution then raises to the driver, those that announce it, and the one that gives up on actors
+    dying as they start."""
+
+    HIDDEN = ("failing execution", "An exception was raised from a task of operator", "Exception occurred in user code")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info or "failing execution" in record.getMessage())
+        return not (record.exc_info or any(text in record.getMessage() for text in self.HIDDEN))
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
             quiet: bool = False) -> Connection:
     """Initialize Ray once. `num_cpus` only applies to an embedded local Ray. `quiet`: Ray's and Ray
     Data's own messages below warnings, its progress bars and its workers' output stay in Ray's log
-    directory instead of the terminal."""
+    directory instead of the terminal. Raises ConnectionError (one line) where a HOST:PORT address
+    (or RAY_ADDRESS) accepts no connection within PROBE_TIMEOUT_S, or no cluster runs for 'auto'."""
     import ray
 
     if quiet:
@@ -67,6 +74,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
     ours = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         if address or os.environ.get("RAY_ADDRESS"):
+            check_reachable(address or os.environ["RAY_ADDRESS"])  # ray.init would retry for minutes
             ray.init(address=address, **kwargs)
         else:
             # Ray turns token authentication on for a local cluster it starts and warns about it at
@@ -87,6 +95,19 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
         signal.signal(signal.SIGTERM, ours)
     return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
                       started=True)
+
+
+def check_reachable(address: str) -> None:
+    """Raise ConnectionError naming `address` where it has the form [ray://]HOST:PORT and nothing
+    accepts a TCP connection there within PROBE_TIMEOUT_S ('auto' and other forms are Ray's)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or "://" in host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or check "
+                              "the address (HOST:PORT of the head's GCS, port 6379 by default)") from None
 
 
 def disconnect(conn: Connection | None = None) -> None:

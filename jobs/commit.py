@@ -12,10 +12,11 @@ Every file is written whole or not at all (a rename on local file systems, one P
 stores), and the record only after the output, so a crash at any point leaves either no record
 (the unit is redone and its output overwritten: names are deterministic) or a complete unit.
 A record carries the job fingerprint (every option that can change an output, the model, the
-columns) and the identity of the input slice (file size, footer hash, row range): a rerun reuses a
-unit only if both match. A different fingerprint is refused rather than mixed; a changed input
-file is recomputed. One job at a time per output location, enforced by the lease: a job deletes
-stale tmp files and uncommitted units only once it holds it.
+columns) and the identity of the input slice (file size, footer hash, row range and the hash of
+the slice's bytes, jobs.units): a rerun reuses a unit only if both match. A different fingerprint
+is refused rather than mixed; a changed input is recomputed. One job at a time per output
+location, enforced by the lease: a job deletes stale tmp files and uncommitted units only once it
+holds it.
 
 Only files provably written by a job are ever removed: commit records and `.*.tmp` files by their
 names, unit Parquet files by their footer, which names their unit (UNIT_KEY), and a unit's TSV
@@ -25,8 +26,8 @@ through its Parquet file; never a path of the job's inputs (`inputs`), whatever 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -87,7 +88,8 @@ class OutputDir:
                 and _num_rows(self.loc, f"{unit}.parquet") == record.get("rows")
                 and (not record.get("tsv") or self.loc.exists(f"{unit}.tsv")))
 
-    def clean(self, records: dict[str, dict | None], keep: Iterable[str], writes: Iterable[str]) -> tuple[list[str], list[str]]:
+    def clean(self, records: dict[str, dict | None], keep: Iterable[str],
+              writes: Iterable[str]) -> tuple[list[str], list[str]]:
         """Remove every job output here that no unit of `keep` owns: commit records, then the TSV and
         Parquet files of units that a job wrote (an earlier cut of the inputs, a run stopped between
         a unit's output and its record). A Parquet file is a job's when a record of `records` (as
@@ -133,19 +135,34 @@ class OutputDir:
 
     def commit(self, unit: str, table: pa.Table, record: dict, tsv: bytes | None = None) -> None:
         """Make `table` (and `tsv`, if given) the durable output of `unit`, then write its record. The
-        Parquet footer names the unit (UNIT_KEY)."""
+        Parquet footer names the unit (UNIT_KEY). Raises UnwritableOutput naming the file, the unit
+        and the OS message where a write fails (nothing of it is left behind)."""
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), UNIT_KEY: unit.encode("utf-8")})
-        self.loc.write(f"{unit}.parquet", lambda f: pq.write_table(table, f))
+        writes = [(f"{unit}.parquet", lambda f: pq.write_table(table, f))]
         if tsv is not None:
-            self.loc.write_bytes(f"{unit}.tsv", tsv)
-        write_json(self.loc, MARKER_PREFIX + unit, record)
+            writes.append((f"{unit}.tsv", lambda f: f.write(tsv)))
+        writes.append((MARKER_PREFIX + unit, lambda f: f.write(_json_bytes(record))))
+        for name, write in writes:
+            self._write(name, write, f"unit {unit}: ")
 
     def write_manifest(self, manifest: dict) -> None:
-        write_json(self.loc, MANIFEST_NAME, manifest)
+        """Write `_manifest.json`; raises UnwritableOutput naming it and the OS message."""
+        self._write(MANIFEST_NAME, lambda f: f.write(_json_bytes(manifest)))
+
+    def _write(self, name: str, write: Callable[[IO[bytes]], None], what: str = "") -> None:
+        try:
+            self.loc.write(name, write)
+        except (OSError, pa.ArrowException) as e:
+            raise UnwritableOutput(f"{self.loc.uri_of(name)}: {what}cannot be written "
+                                   f"({' '.join(str(e).split())})") from e
 
 
-def write_json(loc: Location, name: str, obj: Any) -> None:
-    loc.write_bytes(name, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+class UnwritableOutput(Exception):
+    """An output file could not be written; the message names the file (and unit) and the OS error."""
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
 
 
 def _difference(old: Any, new: dict) -> str:

@@ -6,7 +6,8 @@ it), so stems must be unique. Checks (errors name the file and column): the path
 exists and matches files; each file opens as Parquet (a corrupt footer names the file); the text
 column exists and is a string column; the id column (if any) exists and is string or integer; all
 files have the same columns; no input column clashes with an output column. Each shard records its
-identity (size and a hash of its footer), so that a rerun notices a changed input.
+identity (size and a hash of its footer); each commit unit adds the hash of its rows' bytes
+(jobs.units), so that a rerun notices any changed input.
 """
 
 from __future__ import annotations
@@ -52,24 +53,30 @@ def list_input_files(path: str, hidden: list[str] | None = None) -> list[str]:
     return files
 
 
+def file_identity(f: pa.NativeFile) -> tuple[tuple[tuple[str, object], ...], pq.FileMetaData]:
+    """(identity: size and footer hash, metadata) of an open Parquet file; raises pa.ArrowInvalid
+    where the file does not end in a Parquet footer."""
+    size = f.size()
+    f.seek(max(0, size - 8))
+    tail = f.read(8)
+    length = int.from_bytes(tail[:4], "little") if len(tail) == 8 and tail[4:] == b"PAR1" else -1
+    if not 0 <= length <= size - 12:
+        raise pa.ArrowInvalid("no Parquet footer at the end of the file")
+    f.seek(size - 8 - length)
+    sha = hashlib.sha256(f.read(length)).hexdigest()[:16]
+    return (("size", size), ("footer_sha", sha)), pq.ParquetFile(f).metadata
+
+
 def read_footer(path: str) -> tuple[pa.Schema, int, tuple[int, ...], tuple[tuple[str, object], ...]]:
     """(Arrow schema, rows, rows per row group, identity) from a Parquet footer; a file that is not
     valid Parquet names the file."""
     fs, inner = resolve(path)
     try:
         with fs.open_input_file(inner) as f:
-            size = f.size()
-            f.seek(max(0, size - 8))
-            tail = f.read(8)
-            length = int.from_bytes(tail[:4], "little") if len(tail) == 8 and tail[4:] == b"PAR1" else -1
-            if not 0 <= length <= size - 12:
-                raise pa.ArrowInvalid("no Parquet footer at the end of the file")
-            f.seek(size - 8 - length)
-            sha = hashlib.sha256(f.read(length)).hexdigest()[:16]
-            meta = pq.ParquetFile(f).metadata
+            identity, meta = file_identity(f)
             schema = meta.schema.to_arrow_schema()
             groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-            return schema, meta.num_rows, groups, (("size", size), ("footer_sha", sha))
+            return schema, meta.num_rows, groups, identity
     except (pa.ArrowException, OSError) as e:
         raise SpecError(f"{path}: not a readable Parquet file ({e})") from e
 

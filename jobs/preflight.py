@@ -69,8 +69,8 @@ def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None
         need = OUTPUT_BYTES_PER_INPUT_BYTE * sum(dict(s.identity).get("size", 0) for s in shards)
         free = shutil.disk_usage(loc.root).free
         if free < need:
-            raise SpecError(f"output.dir: {loc_uri}: {free / 1e6:.1f} MB free, the output needs about "
-                            f"{need / 1e6:.1f} MB")
+            free_mb, need_mb = _megabytes(free, need)
+            raise SpecError(f"output.dir: {loc_uri}: {free_mb} MB free, the output needs about {need_mb} MB")
 
 
 def _check_models(spec: JobSpec) -> None:
@@ -129,6 +129,16 @@ def _check_strays(spec: JobSpec, warn: Callable[[str], None]) -> None:
                     if p.is_file() and p.suffix != ".parquet" and not p.name.startswith(("_", ".")))
     if strays:
         warn(f"warning: input.path: ignoring {len(strays)} file(s) that are not *.parquet: {', '.join(strays[:5])}")
+
+
+def _megabytes(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` bytes in MB, with as many decimals (1 to 6) as it takes for unequal sizes to read
+    unequal."""
+    for digits in range(1, 7):
+        shown = f"{a / 1e6:.{digits}f}", f"{b / 1e6:.{digits}f}"
+        if shown[0] != shown[1]:
+            break
+    return shown
 
 
 def _first_line(e: BaseException) -> str:

@@ -7,9 +7,10 @@
 Order of work: (1) read every input footer, refuse an output location that overlaps an input, and
 take the output location's lease (jobs.lease: one job at a time per location), before any Ray
 work; (2) plan the commit units (jobs.units), keep the units committed for this job and these
-inputs, delete stale tmp files and every other file a job wrote there (jobs.commit.OutputDir.clean); (3) run the pending units on the decode actors, which write their outputs and
-commit records themselves (jobs.work); the driver only collects the records and rewrites the
-manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
+inputs as they are now, delete stale tmp files and every other file a job wrote there
+(jobs.commit.OutputDir.clean); (3) run the pending units on the decode actors, which write their
+outputs and commit records themselves (jobs.work); the driver only collects the records and
+rewrites the manifest as they arrive; (4) if actors or nodes are lost beyond Ray's own retries, re-plan the
 actors on the nodes left and run the units that did not commit, up to `resources.max_attempts`
 times, saying so in one line.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -29,13 +31,13 @@ from aggdec.checkpoint import file_sha
 from aggdec.decoding.methods import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
-from jobs.commit import OutputDir
+from jobs.commit import OutputDir, UnwritableOutput
 from jobs.inputs import Shard, check_output_apart, input_locations, inspect_inputs
 from jobs.lease import Lease
 from jobs.manifest import build_manifest, totals
 from jobs.pipeline import build_pipeline
 from jobs.spec import JobSpec, SpecError
-from jobs.units import Unit, plan_units
+from jobs.units import Unit, plan_units, slice_contents
 from jobs.work import UnitTask
 
 MANIFEST_EVERY_S = 2.0
@@ -145,7 +147,8 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     `take_over_lease` takes over any holder's lease (for a holder known to be gone).
 
     `log` gets what the job does (one line each), `warn` what the user should see even when `log`
-    is not shown (one line when lost actors or nodes make the job redo units), `progress` a
+    is not shown (the plan line: rows, units, actors and their resources, before the first pipeline
+    run; one line when lost actors or nodes make the job redo units), `progress` a
     Progress after every committed or failed unit; `timings` (e.g. {"ray_init_s": ...}) is
     recorded in the manifest.
     """
@@ -171,19 +174,23 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     units = plan_units(shards, spec.batching.rows_per_task)
     found = out.records()
     out.check_job(found, fp)
-    records = {u.name: found[u.name] for u in units if out.committed(u.name, found.get(u.name), u.identity)}
+    t_hash = time.perf_counter()
+    records = _committed_units(out, units, found)
+    hash_s = time.perf_counter() - t_hash
     todo = [u for u in units if u.name not in records]
     removed, strangers = out.clean(found, keep=records, writes=[u.name for u in todo])
     if strangers:
-        warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote ({', '.join(strangers[:3])}"
-             f"{', ...' if len(strangers) > 3 else ''}); readers of the directory see their rows too")
+        warn(f"warning: output.dir: {len(strangers)} Parquet file(s) that no aggdec job wrote "
+             f"({', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''}); readers of the directory "
+             "see their rows too")
     skipped = sorted(records)
-    timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3))
+    timing = dict(timings or {}, inspect_s=round(time.perf_counter() - t0, 3), content_hash_s=round(hash_s, 3))
     run_info = {"started_at": started_at, "committed": [], "skipped": skipped, "stale_tmp_deleted": stale,
                 "stale_outputs_deleted": removed, "units": len(units)}
     if skipped:
         log(f"skipping {len(skipped)} committed unit(s)")
     last_write = [0.0]
+    unwritten: list[str] = []  # why the last manifest write failed, if it did
 
     def write_manifest(complete: bool, force: bool = True) -> None:
         now = time.perf_counter()
@@ -191,9 +198,13 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             return
         last_write[0] = now
         timing["wall_s"] = round(now - t0, 3)
-        out.write_manifest(build_manifest(
-            spec=spec.to_dict(), model_path=spec.model, model_sha=model_sha, signature=signature, records=records,
-            complete=complete, timings=timing, run=run_info))
+        try:
+            out.write_manifest(build_manifest(
+                spec=spec.to_dict(), model_path=spec.model, model_sha=model_sha, signature=signature,
+                records=records, complete=complete, timings=timing, run=run_info))
+            unwritten.clear()
+        except UnwritableOutput as e:  # the units commit without it; said when the job ends
+            unwritten[:] = [str(e)]
 
     task = UnitTask(output=out.uri, text_column=spec.input.text_column, id_column=spec.input.id_column,
                     passthrough=shards[0].passthrough if shards else (), method=spec.method, fingerprint=fp,
@@ -207,10 +218,11 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
         while pending:
             attempts += 1
             plan = _plan(spec)
+            plan = dataclasses.replace(plan, actors=min(plan.actors, len(pending)))  # no actor without a unit
             timing["actors"] = {"actors": plan.actors, "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
                                 "device": plan.device, "torch_threads": plan.torch_threads}
-            log(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} unit(s) with {plan.actors} "
-                f"actor(s) on {plan.device} ({spec.method})")
+            (warn if attempts == 1 else log)(f"decoding {sum(u.rows for u in pending)} rows in {len(pending)} "
+                                             f"unit(s) with {plan.describe()}; method {spec.method}")
             try:
                 # closed on any exit, so Ray Data stops its executor before Ray is shut down
                 with closing(iter(build_pipeline(spec, plan, task, pending).iter_rows())) as rows:
@@ -232,6 +244,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                                           units=len(run_info["committed"]), units_total=len(todo), failed=len(failed),
                                           errors=errors, seconds=time.perf_counter() - t_pipe))
             except Exception as e:  # lost actors or nodes beyond Ray's retries: run what did not commit
+                if _is_task_error(e):  # the task itself raised: running it again would raise again
+                    raise RuntimeError(f"a decode actor failed: {_root_cause(e)}") from None
                 if attempts >= spec.resources.max_attempts or not _is_ray_failure(e):
                     raise
                 lost = f"{_what_was_lost(e)} ({type(e).__name__})"  # not `e`: its frames hold the old actors
@@ -242,7 +256,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
             for unit in todo:
                 if unit.name in records or unit.name in failed:
                     continue
-                if out.committed(unit.name, found.get(unit.name), unit.identity):  # committed, record lost
+                record = found.get(unit.name)
+                if _same_plan(record, unit) and out.committed(unit.name, record, record["input"]):  # record lost
                     records[unit.name] = found[unit.name]
                     run_info["committed"].append(unit.name)
                     decoded_rows += unit.rows
@@ -264,6 +279,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
         first = next(iter(failed.values()))
         raise SpecError(f"{first}" + (f" (and {len(failed) - 1} more unit(s))" if len(failed) > 1 else "")
                         + f"; the other {len(records)} unit(s) committed, a rerun retries the failed ones")
+    if unwritten:
+        raise SpecError(f"{unwritten[0]}; every unit committed, a rerun writes it")
     tot = totals(records)
     speed = tot["speedup"]
     return JobResult(output_dir=out.uri, manifest=out.loc.uri_of("_manifest.json"), rows=tot["rows"],
@@ -273,6 +290,20 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
                      attempts=attempts, distill=tot.get("distill"))
+
+
+def _committed_units(out: OutputDir, units: list[Unit], found: dict[str, dict | None]) -> dict[str, dict]:
+    """{unit: record} of the units committed for their input as it is now: a record for the same
+    file size, footer and rows whose slice hashes the same now (jobs.units.slice_contents)."""
+    candidates = [u for u in units if _same_plan(found.get(u.name), u)]
+    return {u.name: found[u.name] for u, content in zip(candidates, slice_contents(candidates))
+            if content is not None and out.committed(u.name, found[u.name], {**u.identity, "content": content})}
+
+
+def _same_plan(record: dict | None, unit: Unit) -> bool:
+    """Whether `record` was committed for `unit`'s file size, footer and rows (its content aside)."""
+    planned = (record or {}).get("input")
+    return isinstance(planned, dict) and {k: v for k, v in planned.items() if k != "content"} == unit.identity
 
 
 def _what_was_lost(e: Exception) -> str:
@@ -285,6 +316,22 @@ def _what_was_lost(e: Exception) -> str:
     if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)) or "actor" in text.lower():
         return "lost a decode actor"
     return "the pipeline failed"
+
+
+def _is_task_error(e: Exception) -> bool:
+    """Whether `e` is an exception the decode task raised (not a lost actor or node)."""
+    import ray.exceptions
+
+    return isinstance(e, ray.exceptions.UserCodeException)
+
+
+def _root_cause(e: BaseException) -> str:
+    """'<type>: <message>' of the exception a Ray task raised: the first exception line of the remote
+    traceback that Ray keeps as text (its own wrappers, `ray.*`, left out)."""
+    for line in str(e).splitlines():
+        if re.match(r"[A-Za-z_][\w.]*: ", line) and not line.startswith("ray."):
+            return line.strip()
+    return type(e).__name__
 
 
 def _is_ray_failure(e: Exception) -> bool:

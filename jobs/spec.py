@@ -8,7 +8,7 @@ A spec is a TOML file (see examples/correct.toml) plus command-line overrides:
     [output]  dir = "../out/gec-sample"
     [decode]  method = "iad"  draft_cap = 16  max_batch_size = 64  max_tokens = 4096
     [batching] rows_per_task = 512
-    [resources] actors = 0  gpus_per_actor = 0  cpus_per_actor = 0.25
+    [resources] actors = 0  gpus_per_actor = 1  cpus_per_actor = 0.25
     [distill] keep_scores = false  max_len_ratio = 3.0  tsv = true   # kind distill only
 
 Paths written in the TOML file are relative to the file's directory; paths given on the command
@@ -80,10 +80,11 @@ class BatchingSpec:
 @dataclass
 class ResourcesSpec:
     actors: int = 0
-    """Decode actors. 0: as many as the nodes hold (one per GPU when gpus_per_actor > 0, else one per
-    cpus_per_actor CPUs)."""
-    gpus_per_actor: float = 0.0
-    """GPUs per actor (1 for one actor per GPU; the model then runs on cuda). 0: CPU decoding."""
+    """Decode actors. 0: as many as the nodes hold (one per GPU when actors take GPUs, else one per
+    cpus_per_actor CPUs). Never more than the units a run has to decode."""
+    gpus_per_actor: float | None = None
+    """GPUs per actor (the model then runs on cuda). None: 1 where the cluster has GPUs (one actor per
+    GPU), else CPU decoding. 0: CPU decoding on any cluster."""
     cpus_per_actor: float | None = None
     """CPUs each actor reserves on its node. None: 1 with GPUs, torch_threads on CPU."""
     torch_threads: int | None = None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 from urllib.parse import unquote, urlsplit
@@ -117,17 +118,24 @@ class Location:
             return f.read()
 
     def write(self, name: str, write: Callable[[IO[bytes]], None]) -> None:
-        """Write `name` once, whole (see module docstring)."""
+        """Write `name` once, whole (see module docstring); a write that fails leaves nothing behind."""
         if not self.local:
             with self.fs.open_output_stream(self.path(name)) as f:
                 write(f)
             return
         tmp = self.path(f".{name}.tmp")
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(name))
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         fd = os.open(self.root, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -142,6 +150,23 @@ class Location:
             self.fs.delete_file(self.path(name))
         except FileNotFoundError:
             pass
+
+
+@contextmanager
+def removed_if_left_empty(path: str) -> Iterator[None]:
+    """Remove the local directory `path` on leaving where it did not exist on entering and is empty
+    then (object stores hold no empty directories): a job that fails to start leaves nothing behind."""
+    new = None if is_uri(path) else Path(path).expanduser().absolute()
+    if new is not None and os.path.lexists(new):
+        new = None
+    try:
+        yield
+    finally:
+        if new is not None:
+            try:
+                os.rmdir(new)
+            except OSError:  # not empty (the job wrote there) or gone
+                pass
 
 
 HIDDEN_PREFIXES = ("_", ".")

@@ -15,16 +15,14 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from aggdec.api import Translator
 from aggdec.decoding.options import DecodeOptions
 from aggdec.distill import PairFilter, distill_table
 from aggdec.schema import decoded_columns, decoded_schema
-from jobs.commit import OutputDir
+from jobs.commit import OutputDir, UnwritableOutput
 from jobs.output import build_output_table, shard_stats
-from jobs.storage import resolve
-from jobs.units import Unit
+from jobs.units import Slice, Unit, UnreadableInput, open_slice
 
 RECORD_SCHEMA = pa.schema([("unit", pa.string()), ("record", pa.string())])
 
@@ -52,14 +50,15 @@ class UnitTask:
                         schema=RECORD_SCHEMA)
 
     def run(self, translator: Translator, options: DecodeOptions, unit: Unit) -> dict:
-        """Decode and commit `unit`; -> its commit record. An input that cannot be read yields a
-        record with `failed` (naming the file and row group) and commits nothing."""
+        """Decode and commit `unit`; -> its commit record. An input that cannot be read (gone,
+        changed since the job started, damaged) or an output that cannot be written (a full disk)
+        yields a record with `failed`, naming the file, the unit and the error, and commits nothing."""
         t0 = time.perf_counter()
         if self._out is None:
             self._out = OutputDir(self.output)
         try:
-            source = read_rows(unit, [self.text_column, *([self.id_column] if self.id_column else []),
-                                      *self.passthrough])
+            source, sl = read_rows(unit, [self.text_column, *([self.id_column] if self.id_column else []),
+                                          *self.passthrough])
         except UnreadableInput as e:
             return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
         texts, bad_utf8 = texts_of(source.column(self.text_column))
@@ -75,7 +74,8 @@ class UnitTask:
                                    passthrough=self.passthrough, method=self.method, stem=unit.stem,
                                    start=unit.start)
         status, stats = shard_stats(decoded)
-        record = {"unit": unit.name, "input": unit.identity, "path": unit.path, "rows": unit.rows,
+        record = {"unit": unit.name, "input": {**unit.identity, "content": sl.content}, "path": unit.path,
+                  "rows": unit.rows, "hashed_bytes": sl.bytes, "hash_s": round(sl.seconds, 4),
                   "output": self._out.loc.uri_of(f"{unit.name}.parquet"), "status": status,
                   "speedup": stats.to_dict(), "fingerprint": self.fingerprint}
         tsv = None
@@ -85,7 +85,10 @@ class UnitTask:
         record["seconds"] = round(time.perf_counter() - t0, 3)
         record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         record["node"] = _node_id()
-        self._out.commit(unit.name, table, record, tsv)
+        try:
+            self._out.commit(unit.name, table, record, tsv)
+        except UnwritableOutput as e:
+            return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
         return record
 
 
@@ -96,22 +99,18 @@ def _node_id() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-class UnreadableInput(Exception):
-    """A unit's rows cannot be read; the message names the file and row group."""
-
-
-def read_rows(unit: Unit, columns: list[str]) -> pa.Table:
+def read_rows(unit: Unit, columns: list[str]) -> tuple[pa.Table, Slice]:
     """Rows [unit.start, unit.stop) of `columns` from the unit's file, reading only the row groups
-    that hold them. Raises UnreadableInput naming the file and row group that fails to read."""
-    fs, path = resolve(unit.path)
-    with fs.open_input_file(path) as f:
-        pf = pq.ParquetFile(f)
+    that hold them, and the slice they came from (jobs.units.open_slice: its content hash). Raises
+    UnreadableInput naming the file and the unit, and the row group that fails to read."""
+    with open_slice(unit) as sl:
+        pf = sl.file
         sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
         ends = np.cumsum(sizes)
         starts = ends - np.asarray(sizes, dtype=np.int64)
         groups = [i for i in range(len(sizes)) if starts[i] < unit.stop and ends[i] > unit.start]
         if not groups:
-            return pf.schema_arrow.empty_table().select(columns)
+            return pf.schema_arrow.empty_table().select(columns), sl
         parts = []
         for g in groups:
             try:
@@ -119,7 +118,7 @@ def read_rows(unit: Unit, columns: list[str]) -> pa.Table:
             except (pa.ArrowException, OSError) as e:
                 raise UnreadableInput(f"{unit.path}: row group {g} (rows {starts[g]}-{ends[g]}): "
                                       f"cannot be read ({' '.join(str(e).split())})") from e
-        return pa.concat_tables(parts).slice(unit.start - int(starts[groups[0]]), unit.rows)
+        return pa.concat_tables(parts).slice(unit.start - int(starts[groups[0]]), unit.rows), sl
 
 
 def texts_of(column: pa.ChunkedArray) -> tuple[list[str], list[int]]:

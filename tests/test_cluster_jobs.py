@@ -112,6 +112,28 @@ def test_losing_a_node_mid_job_keeps_every_row_exactly_once_and_says_so_in_one_l
     assert "192 rows (" in stdout
 
 
+def test_the_default_plan_takes_the_gpus_a_cluster_declares(tiny_model_dir, tmp_path):
+    from jobs.run import _plan
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=2, num_gpus=1)  # declared resources: no GPU is used
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        spec = _spec(tiny_model_dir, tmp_path / "in", tmp_path / "out")
+        assert spec.resources.gpus_per_actor is None  # unset
+        plan = _plan(spec)
+        assert (plan.actors, plan.num_gpus, plan.num_cpus, plan.device) == (1, 1.0, 1.0, "cuda")
+        assert plan.describe() == "1 actor(s) on cuda (1 GPU, 1 CPU each)"
+        assert plan.map_batches_kwargs()["num_gpus"] == 1.0
+        cpu = _plan(_spec(tiny_model_dir, tmp_path / "in", tmp_path / "out", "resources.gpus_per_actor=0"))
+        assert (cpu.actors, cpu.num_gpus, cpu.device) == (3, 0.0, "cpu")
+        assert cpu.describe() == "3 actor(s) on cpu (1 CPU, 1 thread(s) each)"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 @pytest.fixture
 def s3():
     """A local S3 API server (moto) on 127.0.0.1 with a bucket; AWS_* variables point at it."""
@@ -171,6 +193,23 @@ def test_a_rerun_after_an_input_changed_recomputes_that_file(ray_local, tiny_mod
     rerun = run_job(_spec(tiny_model_dir, inp, out))
     assert rerun.skipped == ["part-00000"] and rerun.committed == ["part-00001"]
     assert pq.read_table(out / "part-00001.parquet").column("src").to_pylist() == ["the dog runs ."] * 6
+    # a same-length edit of one value keeps the file's size and footer; the unit's content hash tells
+    from jobs.inputs import read_footer
+
+    first = inp / "part-00000.parquet"
+    table = pq.read_table(first)
+    pq.write_table(table, first, compression="none")
+    assert run_job(_spec(tiny_model_dir, inp, out)).committed == ["part-00000"]
+    src = table.column("src").to_pylist()
+    i = next(k for k, v in enumerate(src) if min(src)[0] < v[0] < max(src)[0] and v[2] != v[3])
+    edited = src[i][:2] + src[i][3] + src[i][2] + src[i][4:]  # "Theer are" -> "Their are", as it were
+    before = read_footer(str(first))[3]
+    pq.write_table(table.set_column(0, "src", pa.array(src[:i] + [edited] + src[i + 1:])), first, compression="none")
+    assert read_footer(str(first))[3] == before  # size and footer hash alike
+    rerun = run_job(_spec(tiny_model_dir, inp, out))
+    assert rerun.committed == ["part-00000"] and rerun.skipped == ["part-00001"]
+    assert pq.read_table(out / "part-00000.parquet").column("src").to_pylist()[i] == edited
+    assert run_job(_spec(tiny_model_dir, inp, out)).decoded_rows == 0  # and nothing changed since
     other = tmp_path / "other"  # another input directory whose files share stems
     write_corpus(other, shards=1, rows=6, seed=11)
     moved = run_job(_spec(tiny_model_dir, other, out))

@@ -263,3 +263,57 @@ def test_an_output_that_overlaps_an_input_is_refused_and_the_inputs_are_untouche
     with pytest.raises(RuntimeError, match="an input of this job; not removed"):
         out._remove("part-00000.parquet")
     assert _snapshot(inp) == before
+
+
+def test_help_answers_without_torch_and_decoding_loads_no_inductor(tiny_model_dir):
+    script = """
+import sys
+from click.testing import CliRunner
+from cli import main
+for args in [[], *([name] for name in main.commands if name != "decode")]:
+    res = CliRunner().invoke(main, [*args, "--help"])
+    assert res.exit_code == 0 and "Usage:" in res.output, (args, res.output)
+print("help imports torch:", "torch" in sys.modules)
+res = CliRunner().invoke(main, ["decode", "--help"])
+assert res.exit_code == 0 and "--batch-size" in res.output and "[greedy|beam|iad" in res.output, res.output
+res = CliRunner().invoke(main, ["decode", "-m", sys.argv[1], "--method", "iad"], input="the cat runs .\\n")
+assert res.exit_code == 0, res.output
+print("decoding imports TorchInductor:", "torch._inductor" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["help imports torch: False", "decoding imports TorchInductor: False"]
+
+
+def test_a_job_that_fails_to_start_says_so_in_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
+    import shutil
+
+    from jobs.preflight import _megabytes
+
+    inp = write_corpus(tmp_path / "in", shards=1, rows=3)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    out = tmp_path / "deep" / "out"
+    code, text = _run(["run", "--model", str(model), "--input", str(inp), "--output", str(out),
+                       "--set", "input.id_column=n"])
+    assert code == 2 and text.count("\n") == 1 and text.startswith("aggdec: error: model: "), text
+    assert not out.exists()
+    # nothing listening at the address: one line, well within 15 s, no directory left either
+    t0 = time.monotonic()
+    code, text = _run(["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
+                       "--set", "input.id_column=n", "--address", "127.0.0.1:1"])
+    assert time.monotonic() - t0 < 15
+    lines = text.strip().splitlines()
+    assert code == 2, text
+    assert lines[-1].startswith("aggdec: error: --address 127.0.0.1:1: no Ray cluster answers there ("), text
+    assert len(lines) <= 2 and not out.exists(), text  # the inputs line, the error
+    # SIGINT while the command is still loading: the stopped line, no traceback
+    proc = subprocess.run([sys.executable, "-c", "import os, signal, cli; os.kill(os.getpid(), signal.SIGINT)"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120, preexec_fn=_foreground)
+    assert (proc.returncode, proc.stderr) == (130, "aggdec: stopped (SIGINT)\n")
+    # free space and need in figures that show which is larger
+    assert _megabytes(100_000, 100_001) == ("0.100000", "0.100001")
+    assert _megabytes(52_000, 148_000) == ("0.05", "0.15") and _megabytes(3e9, 1e9) == ("3000.0", "1000.0")

@@ -50,3 +50,21 @@ def test_cli_export(tmp_path: Path):
     res = CliRunner().invoke(main, ["export", str(tmp_path), "--format", "fairseq", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert out.read_text(encoding="utf-8").splitlines()[::4] == ["S-0\tsrc 0", "S-1\tsrc 1"]
+
+
+def test_ids_with_control_characters_are_escaped(tmp_path: Path):
+    ids = ["a\nb", "a\\nb", "tab\there", "nul\x00", "ls\u2028x", "caf\u00e9 ok"]
+    _shard(tmp_path / "a.parquet", ids)
+    out = tmp_path / "generate.txt"
+    from click.testing import CliRunner
+
+    from cli import main
+
+    res = CliRunner().invoke(main, ["export", str(tmp_path), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text(encoding="utf-8")
+    lines = text.split("\n")[:-1]
+    assert len(lines) == 4 * len(ids) and lines == text.splitlines()  # one record per line, nothing else breaks one
+    heads = {line.split("\t")[0] for line in lines if line.startswith("S-")}
+    assert heads == {"S-a\\nb", "S-a\\\\nb", "S-tab\\there", "S-nul\\x00", "S-ls\\u2028x", "S-caf\u00e9 ok"}
+    assert all(len(line.split("\t")) == (3 if line[0] in "HDI" else 2) for line in lines)

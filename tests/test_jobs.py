@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -168,8 +169,9 @@ def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp
     result = run_job(spec, warn=warned.append)
     assert marker.is_file()  # an actor did call os._exit(1) on its first batch
     # the pool's only actor died with its unit: the driver redid the units that had not committed
-    assert result.attempts == 2 and len(warned) == 1, warned
-    assert re.match(r"lost a decode actor \(\w+\); redoing the \d+ unit\(s\) that did not commit", warned[0]), warned
+    assert result.attempts == 2 and len(warned) == 2, warned
+    assert warned[0] == f"decoding {SHARDS * ROWS} rows in {SHARDS} unit(s) with 1 actor(s) on cpu (1 CPU, 1 thread(s) each); method greedy"
+    assert re.match(r"lost a decode actor \(\w+\); redoing the \d+ unit\(s\) that did not commit", warned[1]), warned
     table = read_outputs(out)
     assert table.num_rows == result.rows == SHARDS * ROWS
     assert sorted(table.column("n").to_pylist()) == list(range(SHARDS * ROWS))
@@ -315,6 +317,9 @@ def test_actor_plans_fit_every_actor_on_one_node():
         plan_actors([{"CPU": 2.0}, {"CPU": 2.0}], cpus_per_actor=4)
     gpu = plan_actors([{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}], gpus_per_actor=1)
     assert (gpu.actors, gpu.num_gpus, gpu.device, gpu.num_cpus) == (4, 1, "cuda", 1.0)
+    mixed = [{"CPU": 4.0}, {"CPU": 8.0, "GPU": 2.0}]  # gpus_per_actor unset: one actor per GPU where there are GPUs
+    assert plan_actors(mixed) == plan_actors(mixed, gpus_per_actor=1)
+    assert plan_actors(mixed, gpus_per_actor=0).device == "cpu" and one_node.device == "cpu"
     with pytest.raises(ValueError, match="resources.gpus_per_actor: .*0 GPUs"):
         plan_actors([{"CPU": 8.0}], gpus_per_actor=1)
     kwargs = one_node.map_batches_kwargs()
@@ -336,6 +341,19 @@ def test_units_cut_large_files_at_fixed_rows(tmp_path):
     assert [u.name for u in plan_units(shards, 10)] == ["part-00000", "part-00001"]
     assert units[0].identity["footer_sha"] == dict(shards[0].identity)["footer_sha"]
     assert sorted(u.name for u in units) == [u.name for u in units]  # names sort in input order
+
+    # content hashes: the actor's (open_slice) and the rerun's (slice_contents, each row group read once) agree
+    from jobs.units import open_slice, slice_contents
+
+    read = []
+    for u in units:
+        with open_slice(u) as sl:
+            read.append((sl.content, sl.bytes))
+    contents = slice_contents(units)
+    assert contents == [c for c, _ in read] and contents[0].startswith("sha256:")
+    assert len(set(contents)) == 2 and all(n > 0 for _, n in read)  # one row group per file here
+    (inp / "part-00001.parquet").unlink()
+    assert slice_contents(units)[:3] == contents[:3] and slice_contents(units)[3:] == [None] * 3
 
 
 def test_cli_run(ray_local, tiny_model_dir, tmp_path):
@@ -457,6 +475,28 @@ def test_a_large_file_commits_and_resumes_unit_by_unit(ray_local, tiny_model_dir
     table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("*.parquet")))
     assert table.column("n").to_pylist() == list(range(12))
     assert table.column("id").to_pylist() == [f"part-00000:{i}" for i in range(12)]
+
+    # cut differently, after a run stopped between a unit's output and its record: every file of the
+    # old cut goes (the record-less one by its footer), so a reader of the directory sees each row once
+    (out / "_SUCCESS.part-00000.rows-0000000008-0000000012").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recut = run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                                         "decode.method=greedy", "batching.rows_per_task=12"]))
+    assert recut.committed == ["part-00000"]
+    assert not [w for w in caught if "concurrent actors" in str(w.message)]  # one unit, one actor (of 2 CPUs)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == ["part-00000.parquet"]
+    assert sorted(pq.read_table(out).column("n").to_pylist()) == list(range(12))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert "part-00000.rows-0000000008-0000000012.parquet" in manifest["run"]["stale_outputs_deleted"]
+    # a Parquet file no job wrote is left alone, and named
+    pq.write_table(pa.table({"x": [1]}), out / "notes.parquet")
+    warned: list[str] = []
+    assert run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                                    "decode.method=greedy", "batching.rows_per_task=12"]), warn=warned.append).skipped
+    assert (out / "notes.parquet").exists()
+    assert warned == ["warning: output.dir: 1 Parquet file(s) that no aggdec job wrote (notes.parquet); readers of "
+                      "the directory see their rows too"]
 
 
 def test_a_damaged_id_column_fails_its_unit_and_the_others_commit(ray_local, tiny_model_dir, tmp_path):
@@ -623,3 +663,68 @@ def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkey
     held.release()
     assert (tmp_path / "beat" / LEASE_NAME).exists()  # theirs: left alone
     won[0].release()
+
+
+def _raising_worker() -> type:
+    """A DecodeWorker whose task raises (shipped by value to the actors)."""
+    from cluster.actors import DecodeWorker
+
+    class Raising(DecodeWorker):
+        def __call__(self, batch):
+            raise ValueError("a bug in the task\nsecond line")
+
+    return Raising
+
+
+def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_local, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    inp = write_corpus(tmp_path / "in", shards=4, rows=3, seed=21)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
+                            "decode.method=greedy", "resources.actors=1"])
+
+    warned: list[str] = []
+
+    def after_the_checks(msg: str) -> None:  # the plan line: one input goes, another is rewritten
+        warned.append(msg)
+        if msg.startswith("decoding "):
+            (inp / "part-00001.parquet").unlink()
+            pq.write_table(pa.table({"src": ["a b ."], "ref": ["x"], "n": [0]}), inp / "part-00002.parquet")
+
+    with pytest.raises(SpecError) as err:
+        run_job(spec, warn=after_the_checks)
+    text = str(err.value)
+    assert "\n" not in text and len(warned) == 1, (text, warned)  # not taken for a lost actor: no rerun
+    gone = rf"{re.escape(str(inp / 'part-00001.parquet'))}: unit part-00001: cannot be read \(.*No such file"
+    changed = (rf"{re.escape(str(inp / 'part-00002.parquet'))}: unit part-00002: the file changed since the job "
+               r"started \(size \d+ then, \d+ now")
+    assert re.match(rf"({gone}|{changed}).*\(and 1 more unit\(s\)\); the other 2 unit\(s\) committed", text), text
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["run"]["attempts"] == 1 and not manifest["complete"]
+    assert set(manifest["run"]["failed"]) == {"part-00001", "part-00002"}
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["part-00000.parquet", "part-00003.parquet"]
+
+    # a write that fails (here: a directory where the unit's file goes; root can write anywhere else)
+    inp = write_corpus(tmp_path / "in2", shards=3, rows=3, seed=22)
+    out = tmp_path / "out2"
+    (out / "part-00001.parquet").mkdir(parents=True)
+    res = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
+                                    "--method", "greedy", "--set", "input.id_column=n"])
+    assert res.exit_code == 2, res.output
+    assert "lost a" not in res.output and "ERROR" not in res.output, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert re.fullmatch(rf"aggdec: error: {re.escape(str(out / 'part-00001.parquet'))}: unit part-00001: cannot be "
+                        r"written \(.*\); the other 2 unit\(s\) committed, a rerun retries the failed ones", last), last
+    assert sorted(p.name for p in out.glob("_SUCCESS.*")) == ["_SUCCESS.part-00000", "_SUCCESS.part-00002"]
+    assert not list(out.glob(".*.tmp"))
+
+    # an exception of the task itself is not a lost actor either: raised at once, in one line
+    monkeypatch.setattr("jobs.pipeline.DecodeWorker", _raising_worker())
+    with pytest.raises(RuntimeError, match=r"^a decode actor failed: ValueError: a bug in the task$"):
+        run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'out3'}",
+                                 "decode.method=greedy"]), warn=warned.append)
+    assert len(warned) == 2 and json.loads((tmp_path / "out3" / "_manifest.json").read_text())["run"]["attempts"] == 1

@@ -47,7 +47,6 @@ import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch._inductor.config as inductor_config
 
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
@@ -208,6 +207,8 @@ class SlotLoop:
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self._compiled is not None:
+            import torch._inductor.config as inductor_config  # only where a compiled step was chosen
+
             # TorchDynamo reads `freezing` from the global config when it traces, and a recompile can
             # come at any call (Inductor's option alone would leave the weights inputs)
             frozen = inductor_config.freezing
