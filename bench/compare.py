@@ -272,6 +272,15 @@ class Matrix:
         if self.a.work is None:
             shutil.rmtree(self.work, ignore_errors=True)
 
+    def reference(self, system: System) -> System | None:
+        """The system whose outputs `system`'s are compared with: a peer's beam search with aggdec's
+        `beam` where it runs (aggdec's `beam` itself with none), any other with `--reference`."""
+        if system.method == "beam":
+            beam = next((s for s in self.systems if s.kind == "aggdec" and s.method == "beam" and s.model == system.model
+                         and s.precision == "fp32"), None)
+            return None if beam is system else beam
+        return next(s for s in self.systems if s.name == self.a.reference)
+
     def ids(self, system: System, outputs: list) -> list[list[int]]:
         """A reply's outputs as token ids (CTranslate2 and fairseq answer in pieces)."""
         if system.kind in ("ct2", "fairseq"):
@@ -289,10 +298,9 @@ def median_rate(seconds: list[float], n: int) -> float:
     return n / statistics.median(seconds)
 
 
-def compare(a: argparse.Namespace) -> int:
+def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The runs of `compare`: every system at every batch size, repeats interleaved (module docstring)."""
     matrix = Matrix(a)
-    settings = recorded(a)
-    results = Results(a.out, "compare", settings, a.device)
     seconds: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     extra: dict[tuple[str, int], dict] = {}
@@ -321,21 +329,20 @@ def compare(a: argparse.Namespace) -> int:
     scores: dict[tuple, dict] = {}
     for system in matrix.systems:
         model = matrix.model(system)
-        ref_system = next(s for s in matrix.systems if s.name == a.reference)
-        same_model = matrix.model(ref_system) is model
+        reference = matrix.reference(system)
         for bs in matrix.sizes:
             key, n = (system.name, bs), matrix.count(bs)
             run: dict[str, Any] = {"model": model.name, "system": system.name, "method": system.name,
                                    "batch_size": bs, "sentences": n}
             if key in errors:
-                results.add({**run, "error": errors[key]})
+                yield {**run, "error": errors[key]}
                 continue
             outs = outputs[key]
             toks = sum(len(o) + 1 for o in outs)
-            rate = median_rate(seconds[key], n)
-            run.update(sentences_per_s=round(rate, 2), all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
+            run.update(sentences_per_s=round(median_rate(seconds[key], n), 2),
+                       all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
                        tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
-            ref = outputs.get((a.reference, bs)) if same_model else None
+            ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
                 cut = a.max_new or None
                 run["identical"] = round(sum(x[:cut] == y[:cut] for x, y in zip(outs, ref)) / n, 4)
@@ -344,7 +351,13 @@ def compare(a: argparse.Namespace) -> int:
                 if hyps not in scores:
                     scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
                 run.update(scores[hyps])
-            results.add(run)
+            yield run
+
+
+def compare(a: argparse.Namespace) -> int:
+    results = Results(a.out, "compare", recorded(a), a.device)
+    for run in measure(a):
+        results.add(run)
     return 1 if results.failed else 0
 
 

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -164,7 +165,7 @@ def _compare(data: dict) -> str:
     base = {bs: by.get((keys[0][0], data["settings"]["reference"], bs)) for bs in sizes}
     rows = []
     for model, system in keys:
-        cells = [model, system]
+        cells = [model, system.split(":")[0]]
         for bs in sizes:
             r, b = by.get((model, system, bs)), base[bs]
             if r is None or "error" in r:
@@ -178,7 +179,9 @@ def _compare(data: dict) -> str:
         if any("bleu" in r for r in runs):
             cells.append(_cell(done[-1].get("bleu")) if done else "—")
         rows.append(cells)
-    header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {data['settings']['reference']}"]
+    reference = data["settings"]["reference"]
+    beam = " (beam: to beam)" if any("beam" in s for _, s in keys) else ""
+    header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {reference}{beam}"]
     return _markdown(header + (["BLEU"] if any("bleu" in r for r in runs) else []), rows)
 
 
@@ -196,8 +199,15 @@ def _generic(data: dict) -> str:
     return _markdown(keys, [[_cell(r.get(k)) for k in keys] for r in data["runs"]])
 
 
-def table(data: dict[str, Any]) -> str:
-    """A results file's runs as a markdown table, with the machine and command beneath it."""
+MARKED = re.compile(r"(<!-- bench table: (\S+?)(?: systems=(\S+))? -->\n).*?(<!-- end bench table -->)", re.S)
+
+
+def table(data: dict[str, Any], systems: list[str] | None = None) -> str:
+    """A results file's runs as a markdown table, with the machine and command beneath it; `systems`:
+    only those systems' runs, in that order."""
+    if systems:
+        data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),
+                                       key=lambda r: systems.index(r["system"]))}
     body = {"compare": _compare, "contention": _contention}.get(data["kind"], _generic)(data)
     m, v = data["machine"], data["versions"]
     where = m["gpu"] or f"{m['cpu']} (`{m['cpu_isa']}`, {m['cores']} cores)"
@@ -207,3 +217,22 @@ def table(data: dict[str, Any]) -> str:
     return (f"{body}\n\n{where}{f', {threads} threads' if threads else ''}; {libs}; commit "
             f"`{data['commit']}`{' (modified)' if data['modified'] else ''}, {data['date']}.\n"
             f"`{data['command']}`")
+
+
+def update(doc: Path) -> list[str]:
+    """Rewrite each table of `doc` marked `<!-- bench table: FILE [systems=A,B] -->` ... `<!-- end
+    bench table -->` from its results file (a path from the repository's root); -> the files that
+    are not there yet, whose tables are left as they are."""
+    missing: list[str] = []
+
+    def fill(m: re.Match) -> str:
+        path = REPO / m.group(2)
+        if not path.is_file():
+            missing.append(m.group(2))
+            return m.group(0)
+        systems = m.group(3).split(",") if m.group(3) else None
+        return f"{m.group(1)}{table(load(path), systems)}\n{m.group(4)}"
+
+    text = doc.read_text(encoding="utf-8")
+    doc.write_text(MARKED.sub(fill, text), encoding="utf-8")
+    return missing
