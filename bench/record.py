@@ -155,14 +155,20 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _compare(data: dict) -> str:
-    """Rows (model, system), a column per batch size: sentences/s and the ratio to the reference
-    system on the first model at that batch size; the least identical share; BLEU at the largest."""
+def _compare(data: dict, systems: list[str] | None) -> str:
+    """Rows (model, system) of `systems` (default: all), a column per batch size: sentences/s and the
+    ratio to the reference system (on its model) at that batch size; the least identical
+    share; BLEU at the largest batch size."""
     runs = data["runs"]
     sizes = sorted({r["batch_size"] for r in runs})
-    keys = list(dict.fromkeys((r["model"], r["system"]) for r in runs))
     by = {(r["model"], r["system"], r["batch_size"]): r for r in runs}
-    base = {bs: by.get((keys[0][0], data["settings"]["reference"], bs)) for bs in sizes}
+    reference = data["settings"]["reference"]
+    model = next((r["model"] for r in runs if r["system"] == reference), None)
+    base = {bs: by.get((model, reference, bs)) for bs in sizes}
+    keys = list(dict.fromkeys((r["model"], r["system"]) for r in runs))
+    if systems:
+        keys = sorted((k for k in keys if k[1] in systems), key=lambda k: systems.index(k[1]))
+    runs = [r for r in runs if (r["model"], r["system"]) in keys]
     rows = []
     for model, system in keys:
         cells = [model, system.split(":")[0]]
@@ -179,7 +185,6 @@ def _compare(data: dict) -> str:
         if any("bleu" in r for r in runs):
             cells.append(_cell(done[-1].get("bleu")) if done else "—")
         rows.append(cells)
-    reference = data["settings"]["reference"]
     beam = " (beam: to beam)" if any("beam" in s for _, s in keys) else ""
     header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {reference}{beam}"]
     return _markdown(header + (["BLEU"] if any("bleu" in r for r in runs) else []), rows)
@@ -205,10 +210,13 @@ MARKED = re.compile(r"(<!-- bench table: (\S+?)(?: systems=(\S+))? -->\n).*?(<!-
 def table(data: dict[str, Any], systems: list[str] | None = None) -> str:
     """A results file's runs as a markdown table, with the machine and command beneath it; `systems`:
     only those systems' runs, in that order."""
-    if systems:
-        data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),
-                                       key=lambda r: systems.index(r["system"]))}
-    body = {"compare": _compare, "contention": _contention}.get(data["kind"], _generic)(data)
+    if data["kind"] == "compare":
+        body = _compare(data, systems)
+    else:
+        if systems:
+            data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),
+                                           key=lambda r: systems.index(r["system"]))}
+        body = (_contention if data["kind"] == "contention" else _generic)(data)
     m, v = data["machine"], data["versions"]
     where = m["gpu"] or f"{m['cpu']} (`{m['cpu_isa']}`, {m['cores']} cores)"
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val and k in ("torch", "ctranslate2", "transformers",
