@@ -195,7 +195,7 @@ def _contention(data: dict) -> str:
     rows = [[r["model"], r["system"], str(r["batch_size"]), _cell(r.get("quiet_sentences_per_s")),
              _cell(r.get("contended_sentences_per_s")), _share(r.get("kept")) if "error" not in r else r["error"]]
             for r in data["runs"]]
-    return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competitors", "kept"], rows)
+    return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competing processes", "kept"], rows)
 
 
 def _generic(data: dict) -> str:

@@ -275,9 +275,10 @@ def serve(job_path: str) -> int:
         request = json.loads(line)
         try:
             if decode is None:
-                raise RuntimeError(broken)
-            seconds, outputs, extra = decode(request["batch_size"], request["n"])
-            answer = {"seconds": seconds, "outputs": outputs, **extra}
+                answer = {"error": broken}
+            else:
+                seconds, outputs, extra = decode(request["batch_size"], request["n"])
+                answer = {"seconds": seconds, "outputs": outputs, **extra}
         except Exception as e:
             answer = {"error": f"{type(e).__name__}: {e}"[:500]}
         reply.write(json.dumps({**answer, "modules": loaded()}) + "\n")
