@@ -94,7 +94,7 @@ def opus_mt_shaped(out: Path, texts: list[str]) -> Path:
                                    hard_vocab_limit=False, model_type="unigram", character_coverage=1.0,
                                    minloglevel=2, num_threads=2)
     sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
+    pieces = [p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in ("<unk>", "<s>", "</s>")]
     vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
     for i in range(len(vocab), OPUS_MT["vocab_size"] - 1):
         vocab[f"<unused{i}>"] = i
@@ -313,8 +313,8 @@ class Matrix:
         """The system whose outputs `system`'s are compared with: a peer's beam search with aggdec's
         `beam` where it runs (aggdec's `beam` itself with none), any other with `--reference`."""
         if system.method == "beam":
-            beam = next((s for s in self.systems if s.kind == "aggdec" and s.method == "beam" and s.model == system.model
-                         and s.precision == "fp32"), None)
+            beam = next((s for s in self.systems if s.kind == "aggdec" and s.method == "beam"
+                         and s.model == system.model and s.precision == "fp32"), None)
             return None if beam is system else beam
         return next(s for s in self.systems if s.name == self.a.reference)
 

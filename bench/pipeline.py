@@ -46,7 +46,8 @@ def decode_rows(translator, options, batch):
 def hypotheses(out: Path) -> list[str]:
     import pyarrow.parquet as pq
 
-    return [h for f in sorted(out.glob("*.parquet")) for h in pq.read_table(f, columns=["hyp"]).column("hyp").to_pylist()]
+    return [h for f in sorted(out.glob("*.parquet"))
+            for h in pq.read_table(f, columns=["hyp"]).column("hyp").to_pylist()]
 
 
 def main(a: argparse.Namespace) -> int:
