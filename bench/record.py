@@ -198,6 +198,24 @@ def _contention(data: dict) -> str:
     return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competing processes", "kept"], rows)
 
 
+def _gpu(data: dict) -> str:
+    """The environment in a line, then a row per measured run of the GPU check."""
+    env = next((r for r in data["runs"] if r.get("section") == "environment"), {})
+    rows = []
+    for r in data["runs"]:
+        if r.get("section") == "environment":
+            continue
+        same = r.get("identical_to_greedy", r.get("identical", r.get("identical_to_api")))
+        rows.append([r["section"], r.get("model", "—"), r.get("method") or r.get("system", "—"),
+                     r.get("precision", "—"), str(r.get("batch_size", "—")),
+                     r["error"] if "error" in r else _cell(r.get("sentences_per_s")), _share(same),
+                     _share(r.get("identical_to_cpu_greedy")), _cell(r.get("captures_after_warm_up")),
+                     _cell(r.get("peak_memory_mb"))])
+    head = ", ".join(f"{k} {_cell(v)}" for k, v in env.items() if k != "section")
+    return head + "\n\n" + _markdown(["section", "model", "system", "precision", "batch", "sent/s", "identical",
+                                      "to CPU greedy", "captures after warm-up", "peak MB"], rows)
+
+
 def _generic(data: dict) -> str:
     """Every scalar field of the runs, in the order they first appear."""
     keys = list(dict.fromkeys(k for r in data["runs"] for k, v in r.items() if not isinstance(v, (list, dict))))
@@ -216,7 +234,7 @@ def table(data: dict[str, Any], systems: list[str] | None = None) -> str:
         if systems:
             data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),
                                            key=lambda r: systems.index(r["system"]))}
-        body = (_contention if data["kind"] == "contention" else _generic)(data)
+        body = {"contention": _contention, "gpu": _gpu}.get(data["kind"], _generic)(data)
     m, v = data["machine"], data["versions"]
     where = m["gpu"] or f"{m['cpu']} (`{m['cpu_isa']}`, {m['cores']} cores)"
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val and k in ("torch", "ctranslate2", "transformers",
