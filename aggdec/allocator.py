@@ -3,10 +3,10 @@
 A decoding loop allocates the same large tensors at every call (a batch's logits, its padded
 encoder states, grown caches: megabytes each). With glibc's defaults, blocks above its mmap threshold
 are mapped afresh and blocks freed at the top of the heap are returned to the system, so every call
-pays page faults to touch them again: at batch 256 a 21 MB zero fill measured 4.6 ms, at memory
-bandwidth it is about 1 ms. `keep_freed_memory` raises the mmap threshold to glibc's largest (32 MiB)
-and the trim threshold to 1 GiB, so such blocks are reused from the heap (measured on gec IAD int8:
-+8% at batch 128, +6-17% at batch 256; docs/benchmarks.md). The cost is memory: up to 1 GiB freed
+pays page faults to touch them again, several times what writing the block at memory bandwidth
+costs. `keep_freed_memory` raises the mmap threshold to glibc's largest (32 MiB) and the trim
+threshold to 1 GiB, so such blocks are reused from the heap (docs/design.md, "Large batches: memory,
+not arithmetic"). The cost is memory: up to 1 GiB freed
 heap stays with the process. Larger blocks are still mapped; the verifier's top-1 keeps its logits
 under that size (aggdec.model.projection.TOP1_ROWS).
 """

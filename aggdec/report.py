@@ -10,7 +10,7 @@ One page, no external files: plots are PNGs rendered with matplotlib's Agg canva
 2. distribution of draft tokens accepted per verifier call (`accepted_per_iter`);
 3. throughput by source length bucket (src_len, model tokens) from each row's decode_ms share;
 4. acceptance by position in the draft block (see `acceptance_by_position`);
-5. a method comparison table and plot from `bench/*.py` JSON files (`runs` lists), when given.
+5. a method comparison table and plot from `python -m bench compare` results files (`runs` lists), when given.
 
 Needs matplotlib (the `report` extra).
 """
@@ -103,14 +103,17 @@ def bucket_labels(edges: Sequence[int] = LENGTH_EDGES) -> list[str]:
 
 
 def load_bench(path: str | Path) -> list[dict[str, Any]]:
-    """The `runs` of a benchmark JSON file; ValueError naming the file and key when malformed."""
+    """The measured `runs` of a benchmark results file (runs that failed, with an `error`, left out);
+    ValueError naming the file and key when malformed."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     runs = data.get("runs") if isinstance(data, dict) else None
+    if isinstance(runs, list):
+        runs = [r for r in runs if not (isinstance(r, dict) and "error" in r)]
     if not isinstance(runs, list) or not runs:
-        raise ValueError(f"{path}: no 'runs' list, or an empty one (expected a bench/*.py results file)")
+        raise ValueError(f"{path}: no measured 'runs' (expected a `python -m bench` results file)")
     for i, run in enumerate(runs):
         for key in BENCH_KEYS:
             if not isinstance(run, dict) or key not in run:
@@ -420,7 +423,7 @@ def _bench_table(benches: list[tuple[str, list[dict]]]) -> str:
             same_data = g is not None and g.get("sentences") == r.get("sentences")
             rows.append([name, r["method"], r["batch_size"], r["sentences_per_s"], r.get("tokens_per_s"),
                          r["sentences_per_s"] / g["sentences_per_s"] if same_data else None,
-                         r.get("identical_to_greedy"), r.get("mean_accepted_per_iter"), r.get("mean_iterations")])
+                         r.get("identical"), r.get("calls_per_sentence")])
     header = ["file", "method", "batch", "sentences / s", "tokens / s", "x greedy (same batch)",
-              "identical to greedy", "accepted / call", "calls / sentence"]
+              "identical to the reference", "calls / sentence"]
     return _table(header, rows, left=2)

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    from bench import compare
+    from bench import compare, gpu, host, pipeline
 
     p = sub.add_parser("compare", help="systems x models x batch sizes")
     compare.add_arguments(p, "greedy,iad,ct2")
@@ -33,8 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--competitors", type=int, default=1, help="how many competing processes")
     p.add_argument("--competitor-threads", type=int, default=2, help="threads of each competing process")
     p.set_defaults(func=compare.contention)
-    p = sub.add_parser("table", help="a results file as a markdown table")
-    p.add_argument("file", type=Path)
+    p = sub.add_parser("host", help="host work per decoder call (tiny model)")
+    host.add_arguments(p)
+    p.set_defaults(func=host.main)
+    p = sub.add_parser("gpu", help="the decode engine on a GPU")
+    gpu.add_arguments(p)
+    p.set_defaults(func=gpu.main)
+    p = sub.add_parser("jobs", help="corpus jobs on Ray against in-process decoding")
+    pipeline.add_arguments(p)
+    p.set_defaults(func=pipeline.main)
+    p = sub.add_parser("table", help="a results file as a markdown table, or the marked tables of documents")
+    p.add_argument("file", type=Path, nargs="?", help="a results file: print its table")
+    p.add_argument("--systems", default=None, help="only these systems, in this order")
+    p.add_argument("--update", type=Path, nargs="+", default=[], metavar="DOC",
+                   help="rewrite the marked tables of these markdown files (bench/record.py, `update`)")
     p.set_defaults(func=print_table)
     a = ap.parse_args(argv)
     try:
@@ -45,9 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(a: argparse.Namespace) -> int:
-    from bench.record import load, table
+    from bench.record import load, table, update
 
-    print(table(load(a.file)))
+    if a.file:
+        print(table(load(a.file), a.systems.split(",") if a.systems else None))
+    for doc in a.update:
+        for path in update(doc):
+            print(f"{doc}: {path} is not there yet; its table is left as it was", file=sys.stderr)
     return 0
 
 

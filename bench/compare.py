@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -93,7 +94,7 @@ def opus_mt_shaped(out: Path, texts: list[str]) -> Path:
                                    hard_vocab_limit=False, model_type="unigram", character_coverage=1.0,
                                    minloglevel=2, num_threads=2)
     sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
+    pieces = [p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in ("<unk>", "<s>", "</s>")]
     vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
     for i in range(len(vocab), OPUS_MT["vocab_size"] - 1):
         vocab[f"<unused{i}>"] = i
@@ -208,6 +209,7 @@ class Matrix:
         self.work.mkdir(parents=True, exist_ok=True)
         self.models: dict[str, Model] = {}
         self.processes: dict[str, Process] = {}
+        self.errors: dict[tuple[str, int], str] = {}
 
     def count(self, bs: int) -> int:
         return min(self.a.bs1_limit, len(self.sources)) if bs == 1 else len(self.sources)
@@ -261,8 +263,15 @@ class Matrix:
                 "max_len_b": m.max_len_b, "bin": m.fairseq_inputs(sorted({self.count(bs) for bs in self.sizes}))}
 
     def start(self) -> None:
+        """Each system's process; a system whose model a peer cannot take (a conversion that fails)
+        gets its error at every batch size instead."""
         for i, system in enumerate(self.systems):
-            job = self.job(system)
+            try:
+                job = self.job(system)
+            except subprocess.CalledProcessError as e:
+                why = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
+                self.errors.update({(system.name, bs): f"preparing {system.name}: {why[0]}"[:500] for bs in self.sizes})
+                continue
             (self.work / f"job-{i}.json").write_text(json.dumps(job))
             self.processes[system.name] = Process(system, self.work / f"job-{i}.json", self.a.threads, REPO)
 
@@ -271,6 +280,43 @@ class Matrix:
             p.close()
         if self.a.work is None:
             shutil.rmtree(self.work, ignore_errors=True)
+
+    def rounds(self, conditions: dict[str, Callable[[], Any] | None]) -> Iterator[tuple[System, int, str, dict]]:
+        """Start the systems' processes and go round them: every repeat, batch size, system and
+        condition (a name, and a context manager factory to decode under, or None) in turn;
+        -> (system, batch size, condition, reply) of each reply without an error. A system that
+        answers with an error at a batch size is not asked there again (`errors`). The processes
+        are closed at the end."""
+        try:
+            self.start()
+            for rep in range(self.a.repeat):
+                for bs in self.sizes:
+                    n = self.count(bs)
+                    for system in self.systems:
+                        for name, condition in conditions.items():
+                            if (system.name, bs) in self.errors:
+                                continue
+                            with condition() if condition else nullcontext():
+                                reply = self.processes[system.name].request(bs, n)
+                            label = f"rep {rep} bs {bs} {system.name}{' ' + name if name else ''}"
+                            if "error" in reply:
+                                self.errors[(system.name, bs)] = reply["error"]
+                                print(f"{label}: {reply['error']}", file=sys.stderr, flush=True)
+                                continue
+                            print(f"{label}: {n / reply['seconds']:.1f} sentences/s", flush=True)
+                            yield system, bs, name, reply
+                            time.sleep(0.5)  # let the last process's threads go idle before the next one starts
+        finally:
+            self.close()
+
+    def reference(self, system: System) -> System | None:
+        """The system whose outputs `system`'s are compared with: a peer's beam search with aggdec's
+        `beam` where it runs (aggdec's `beam` itself with none), any other with `--reference`."""
+        if system.method == "beam":
+            beam = next((s for s in self.systems if s.kind == "aggdec" and s.method == "beam"
+                         and s.model == system.model and s.precision == "fp32"), None)
+            return None if beam is system else beam
+        return next(s for s in self.systems if s.name == self.a.reference)
 
     def ids(self, system: System, outputs: list) -> list[list[int]]:
         """A reply's outputs as token ids (CTranslate2 and fairseq answer in pieces)."""
@@ -289,53 +335,34 @@ def median_rate(seconds: list[float], n: int) -> float:
     return n / statistics.median(seconds)
 
 
-def compare(a: argparse.Namespace) -> int:
+def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The runs of `compare`: every system at every batch size, repeats interleaved (module docstring)."""
     matrix = Matrix(a)
-    settings = recorded(a)
-    results = Results(a.out, "compare", settings, a.device)
     seconds: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     extra: dict[tuple[str, int], dict] = {}
-    errors: dict[tuple[str, int], str] = {}
-    try:
-        matrix.start()
-        for rep in range(a.repeat):
-            for bs in matrix.sizes:
-                n = matrix.count(bs)
-                for system in matrix.systems:
-                    key = (system.name, bs)
-                    if key in errors:
-                        continue
-                    reply = matrix.processes[system.name].request(bs, n)
-                    if "error" in reply:
-                        errors[key] = reply["error"]
-                        print(f"rep {rep} bs {bs} {system.name}: {reply['error']}", file=sys.stderr, flush=True)
-                        continue
-                    seconds.setdefault(key, []).append(reply["seconds"])
-                    outputs[key] = matrix.ids(system, reply["outputs"])
-                    extra[key] = {k: v for k, v in reply.items() if k not in ("seconds", "outputs", "modules")}
-                    print(f"rep {rep} bs {bs} {system.name}: {n / reply['seconds']:.1f} sentences/s", flush=True)
-                    time.sleep(0.5)  # let the last process's threads go idle before the next one starts
-    finally:
-        matrix.close()
+    for system, bs, _, reply in matrix.rounds({"": None}):
+        key = (system.name, bs)
+        seconds.setdefault(key, []).append(reply["seconds"])
+        outputs[key] = matrix.ids(system, reply["outputs"])
+        extra[key] = {k: v for k, v in reply.items() if k not in ("seconds", "outputs", "modules")}
     scores: dict[tuple, dict] = {}
     for system in matrix.systems:
         model = matrix.model(system)
-        ref_system = next(s for s in matrix.systems if s.name == a.reference)
-        same_model = matrix.model(ref_system) is model
+        reference = matrix.reference(system)
         for bs in matrix.sizes:
             key, n = (system.name, bs), matrix.count(bs)
             run: dict[str, Any] = {"model": model.name, "system": system.name, "method": system.name,
                                    "batch_size": bs, "sentences": n}
-            if key in errors:
-                results.add({**run, "error": errors[key]})
+            if key in matrix.errors:
+                yield {**run, "error": matrix.errors[key]}
                 continue
             outs = outputs[key]
             toks = sum(len(o) + 1 for o in outs)
-            rate = median_rate(seconds[key], n)
-            run.update(sentences_per_s=round(rate, 2), all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
+            run.update(sentences_per_s=round(median_rate(seconds[key], n), 2),
+                       all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
                        tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
-            ref = outputs.get((a.reference, bs)) if same_model else None
+            ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
                 cut = a.max_new or None
                 run["identical"] = round(sum(x[:cut] == y[:cut] for x, y in zip(outs, ref)) / n, 4)
@@ -344,7 +371,13 @@ def compare(a: argparse.Namespace) -> int:
                 if hyps not in scores:
                     scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
                 run.update(scores[hyps])
-            results.add(run)
+            yield run
+
+
+def compare(a: argparse.Namespace) -> int:
+    results = Results(a.out, "compare", recorded(a), a.device)
+    for run in measure(a):
+        results.add(run)
     return 1 if results.failed else 0
 
 
@@ -379,40 +412,19 @@ def contention(a: argparse.Namespace) -> int:
     matrix = Matrix(a)
     settings = recorded(a)
     results = Results(a.out, "contention", settings, a.device)
-    seconds: dict[tuple[str, int, bool], list[float]] = {}
-    errors: dict[tuple[str, int], str] = {}
-    try:
-        matrix.start()
-        for rep in range(a.repeat):
-            for bs in matrix.sizes:
-                n = matrix.count(bs)
-                for system in matrix.systems:
-                    for busy in (False, True):
-                        if (system.name, bs) in errors:
-                            continue
-                        if busy:
-                            with competitors(a.competitors, a.competitor_threads):
-                                reply = matrix.processes[system.name].request(bs, n)
-                        else:
-                            reply = matrix.processes[system.name].request(bs, n)
-                        if "error" in reply:
-                            errors[(system.name, bs)] = reply["error"]
-                            continue
-                        seconds.setdefault((system.name, bs, busy), []).append(reply["seconds"])
-                        print(f"rep {rep} bs {bs} {system.name} {'contended' if busy else 'quiet'}: "
-                              f"{n / reply['seconds']:.1f} sentences/s", flush=True)
-                        time.sleep(0.5)
-    finally:
-        matrix.close()
+    seconds: dict[tuple[str, int, str], list[float]] = {}
+    busy = {"quiet": None, "contended": lambda: competitors(a.competitors, a.competitor_threads)}
+    for system, bs, condition, reply in matrix.rounds(busy):
+        seconds.setdefault((system.name, bs, condition), []).append(reply["seconds"])
     for system in matrix.systems:
         for bs in matrix.sizes:
             run = {"model": matrix.model(system).name, "system": system.name, "method": system.name,
                    "batch_size": bs, "sentences": matrix.count(bs)}
-            if (system.name, bs) in errors:
-                results.add({**run, "error": errors[(system.name, bs)]})
+            if (system.name, bs) in matrix.errors:
+                results.add({**run, "error": matrix.errors[(system.name, bs)]})
                 continue
-            quiet = median_rate(seconds[(system.name, bs, False)], run["sentences"])
-            busy = median_rate(seconds[(system.name, bs, True)], run["sentences"])
-            results.add({**run, "sentences_per_s": round(busy, 2), "quiet_sentences_per_s": round(quiet, 2),
-                         "contended_sentences_per_s": round(busy, 2), "kept": round(busy / quiet, 3)})
+            quiet = median_rate(seconds[(system.name, bs, "quiet")], run["sentences"])
+            contended = median_rate(seconds[(system.name, bs, "contended")], run["sentences"])
+            results.add({**run, "sentences_per_s": round(contended, 2), "quiet_sentences_per_s": round(quiet, 2),
+                         "contended_sentences_per_s": round(contended, 2), "kept": round(contended / quiet, 3)})
     return 1 if results.failed else 0

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -154,17 +155,23 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _compare(data: dict) -> str:
-    """Rows (model, system), a column per batch size: sentences/s and the ratio to the reference
-    system on the first model at that batch size; the least identical share; BLEU at the largest."""
+def _compare(data: dict, systems: list[str] | None) -> str:
+    """Rows (model, system) of `systems` (default: all), a column per batch size: sentences/s and the
+    ratio to the reference system (on its model) at that batch size; the least identical
+    share; BLEU at the largest batch size."""
     runs = data["runs"]
     sizes = sorted({r["batch_size"] for r in runs})
-    keys = list(dict.fromkeys((r["model"], r["system"]) for r in runs))
     by = {(r["model"], r["system"], r["batch_size"]): r for r in runs}
-    base = {bs: by.get((keys[0][0], data["settings"]["reference"], bs)) for bs in sizes}
+    reference = data["settings"]["reference"]
+    model = next((r["model"] for r in runs if r["system"] == reference), None)
+    base = {bs: by.get((model, reference, bs)) for bs in sizes}
+    keys = list(dict.fromkeys((r["model"], r["system"]) for r in runs))
+    if systems:
+        keys = sorted((k for k in keys if k[1] in systems), key=lambda k: systems.index(k[1]))
+    runs = [r for r in runs if (r["model"], r["system"]) in keys]
     rows = []
     for model, system in keys:
-        cells = [model, system]
+        cells = [model, system.split(":")[0]]
         for bs in sizes:
             r, b = by.get((model, system, bs)), base[bs]
             if r is None or "error" in r:
@@ -178,7 +185,8 @@ def _compare(data: dict) -> str:
         if any("bleu" in r for r in runs):
             cells.append(_cell(done[-1].get("bleu")) if done else "—")
         rows.append(cells)
-    header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {data['settings']['reference']}"]
+    beam = " (beam: to beam)" if any("beam" in s for _, s in keys) else ""
+    header = ["model", "system", *(f"batch {bs}" for bs in sizes), f"identical to {reference}{beam}"]
     return _markdown(header + (["BLEU"] if any("bleu" in r for r in runs) else []), rows)
 
 
@@ -187,7 +195,25 @@ def _contention(data: dict) -> str:
     rows = [[r["model"], r["system"], str(r["batch_size"]), _cell(r.get("quiet_sentences_per_s")),
              _cell(r.get("contended_sentences_per_s")), _share(r.get("kept")) if "error" not in r else r["error"]]
             for r in data["runs"]]
-    return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competitors", "kept"], rows)
+    return _markdown(["model", "system", "batch", "quiet sent/s", f"beside {n} competing processes", "kept"], rows)
+
+
+def _gpu(data: dict) -> str:
+    """The environment in a line, then a row per measured run of the GPU check."""
+    env = next((r for r in data["runs"] if r.get("section") == "environment"), {})
+    rows = []
+    for r in data["runs"]:
+        if r.get("section") == "environment":
+            continue
+        same = r.get("identical_to_greedy", r.get("identical", r.get("identical_to_api")))
+        rows.append([r["section"], r.get("model", "—"), r.get("method") or r.get("system", "—"),
+                     r.get("precision", "—"), str(r.get("batch_size", "—")),
+                     r["error"] if "error" in r else _cell(r.get("sentences_per_s")), _share(same),
+                     _share(r.get("identical_to_cpu_greedy")), _cell(r.get("captures_after_warm_up")),
+                     _cell(r.get("peak_memory_mb"))])
+    head = ", ".join(f"{k} {_cell(v)}" for k, v in env.items() if k != "section")
+    return head + "\n\n" + _markdown(["section", "model", "system", "precision", "batch", "sent/s", "identical",
+                                      "to CPU greedy", "captures after warm-up", "peak MB"], rows)
 
 
 def _generic(data: dict) -> str:
@@ -196,9 +222,19 @@ def _generic(data: dict) -> str:
     return _markdown(keys, [[_cell(r.get(k)) for k in keys] for r in data["runs"]])
 
 
-def table(data: dict[str, Any]) -> str:
-    """A results file's runs as a markdown table, with the machine and command beneath it."""
-    body = {"compare": _compare, "contention": _contention}.get(data["kind"], _generic)(data)
+MARKED = re.compile(r"(<!-- bench table: (\S+?)(?: systems=(\S+))? -->\n).*?(<!-- end bench table -->)", re.S)
+
+
+def table(data: dict[str, Any], systems: list[str] | None = None) -> str:
+    """A results file's runs as a markdown table, with the machine and command beneath it; `systems`:
+    only those systems' runs, in that order."""
+    if data["kind"] == "compare":
+        body = _compare(data, systems)
+    else:
+        if systems:
+            data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),
+                                           key=lambda r: systems.index(r["system"]))}
+        body = {"contention": _contention, "gpu": _gpu}.get(data["kind"], _generic)(data)
     m, v = data["machine"], data["versions"]
     where = m["gpu"] or f"{m['cpu']} (`{m['cpu_isa']}`, {m['cores']} cores)"
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val and k in ("torch", "ctranslate2", "transformers",
@@ -207,3 +243,22 @@ def table(data: dict[str, Any]) -> str:
     return (f"{body}\n\n{where}{f', {threads} threads' if threads else ''}; {libs}; commit "
             f"`{data['commit']}`{' (modified)' if data['modified'] else ''}, {data['date']}.\n"
             f"`{data['command']}`")
+
+
+def update(doc: Path) -> list[str]:
+    """Rewrite each table of `doc` marked `<!-- bench table: FILE [systems=A,B] -->` ... `<!-- end
+    bench table -->` from its results file (a path from the repository's root); -> the files that
+    are not there yet, whose tables are left as they are."""
+    missing: list[str] = []
+
+    def fill(m: re.Match) -> str:
+        path = REPO / m.group(2)
+        if not path.is_file():
+            missing.append(m.group(2))
+            return m.group(0)
+        systems = m.group(3).split(",") if m.group(3) else None
+        return f"{m.group(1)}{table(load(path), systems)}\n{m.group(4)}"
+
+    text = doc.read_text(encoding="utf-8")
+    doc.write_text(MARKED.sub(fill, text), encoding="utf-8")
+    return missing

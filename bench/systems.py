@@ -88,8 +88,9 @@ class Process:
 
     def __init__(self, system: System, job: Path, threads: int, repo: Path):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        if system.kind == "aggdec":  # the parent's tree first; -P keeps this folder off the path
-            flags = ["-P"]
+        if system.kind == "aggdec":  # the parent's tree first, and (Python 3.11+) not this folder
+            flags = []
+            env["PYTHONSAFEPATH"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
         else:  # -I: no PYTHONPATH, no user site, nothing of aggdec within reach but an installed copy
             flags = ["-I"]
@@ -275,9 +276,10 @@ def serve(job_path: str) -> int:
         request = json.loads(line)
         try:
             if decode is None:
-                raise RuntimeError(broken)
-            seconds, outputs, extra = decode(request["batch_size"], request["n"])
-            answer = {"seconds": seconds, "outputs": outputs, **extra}
+                answer = {"error": broken}
+            else:
+                seconds, outputs, extra = decode(request["batch_size"], request["n"])
+                answer = {"seconds": seconds, "outputs": outputs, **extra}
         except Exception as e:
             answer = {"error": f"{type(e).__name__}: {e}"[:500]}
         reply.write(json.dumps({**answer, "modules": loaded()}) + "\n")

@@ -6,10 +6,10 @@ Writes `<out>/train.tsv` and `<out>/valid.tsv` (columns source, noisy, clean): t
 `gec/train.tsv` as they are (but those whose clean side is held out, below), then `--copies` learner-error versions (aggdec.train.learner_errors,
 seed 1) of every clean English sentence in the pool: the `clean` column of `gec/train.tsv` and the
 `en` column of `ende/train.tsv` (3-80 words; with `--sentences-only`, full sentences only), deduplicated. Kept out of the pool: every `clean`
-sentence of `gec/valid.tsv` and `gec/test.tsv`, the corrections of `bench/data/learner-dev.tsv`,
+sentence of `gec/valid.tsv` and `gec/test.tsv`, the corrections of `models/data/learner-dev.tsv`,
 and two hash-selected slices of the ende sentences that are not in gec/train.tsv, one (`sha1 % 100 == 1`, 1,000 sentences) made into the
 generated half of `valid.tsv` (seed 2; the other half is `gec/valid.tsv`), the other
-(`sha1 % 100 == 0`) the held-out evaluation set `bench/data/learner-gen-dev.tsv` (`--dev-out`,
+(`sha1 % 100 == 0`) the held-out evaluation set `models/data/learner-gen-dev.tsv` (`--dev-out`,
 1,000 sentences, seed 3), which is only rewritten when asked.
 """
 
@@ -46,10 +46,10 @@ def _norm(sentence: str) -> str:
 
 def held_out(data: Path) -> set[str]:
     """Sentences never trained on (tokenised, so that spacing does not hide a match): the clean side
-    of gec/valid.tsv and gec/test.tsv and the corrections of bench/data/learner-dev.tsv."""
+    of gec/valid.tsv and gec/test.tsv and the corrections of models/data/learner-dev.tsv."""
     held = set(read_tsv(data / "gec" / "valid.tsv", "noisy", "clean")[1])
     held |= set(read_tsv(data / "gec" / "test.tsv", "noisy", "clean")[1])
-    held |= set(read_tsv(ROOT / "bench" / "data" / "learner-dev.tsv", "noisy", "clean")[1])
+    held |= set(read_tsv(ROOT / "models" / "data" / "learner-dev.tsv", "noisy", "clean")[1])
     return {_norm(s) for s in held}
 
 

@@ -109,7 +109,7 @@ def test_precision_option_end_to_end(tiny_model_dir):
     CPU, but fp32 attention differs in the last bit between batch compositions and a per-token
     quantization can round that into another int8 value (docs/design.md, "Verifier precision"); in
     float64 such differences are 1e-16. How close int8 and bf16 outputs stay to fp32's, and how fast
-    they run, depends on the CPU's instruction set: bench/precision_bench.py --verifier measures it."""
+    they run, depends on the CPU's instruction set: `python -m bench compare` measures it."""
     tr = Translator.load(tiny_model_dir, dtype=torch.float64)
     sents = synthetic_sentences(16, seed=3)
     outs = {}

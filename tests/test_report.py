@@ -78,8 +78,8 @@ def write_output_dir(root: Path, shards: list[tuple[str, int, int]]) -> Path:
 
 def write_bench(path: Path) -> Path:
     runs = [{"method": m, "batch_size": bs, "sentences": 100, "sentences_per_s": sps * bs ** 0.6,
-             "tokens_per_s": 20 * sps * bs ** 0.6, "identical_to_greedy": 1.0 if m != "beam" else 0.9,
-             **({"mean_accepted_per_iter": 4.2, "mean_iterations": 6.1} if m == "iad" else {})}
+             "tokens_per_s": 20 * sps * bs ** 0.6, "identical": 1.0 if m != "beam" else 0.9,
+             **({"calls_per_sentence": 6.1} if m == "iad" else {})}
             for m, sps in (("greedy", 5.0), ("iad", 17.0), ("beam", 2.0)) for bs in (1, 8, 32)]
     path.write_text(json.dumps({"model": "models/tiny", "runs": runs}))
     return path
@@ -198,4 +198,4 @@ def test_cli_report(tmp_path: Path):
     assert res.exit_code == 0, res.output
     assert page.read_text(encoding="utf-8").count("data:image/png;base64,") == 5
     res = CliRunner().invoke(main, ["report", str(out_dir), "--bench", str(out_dir / "_manifest.json")])
-    assert res.exit_code == 2 and "no 'runs' list" in res.output
+    assert res.exit_code == 2 and "no measured 'runs'" in res.output

@@ -68,13 +68,13 @@ class DraftBudget:
     EXPLORE = 20
     """After a challenger lost, the next one waits until best-length blocks have run this many times
     the seconds it lost (its block's time less that of its tokens at the choice's rate), so trials
-    cost at most about 1/EXPLORE of a run: at 256 `gec-base` rows one call drafting 64 tokens a row
-    took 190 ms, about 20 greedy calls, and trials of it every 32 two-call blocks cost more than a
-    tenth of a long run."""
+    cost at most about 1/EXPLORE of a run: on a wide batch one call drafting the longest length costs
+    tens of greedy calls, and trials of it at a fixed interval would cost a large share of a long
+    run."""
     COLD_TOKENS = 4096
     """A cold budget's first drafting challenger drafts at most this many tokens over the rows of its
     widest call so far (64 a row up to 64 rows, 16 at 256): its first call at a new shape costs the
-    most (at 256 `gec-base` rows, a first call at 64 tokens a row took 670 ms, 70 greedy calls)."""
+    most (product shapes oneDNN has not built kernels for yet)."""
     WARM = 2
     """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
     quickly what clearly does not pay."""

@@ -11,7 +11,7 @@ vectors of 16 floats (lengths that are not reduced several times slower on the C
 
 CHUNKED_FROM = 32768
 """Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
-chunked search's five operators (1 x 8,000: 10 against 25 us; 1 x 40,000: 38 against 27)."""
+chunked search's five operators, whose fixed cost only a long row repays."""
 
 
 def chunk_for(vocab: int) -> int | None:
@@ -26,8 +26,7 @@ def top_candidates(flat: torch.Tensor, count: int, chunk: int | None) -> tuple[t
     only the `count` chunks with the largest maxima are searched: any of the row's `count` largest
     values lies in one of them (a value in another chunk is below `count` chunk maxima, each a value of
     the row), so the result is torch.topk's but for the order among exactly equal values. Beam search's
-    rows are beam x vocabulary log-probs: at 64 sentences x 5 beams x 8,000 tokens, 0.2 against 1.0 ms.
-    Elsewhere (a GPU's top-k is one kernel), torch.topk."""
+    rows are beam x vocabulary log-probs, whose top candidates lie in a few chunks. Elsewhere (a GPU's top-k is one kernel), torch.topk."""
     rows, width = flat.shape
     plain = chunk is None or flat.device.type != "cpu" or width // chunk < 4 * count
     if plain or flat.numel() < CHUNKED_FROM:

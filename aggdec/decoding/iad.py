@@ -23,7 +23,7 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
 
     method: ClassVar[str] = "iad"
     # every slot verifies the call's whole draft width, where the row loop packs each row's own draft:
-    # compiled, 1.39x the row loop at batch size 1, 1.04x at 2, 0.95x at 4 (docs/benchmarks.md)
+    # the compiled step's saving outweighs that padding only at the smallest batch sizes
     compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
@@ -40,9 +40,9 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
 
 
 HOST_MATCH_ROWS = 64
-"""Most rows whose suffix match runs on the host (`InputCopy.match_rows`), on the CPU: 25-token
-sources, 5 us against `match`'s 79 at 1 row, 53 against 93 at 32, 104 against 142 at 64, 203
-against 164 at 128."""
+"""Most rows whose suffix match runs on the host (`InputCopy.match_rows`), on the CPU: a few rows
+match in plain Python for less than the tensor `match` costs in operators; from about a hundred
+rows the tensor match is the cheaper."""
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing

@@ -37,7 +37,7 @@ from aggdec.model.transformer import Transformer
 def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Right-pad int sequences into a (B, max_len) int64 tensor (width at least 1)."""
     width = max(1, max((len(s) for s in seqs), default=1))
-    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]  # one tensor call (256 rows: 0.28 against 1.2 ms)
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]  # one tensor call, not one a row
     out = torch.tensor(rows, dtype=torch.long) if rows else torch.full((0, width), pad, dtype=torch.long)
     return out.to(device)
 

@@ -63,15 +63,15 @@ COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_g
 """TorchInductor options of a compiled CPU step: a C++ wrapper; no guards on the model's modules; the
 weights frozen into the program as constants, so that its products can be TorchInductor's own C++
 GEMMs (`gemm_backend`) on weights packed once, inlined into the program instead of a library call
-per product (ende-base greedy at batch 1: about 0.5 -> 0.3 ms per step, docs/benchmarks.md).
+per product, whose call costs more than one row's arithmetic.
 Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
 each; symbolic ones compile once."""
 
 CPP_GEMM_SLOTS = 8
 """Slots up to which a compiled fp32 step's products are TorchInductor's C++ GEMM template on weights
-packed once, inlined into the program (ende-base greedy at 4 slots: 2.5x the eager row loop against
-1.7x with ATen's); with more slots ATen's products, which freezing turns into oneDNN's on prepacked
-weights (at 16: 1.4x against 1.2x; an output projection at 128 rows 1.1 against 3.4 ms). One backend
+packed once, inlined into the program (at a few rows it beats a library call); with more slots ATen's
+products, which freezing turns into oneDNN's on prepacked weights (faster than the template on wide
+products, the output projection first; docs/design.md, "Fixed slots: the slot loop"). One backend
 per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
 float64 (test) models always take ATen's."""
 
@@ -86,8 +86,8 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
 RAGGED_SLOTS = 16
 """Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
 which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
-step always takes it). With fewer rows the kernel's call costs more than the padding it skips
-(greedy gec-base at 1 slot: 0.92x; ende-base at 64: 1.26x, docs/benchmarks.md)."""
+step always takes it). With fewer rows the kernel's call through the dispatcher costs more than
+the padding it skips."""
 
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")

@@ -2,8 +2,8 @@
 
 PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm, which runs a generic code path on
 non-Intel CPUs. oneDNN's JIT kernels, which PyTorch already uses for bf16, compute the same products
-faster from about a million multiply-adds up (`bench/linear_bench.py`, docs/design.md); below
-`MIN_MACS` MKL's small-matrix paths are faster, so `linear` keeps them.
+faster from about a million multiply-adds up (docs/design.md, "fp32 products through oneDNN");
+below `MIN_MACS` MKL's small-matrix paths are faster, so `linear` keeps them.
 
 Both are fp32 with fp32 accumulation; only the summation order differs (about 1e-6 relative), as it
 already does between MKL's matrix-vector and matrix-matrix paths, so lossless methods stay lossless
@@ -38,9 +38,8 @@ WIDE_ROW_MACS = 1 << 17
 """A prepacked weight (`packed_for`) with at least this many multiply-adds per row (in x out: the
 256x768 fused q/k/v, 256x1024, 1024x256, the output projection) is used from 2 rows; any from
 `MIN_MACS` multiply-adds in all, as unpacked ones. Packing once removes the per-call reorder that made small
-products slower on oneDNN (`bench/linear_bench.py --products-only`, AVX-512 EPYC, 2 threads:
-256x1024 at 2 rows 19 against 31 us on MKL, 256x256 at 8 rows 16 against 12 us, at 20 rows 19
-against 22 us)."""
+products slower on oneDNN; a wide product then beats MKL from 2 rows, a 256x256 one only from about
+16 rows."""
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
@@ -168,7 +167,7 @@ class FusedLinear:
     """Several `Linear` layers applied to the same input as one product at inference: their weights
     (and biases) concatenated by output rows once, and again whenever one of them changes, then one
     `linear` (prepacked as `packed_for` decides) split back into each layer's output: one 256x768
-    product costs less than three 256x256 ones (20 rows: 31 against 3 x 22 us on an AVX-512 CPU).
+    product costs less than three 256x256 ones (one call's fixed cost instead of three).
 
     While torch.compile traces, the concatenation is part of the program (the slot loop's compiled
     step freezes its weights, so TorchInductor folds it into one constant weight). With gradients, or

@@ -61,18 +61,17 @@ def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
 def certified_pays(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is expected to beat fp32 on `device`, on calls of at least
     `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles. Not on GPUs, nor on CPUs whose bf16
-    products are AVX512-BF16 at best: there it measured 0.87-0.95x of fp32 on trained models
-    (docs/benchmarks.md)."""
+    products are AVX512-BF16 at best, where the bf16 product saves less than the bound and the
+    recomputed rows cost (docs/design.md, "Certified bf16 top-1")."""
     return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
 AUTO_CERTIFIED_ROWS = 64
 """Positions from which a call takes the certified top-1 under `verify_precision = "auto"` (fewer
-take fp32's). On a CPU with AMX, the top-1 alone over the shipped models' 8,000 tokens
-(`bench/precision_bench.py --top1`): at 64 positions 1.04x (ende-base, where a fifth of the
-positions need their candidates' fp32 logits) to 1.55x (gec-base) fp32's speed; below 16 as slow
-as 0.52x, and certified throughout, ende-base greedy decoded at 0.92-0.98x at batch 1 to 8
-(docs/benchmarks.md)."""
+take fp32's). The bf16 product's saving grows with the positions a call computes, while what the
+bound leaves to refine from fp32 logits does not shrink with them: on a CPU with AMX the certified
+top-1 pays from about 64 positions on every shipped model, and costs below that where many positions
+need their candidates' fp32 logits (docs/design.md, "Certified bf16 top-1")."""
 
 
 class OutputProjection:

@@ -96,7 +96,7 @@ class MultiheadAttention(nn.Module):
 
         math: two batched products and a softmax, which TorchInductor compiles into its own loops
         around the products (a compiled step's few queries per row: the CPU's flash-attention kernel
-        costs more in set-up than the arithmetic, about 0.6 ms for 256 rows of one query)."""
+        costs more in set-up than their arithmetic)."""
         b, t, d = q.shape
         h = self.heads
         # unflatten splits only the last dimension: views of a cache prefix need no contiguity check
@@ -336,8 +336,8 @@ class Transformer(nn.Module):
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., D) -> logits (..., V). From 2 rows on, the fp32 CPU product multiplies by the weight
-        prepacked once (equal to the unpacked product there, and faster: beam search's 320 rows at
-        batch 64 x beam 5, 2.7 against 3.5 ms); one row keeps the unpacked product, which differs."""
+        prepacked once (equal to the unpacked product there, and faster: no reorder per call); one
+        row keeps the unpacked product, which differs."""
         if self.output_int8 is not None:
             return self.output_int8(x)
         w = self.output_weight

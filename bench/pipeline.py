@@ -1,0 +1,134 @@
+"""`jobs`: a corpus job on a local Ray against decoding the same rows in-process.
+
+In-process: `Translator.translate_batch` over every row with the decode options of the job and the
+torch threads of one actor (what an actor does, without Ray). Jobs: `jobs.run.run_job` for each
+actor layout of `--actors` (0: the default layout), each into a fresh output folder, after a
+warm-up job on one shard that starts Ray's workers. Repeats interleave in-process decoding and
+every layout; per layout: the median wall time, sentences/s, efficiency (in-process decoding time /
+job wall time) and the share of rows whose output equals in-process decoding's. Ray's start-up and
+one actor's start (process, imports, model load, one row) are reported on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.record import Results, shown
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="models/gec-base")
+    ap.add_argument("--input", type=Path, required=True, help="a folder of Parquet shards")
+    ap.add_argument("--text-column", default="src")
+    ap.add_argument("--id-column", default="id")
+    ap.add_argument("--method", default="iad")
+    ap.add_argument("--limit", type=int, default=0, help="first N rows of each shard (0: all)")
+    ap.add_argument("--actors", default="1,0", help="actor counts, comma-separated (0: the default layout)")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    ap.add_argument("--out", type=Path, default=None)
+
+
+def decode_rows(translator, options, batch):
+    """A decode actor's task for the start-up probe: the batch's `src` rows decoded."""
+    import pyarrow as pa
+
+    return pa.table({"hyp": [r.text for r in translator.translate_batch(list(batch["src"]), options)]})
+
+
+def hypotheses(out: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return [h for f in sorted(out.glob("*.parquet"))
+            for h in pq.read_table(f, columns=["hyp"]).column("hyp").to_pylist()]
+
+
+def main(a: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import numpy as np
+    import pyarrow.parquet as pq
+    import ray
+    import torch
+
+    from aggdec.api import Translator
+    from cluster.actors import DecodeWorker
+    from cluster.connection import alive_nodes, connect, disconnect
+    from cluster.resources import plan_actors
+    from jobs.run import run_job
+    from jobs.spec import load_spec
+
+    settings = {k: shown(str(v)) if isinstance(v, Path) else v for k, v in vars(a).items()
+                if k not in ("out", "func", "command")}
+    results = Results(a.out, "jobs", settings)
+    work = Path(tempfile.mkdtemp(prefix="aggdec-bench-jobs-"))
+    try:
+        shards = sorted(a.input.glob("*.parquet"))
+        if not shards:
+            raise ValueError(f"{a.input}: no Parquet shards")
+        source, texts = work / "input", []
+        source.mkdir()
+        for f in shards:  # the rows decoded, in the order the job's outputs list them
+            table = pq.read_table(f)
+            table = table.slice(0, a.limit) if a.limit else table
+            pq.write_table(table, source / f.name)
+            texts += table.column(a.text_column).to_pylist()
+
+        def spec(out: Path, actors: int, inp: Path = source):
+            return load_spec(None, [f"model={a.model}", f"input.path={inp}", f"output.dir={out}",
+                                    f"input.text_column={a.text_column}", f"input.id_column={a.id_column}",
+                                    f"decode.method={a.method}", f"decode.max_batch_size={a.max_batch_size}",
+                                    f"resources.actors={actors}"])
+
+        counts = [int(n) for n in a.actors.split(",")]
+        conn = connect(None, num_cpus=a.num_cpus, log_to_driver=False)
+        results.add({"layout": "ray start", "wall_s": round(conn.seconds, 3)})
+        try:
+            plans = {n: plan_actors(alive_nodes(), actors=n) for n in counts}
+            threads = plans[counts[0]].torch_threads
+            torch.set_num_threads(threads)
+            tr = Translator.load(a.model)
+            opts = spec(work / "x", 1).decode
+            tr.translate_batch(texts[:32], opts)  # warm-up
+            t0 = time.perf_counter()
+            probe = ray.remote(DecodeWorker).options(num_cpus=plans[counts[0]].num_cpus).remote(
+                a.model, opts, decode_rows, torch_threads=threads)
+            ray.get(probe.__call__.remote({"src": np.array(["Hello ."], dtype=object)}))
+            results.add({"layout": "one actor's start", "wall_s": round(time.perf_counter() - t0, 3)})
+            ray.kill(probe)
+            run_job(spec(work / "warm-up", 1, shards[0]))
+            local: list[float] = []
+            walls: dict[int, list[float]] = {n: [] for n in counts}
+            same: dict[int, float] = {}
+            for rep in range(a.repeat):
+                t0 = time.perf_counter()
+                reference = [r.text for r in tr.translate_batch(texts, opts)]
+                local.append(time.perf_counter() - t0)
+                for n in counts:
+                    out = work / f"out-{n}-{rep}"
+                    t0 = time.perf_counter()
+                    run_job(spec(out, n))
+                    walls[n].append(time.perf_counter() - t0)
+                    got = hypotheses(out)
+                    same[n] = sum(x == y for x, y in zip(got, reference)) / len(reference)
+                    print(f"rep {rep}: in-process {local[-1]:.2f} s, {n} actors {walls[n][-1]:.2f} s", flush=True)
+        finally:
+            disconnect(conn)
+        decode_s = statistics.median(local)
+        results.add({"layout": f"in-process, {threads} threads", "rows": len(texts), "wall_s": round(decode_s, 3),
+                     "sentences_per_s": round(len(texts) / decode_s, 1)})
+        for n in counts:
+            wall, plan = statistics.median(walls[n]), plans[n]
+            results.add({"layout": f"{plan.actors} actors x {plan.torch_threads} threads"
+                                   + (" (default)" if n == 0 else ""), "rows": len(texts),
+                         "wall_s": round(wall, 3), "sentences_per_s": round(len(texts) / wall, 1),
+                         "efficiency": round(decode_s / wall, 3), "identical_to_in_process": round(same[n], 4)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r.get("identical_to_in_process", 1) == 1 for r in results.runs) else 1

@@ -1,0 +1,84 @@
+"""The benchmark harness's guarantees (bench/): a peer's process is clean, the names of systems parse or
+fail with a reason, and the documents' tables are regenerated from results files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import record  # noqa: E402
+from bench.systems import Process, System, check_clean  # noqa: E402
+
+
+def test_system_names():
+    assert System.parse("iad@int8") == System("iad@int8", "aggdec", "iad", "int8")
+    assert System.parse("greedy+compile:models/x") == System("greedy+compile:models/x", "aggdec", "greedy", "fp32",
+                                                             True, "models/x")
+    assert System.parse("ct2-beam@int8") == System("ct2-beam@int8", "ct2", "beam", "int8")
+    assert System.parse("transformers").method == "greedy"
+    for bad, why in (("nope", "unknown method"), ("iad@fp16", "unknown precision"), ("ct2-fast", "not a system"),
+                     ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag")):
+        with pytest.raises(ValueError, match=why):
+            System.parse(bad)
+
+
+def test_a_peer_that_loaded_torch_or_aggdec_is_refused():
+    check_clean(System.parse("transformers"), ["torch"])  # transformers needs torch
+    check_clean(System.parse("greedy"), ["aggdec", "torch"])
+    for name, modules in (("ct2", ["torch"]), ("ct2@int8", ["aggdec"]), ("transformers", ["aggdec", "torch"]),
+                          ("fairseq", ["cluster"])):
+        with pytest.raises(RuntimeError, match="loaded"):
+            check_clean(System.parse(name), modules)
+
+
+def test_a_ctranslate2_process_loads_neither_torch_nor_aggdec(tmp_path):
+    """The process the harness starts for CTranslate2 (here with a model that does not exist, so it
+    answers with an error) has imported nothing it must not, whatever the parent imported."""
+    import torch  # noqa: F401  (the parent has torch and aggdec loaded)
+
+    import aggdec.api  # noqa: F401
+
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"kind": "ct2", "ct2_model": str(tmp_path / "missing"), "device": "cpu",
+                               "compute": "float32", "threads": 1, "inputs": [["a"]], "beam": 1, "max_len": 4}))
+    process = Process(System.parse("ct2"), job, 1, ROOT)
+    try:
+        reply = process.request(1, 1)
+    finally:
+        process.close()
+    assert "error" in reply and reply["modules"] == []
+
+
+def results(path: Path, runs: list[dict]) -> Path:
+    path.write_text(json.dumps({"format": record.FORMAT, "kind": "compare", "command": "python -m bench compare",
+                                "machine": {"cpu": "CPU X", "cpu_isa": "avx2", "cores": 2, "gpu": None},
+                                "versions": {"torch": "2"}, "commit": "abc", "modified": False, "date": "2026-01-01",
+                                "settings": {"reference": "greedy", "threads": 2}, "runs": runs}))
+    return path
+
+
+def test_tables_are_regenerated_from_results(tmp_path, monkeypatch):
+    runs = [{"model": "m", "system": s, "batch_size": bs, "sentences": 10, "sentences_per_s": v, "identical": same}
+            for s, bs, v, same in (("greedy", 1, 10.0, 1.0), ("iad", 1, 30.0, 1.0), ("ct2", 1, 20.0, 0.99),
+                                   ("greedy", 64, 100.0, 1.0), ("iad", 64, 150.0, 1.0), ("ct2", 64, 90.0, 0.98))]
+    runs.append({"model": "m", "system": "ct2@int8", "batch_size": 1, "sentences": 10, "error": "refused"})
+    table = record.table(record.load(results(tmp_path / "r.json", runs)), ["greedy", "ct2", "ct2@int8"])
+    assert "| m | ct2 | 20.0 (2.00x) | 90.0 (0.90x) | 98% |" in table
+    assert "| m | ct2@int8 | failed | — | — |" in table and "iad" not in table
+    assert "CPU X (`avx2`, 2 cores), 2 threads" in table
+    monkeypatch.setattr(record, "REPO", tmp_path)
+    doc = tmp_path / "doc.md"
+    marked = "<!-- bench table: {} -->\nold\n<!-- end bench table -->\n"
+    doc.write_text("a\n" + marked.format("r.json systems=iad") + "b\n" + marked.format("missing.json"))
+    assert record.update(doc) == ["missing.json"]
+    text = doc.read_text()
+    assert "| m | iad | 30.0 (3.00x) | 150.0 (1.50x) | 100% |" in text and text.count("old") == 1
+    assert record.update(doc) == ["missing.json"] and doc.read_text() == text  # regenerating is idempotent
+    with pytest.raises(ValueError, match="not a results file"):
+        record.load(doc.with_name("r.json").write_text("{}") and doc.with_name("r.json"))
