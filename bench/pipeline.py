@@ -7,6 +7,11 @@ warm-up job on one shard that starts Ray's workers. Repeats interleave in-proces
 every layout; per layout: the median wall time, sentences/s, efficiency (in-process decoding time /
 job wall time) and the share of rows whose output equals in-process decoding's. Ray's start-up and
 one actor's start (process, imports, model load, one row) are reported on their own.
+
+`--stage`: the Ray Data stage too (jobs.stage: `read_parquet` -> `build_processor` with the job's
+options and `rows_per_task` as its batch size -> `write_parquet`, the default actor pool), timed
+from the read to the last row written, interleaved with the jobs. `--from-tsv`: the input is built
+from a TSV column (`--rows` rows in 10 shards) instead of `--input`'s shards.
 """
 
 from __future__ import annotations
@@ -24,13 +29,19 @@ from bench.record import Results, shown
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/gec-base")
-    ap.add_argument("--input", type=Path, required=True, help="a folder of Parquet shards")
+    ap.add_argument("--input", type=Path, default=None, help="a folder of Parquet shards")
+    ap.add_argument("--from-tsv", type=Path, default=None, help="build the input from this TSV instead")
+    ap.add_argument("--tsv-column", default="noisy", help="--from-tsv: the text column")
+    ap.add_argument("--rows", type=int, default=40000, help="--from-tsv: its first N rows")
+    ap.add_argument("--stage", action="store_true", help="time the Ray Data stage (jobs.stage) too")
     ap.add_argument("--text-column", default="src")
     ap.add_argument("--id-column", default="id")
     ap.add_argument("--method", default="iad")
     ap.add_argument("--limit", type=int, default=0, help="first N rows of each shard (0: all)")
     ap.add_argument("--actors", default="1,0", help="actor counts, comma-separated (0: the default layout)")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--rows-per-task", type=int, default=None, help="the jobs' batching.rows_per_task and the "
+                                                                     "stage's batch size (default: the spec's)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     ap.add_argument("--out", type=Path, default=None)
@@ -50,17 +61,34 @@ def hypotheses(out: Path) -> list[str]:
             for h in pq.read_table(f, columns=["hyp"]).column("hyp").to_pylist()]
 
 
+def tsv_shards(path: Path, column: str, rows: int, out: Path, files: int = 10) -> None:
+    """The first `rows` rows of `path`'s `column` as `files` Parquet shards (columns id, src) in `out`."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False)).slice(0, rows)
+    per = -(-table.num_rows // files)
+    out.mkdir(parents=True)
+    for k in range(files):
+        part = table.slice(k * per, per)
+        pq.write_table(pa.table({"id": [f"row-{k * per + i}" for i in range(part.num_rows)],
+                                 "src": part.column(column)}), out / f"part-{k:05d}.parquet")
+
+
 def main(a: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import numpy as np
     import pyarrow.parquet as pq
     import ray
+    import ray.data
     import torch
 
     from aggdec.api import Translator
     from cluster.actors import DecodeWorker
     from cluster.connection import alive_nodes, connect, disconnect
     from cluster.resources import plan_actors
+    from jobs import build_processor
     from jobs.run import run_job
     from jobs.spec import load_spec
 
@@ -69,6 +97,11 @@ def main(a: argparse.Namespace) -> int:
     results = Results(a.out, "jobs", settings)
     work = Path(tempfile.mkdtemp(prefix="aggdec-bench-jobs-"))
     try:
+        if (a.input is None) == (a.from_tsv is None):
+            raise ValueError("give one of --input and --from-tsv")
+        if a.from_tsv is not None:
+            a.input = work / "tsv"
+            tsv_shards(a.from_tsv, a.tsv_column, a.rows, a.input)
         shards = sorted(a.input.glob("*.parquet"))
         if not shards:
             raise ValueError(f"{a.input}: no Parquet shards")
@@ -84,7 +117,8 @@ def main(a: argparse.Namespace) -> int:
             return load_spec(None, [f"model={a.model}", f"input.path={inp}", f"output.dir={out}",
                                     f"input.text_column={a.text_column}", f"input.id_column={a.id_column}",
                                     f"decode.method={a.method}", f"decode.max_batch_size={a.max_batch_size}",
-                                    f"resources.actors={actors}"])
+                                    f"resources.actors={actors}",
+                                    *([f"batching.rows_per_task={a.rows_per_task}"] if a.rows_per_task else [])])
 
         counts = [int(n) for n in a.actors.split(",")]
         conn = connect(None, num_cpus=a.num_cpus, log_to_driver=False)
@@ -104,8 +138,11 @@ def main(a: argparse.Namespace) -> int:
             ray.kill(probe)
             run_job(spec(work / "warm-up", 1, shards[0]))
             local: list[float] = []
-            walls: dict[int, list[float]] = {n: [] for n in counts}
-            same: dict[int, float] = {}
+            walls: dict[int | str, list[float]] = {n: [] for n in [*counts, *(["stage"] if a.stage else [])]}
+            same: dict[int | str, float] = {}
+            job = spec(work / "x", 0)
+            processor = build_processor(a.model, job.decode, text_column=a.text_column, id_column=a.id_column,
+                                        batch_size=job.batching.rows_per_task) if a.stage else None
             for rep in range(a.repeat):
                 t0 = time.perf_counter()
                 reference = [r.text for r in tr.translate_batch(texts, opts)]
@@ -118,6 +155,16 @@ def main(a: argparse.Namespace) -> int:
                     got = hypotheses(out)
                     same[n] = sum(x == y for x, y in zip(got, reference)) / len(reference)
                     print(f"rep {rep}: in-process {local[-1]:.2f} s, {n} actors {walls[n][-1]:.2f} s", flush=True)
+                if processor is not None:
+                    out = work / f"out-stage-{rep}"
+                    t0 = time.perf_counter()
+                    processor(ray.data.read_parquet(str(source))).write_parquet(str(out))
+                    walls["stage"].append(time.perf_counter() - t0)
+                    got = {r["id"]: r["hyp"] for r in pq.read_table(out, columns=["id", "hyp"]).to_pylist()}
+                    ids = [i for f in sorted(source.glob("*.parquet"))
+                           for i in pq.read_table(f, columns=[a.id_column]).column(0).to_pylist()]
+                    same["stage"] = sum(got.get(i) == y for i, y in zip(ids, reference)) / len(reference)
+                    print(f"rep {rep}: stage {walls['stage'][-1]:.2f} s", flush=True)
         finally:
             disconnect(conn)
         decode_s = statistics.median(local)
@@ -129,6 +176,12 @@ def main(a: argparse.Namespace) -> int:
                                    + (" (default)" if n == 0 else ""), "rows": len(texts),
                          "wall_s": round(wall, 3), "sentences_per_s": round(len(texts) / wall, 1),
                          "efficiency": round(decode_s / wall, 3), "identical_to_in_process": round(same[n], 4)})
+        if a.stage:
+            wall, job_wall = statistics.median(walls["stage"]), statistics.median(walls[0 if 0 in counts else counts[0]])
+            results.add({"layout": "Ray Data stage (jobs.build_processor), default pool", "rows": len(texts),
+                         "wall_s": round(wall, 3), "sentences_per_s": round(len(texts) / wall, 1),
+                         "efficiency": round(decode_s / wall, 3), "vs_job": round(job_wall / wall, 3),
+                         "identical_to_in_process": round(same["stage"], 4)})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r.get("identical_to_in_process", 1) == 1 for r in results.runs) else 1
