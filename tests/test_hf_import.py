@@ -172,10 +172,11 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
-    d = _copy(hf_dirs["marian"], tmp_path / "t5")
+    d = _copy(hf_dirs["marian"], tmp_path / "pegasus")
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
-    with pytest.raises(ValueError, match=r"model_type 't5' is not supported; supported: marian, bart, mbart, m2m_100"):
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "pegasus"}))
+    with pytest.raises(ValueError, match=r"model_type 'pegasus' is not supported; supported: marian, bart, mbart, "
+                                         r"m2m_100, t5, mt5"):
         checkpoint.load(d)
 
     d = _copy(hf_dirs["bart"], tmp_path / "mismatch")
