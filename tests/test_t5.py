@@ -225,7 +225,8 @@ def _iad_calls(drafter: InputCopy, src: list[int], output: list[int], eos: int =
         draft = drafter.propose(state)
         proposed = draft.tokens[0, : int(draft.num_draft[0])].tolist()
         accepted = 0
-        while accepted < len(proposed) and done + accepted < len(target) and proposed[accepted] == target[done + accepted]:
+        while (accepted < len(proposed) and done + accepted < len(target)
+               and proposed[accepted] == target[done + accepted]):
             accepted += 1
         done = min(done + accepted + 1, len(target))
         out[0, 1: done + 1] = torch.tensor(target[:done])
@@ -282,7 +283,8 @@ def test_a_prefix_the_output_never_copies_costs_iad_at_most_one_call(data):
     output = []
     for t in text:  # keep, substitute, delete or insert
         edit = rng.random()
-        output += [t] if edit < 0.7 else [rng.randint(3, 9)] if edit < 0.8 else [] if edit < 0.9 else [rng.randint(3, 9), t]
+        output += ([t] if edit < 0.7 else [rng.randint(3, 9)] if edit < 0.8 else [] if edit < 0.9
+                   else [rng.randint(3, 9), t])
     prefix = [rng.randint(10, 14) for _ in range(rng.randint(1, 8))]
     cap = data.draw(st.one_of(st.none(), st.integers(1, 6)))
     assert _prefix_costs(prefix + text + [1], text + [1], output, skip_prefix=True, max_draft=cap) <= 1

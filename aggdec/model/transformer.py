@@ -73,7 +73,9 @@ class Positions(nn.Module):
 
 class RMSNorm(nn.Module):
     """T5's layer norm: x / sqrt(mean(x^2) + eps) * weight, no mean subtracted, no bias; the variance
-    (and the normalized states of a bf16 or fp16 model, cast back before the weight) in fp32 at least."""
+    (and the normalized states of a bf16 or fp16 model, cast back before the weight) in fp32 at least.
+    fp32 and fp64 states of a model of their dtype take PyTorch's `rms_norm`, which computes the same
+    products in one operator."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -81,6 +83,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         variance = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(self.weight.dtype)
@@ -286,7 +290,8 @@ class Stack(nn.Module):
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens and their positions (0-based, int64, same shape) -> (..., D). Positions past the
         table (the padding of short blocks, whose outputs are never used) read its last row."""
-        x = self.embed_scale * self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)
+        x = self.embed_scale * x if self.embed_scale != 1.0 else x
         if self.embed_positions is not None:
             x = x + self.embed_positions((positions + self.position_offset).clamp(max=self.embed_positions.rows - 1))
         if self.layernorm_embedding is not None:

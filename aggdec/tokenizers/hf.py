@@ -98,7 +98,7 @@ class T5PieceTokenizer:
     """T5's sentencepiece model with its sentinels, as transformers' T5Tokenizer: <extra_id_i> is id
     pieces + extra_ids - 1 - i; sentinels and the special pieces written out in the text (</s>,
     <pad>, <unk>) are single tokens, the text between them is segmented piece by piece; decoding
-    drops them all."""
+    drops them all, and ids past the vocabulary (a T5's embedding has rows to a multiple of 128)."""
 
     def __init__(self, file: str | Path, extra_ids: int, cleanup: bool = False):
         import sentencepiece as spm
@@ -115,7 +115,7 @@ class T5PieceTokenizer:
             if i >= 0:
                 self.special[self.sp.id_to_piece(i)] = i
         self.split = re.compile("(" + "|".join(re.escape(t) for t in self.special) + ")")
-        self.skip, self.cleanup, self.size = set(self.special.values()), cleanup, n + extra_ids
+        self.skip, self.cleanup, self.pieces, self.size = set(self.special.values()), cleanup, n, n + extra_ids
 
     def __len__(self) -> int:
         return self.size
@@ -130,7 +130,7 @@ class T5PieceTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        text = self.sp.decode([i for i in ids if i not in self.skip])
+        text = self.sp.decode([i for i in ids if i not in self.skip and i < self.pieces])
         return clean_up_tokenization(text) if self.cleanup else text
 
     def unrepresented(self, ids: list[int]) -> float:

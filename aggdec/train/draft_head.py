@@ -312,7 +312,8 @@ def _init_from_verifier(head: DraftHead, verifier: Transformer) -> None:
     last = verifier.decoder.layers[-1]
     pairs = [(head.norm, verifier.decoder.layer_norm)] if verifier.decoder.layer_norm is not None else []
     for layer in head.layers:
-        pairs += [(getattr(layer.self_attn, n), getattr(last.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        pairs += [(getattr(layer.self_attn, n), getattr(last.self_attn, n))
+                  for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
         pairs += [(getattr(layer.cross_attn, n), getattr(last.encoder_attn, n)) for n in ("q_proj", "out_proj")]
         pairs += [(layer.norm1, last.self_attn_layer_norm), (layer.norm2, last.encoder_attn_layer_norm),
                   (layer.norm3, last.final_layer_norm)]
