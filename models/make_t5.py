@@ -75,10 +75,9 @@ def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: 
     cfg = transformers.T5Config(**fields, dropout_rate=0.0 if kind == "random" else 0.1, decoder_start_token_id=0,
                                 tie_word_embeddings=False)
     model = transformers.T5ForConditionalGeneration(cfg)
-    model.lm_head.weight = nn.Parameter(model.shared.weight.detach().clone())  # untied, as Flan-T5's
-    if kind == "random":
-        with torch.no_grad():  # a Flan-like output scale: random logits that are not flat
-            model.lm_head.weight.normal_(0, cfg.d_model ** -0.5)
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))  # untied, as Flan-T5's
+    with torch.no_grad():  # logits of about unit scale from the start (random: not flat, not one-hot)
+        model.lm_head.weight.normal_(0, cfg.d_model ** -0.5)
     return tok, model
 
 
@@ -100,20 +99,20 @@ def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, 
         s = torch.tensor([src[i] + [0] * (ws - len(src[i])) for i in idx])
         labels = torch.tensor([tgt[i] + [-100] * (wt - len(tgt[i])) for i in idx])
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 200)
+            g["lr"] = lr * min(1.0, (step + 1) / 50)
         loss = model(input_ids=s, attention_mask=s.ne(0), labels=labels).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         step += 1
-        if step % 100 == 0:
-            print(f"update {step} | loss {sum(losses[-100:]) / 100:.3f} | {(time.time() - start) / 60:.1f} min",
+        if step % 50 == 0:
+            print(f"update {step} | loss {sum(losses[-50:]) / 50:.3f} | {(time.time() - start) / 60:.1f} min",
                   file=sys.stderr, flush=True)
     model.eval()
     return {"updates": step, "minutes": round((time.time() - start) / 60, 2),
-            "last_100_loss": round(sum(losses[-100:]) / max(1, len(losses[-100:])), 4)}
+            "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
