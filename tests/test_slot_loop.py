@@ -295,7 +295,7 @@ def test_decode_attention_kernel_adds_a_score_bias():
             dim = heads * 5
             q, k, v = (torch.randn(b, n, dim, generator=gen, dtype=dtype) for n in (t, length, length))
             bias = torch.randn(b, t, length, heads, generator=gen, dtype=dtype).permute(0, 3, 1, 2)
-            count = torch.randint(1, length + 1, (b, t), generator=gen)
+            count = torch.randint(2, length + 1, (b, t), generator=gen)  # two keys or more: the bias matters
             keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
             want = attn.core(q, k, v, keep, bias=bias)
             got = decode_attention.attend(q, k, v, count, heads, bias=bias, scale=attn.scale)

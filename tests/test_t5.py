@@ -25,7 +25,7 @@ from conftest import synthetic_sentences  # noqa: E402
 from hf_models import TASK_PREFIX  # noqa: E402
 
 from aggdec import checkpoint  # noqa: E402
-from aggdec.api import Translator, decode_options  # noqa: E402
+from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.iad import InputCopy  # noqa: E402
 from aggdec.decoding.state import DecodeState  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402

@@ -460,7 +460,6 @@ class Transformer(nn.Module):
         if valid is not None and bool(valid.all()):  # nothing to pack: the plain layout, flattened
             hidden = self.decode_hidden(tokens, cache, key_limit)
             return hidden.reshape(-1, hidden.shape[-1])
-        cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
         offs = torch.arange(t, device=tokens.device)
@@ -526,7 +525,6 @@ class Transformer(nn.Module):
         attention reads each row's visible keys only; else masked products over the `span` and
         `width` prefixes.
         """
-        cfg = self.cfg
         bsz, t = tokens.shape
         pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
         x = self.decoder.embed(tokens, pos)
