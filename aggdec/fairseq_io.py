@@ -473,7 +473,10 @@ def save_fairseq(bundle_or_model_dir: Bundle | str | Path, out_dir: str | Path) 
     model = bundle.model
     cfg = model.cfg
     for name, fairseq_value in (("first_position", None), ("sinusoidal", "fairseq"), ("output_bias", False),
-                                ("activation", ("relu", "gelu")), ("double_token", False)):
+                                ("activation", ("relu", "gelu")), ("double_token", False), ("relative_buckets", 0),
+                                ("norm", "layer"), ("norm_eps", 1e-5), ("gated_ffn", False), ("linear_bias", True),
+                                ("head_dim", None), ("attention_scale", True), ("output_scale", 1.0),
+                                ("untied_output", False)):
         value = getattr(cfg, name)
         if value != fairseq_value and not (isinstance(fairseq_value, tuple) and value in fairseq_value):
             raise ValueError(f"{bundle.path or '<bundle>'}: model {name}={value!r} has no fairseq `transformer` "

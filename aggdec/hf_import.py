@@ -1,14 +1,23 @@
 """Hugging Face encoder-decoders as verifiers: a local model directory read without `transformers`.
 
-Families (config.json's `model_type`): marian (OPUS-MT), bart, mbart and m2m_100 (M2M100 and NLLB).
-Their layers carry fairseq's names under `model.`, so the weights map onto aggdec's Transformer; the
-families differ in switches that are ModelConfig fields (pre/post-norm, `layernorm_embedding`,
-embedding scale, learned positions with BART's offset 2 or a sinusoidal table in fairseq's or
-Marian's layout, activation, Marian/BART's `final_logits_bias`, tied or separate embeddings) and in
-their special-token framing (aggdec.conventions). Tokenizers come from the directory's own files
+Families (config.json's `model_type`): marian (OPUS-MT), bart, mbart, m2m_100 (M2M100 and NLLB), t5
+(T5 v1.0 and v1.1, Flan-T5, CoEdIT, MADLAD-400) and mt5. The first four carry fairseq's names under
+`model.`, so the weights map onto aggdec's Transformer; they differ in switches that are ModelConfig
+fields (pre/post-norm, `layernorm_embedding`, embedding scale, learned positions with BART's offset 2
+or a sinusoidal table in fairseq's or Marian's layout, activation, Marian/BART's
+`final_logits_bias`, tied or separate embeddings) and in their special-token framing
+(aggdec.conventions). T5s (`_t5_name`) set the ModelConfig fields of T5's layout: relative position
+buckets, RMS norms before every block and at the end of each stack, no biases, unscaled attention
+over heads of `d_kv`, a ReLU or gated GELU-tanh FFN (`feed_forward_proj`), one embedding for both
+stacks, the output projection tied to it (decoder states rescaled by d_model ** -0.5 first, as
+transformers does where `scale_decoder_outputs` or `tie_word_embeddings` says so; mT5: never) or a
+separate `lm_head`; the source is the text + </s>, and the decoder starts from
+`decoder_start_token_id` (pad). A T5 has no position limit; aggdec takes `n_positions` (default 512)
+as its source and output limit. Tokenizers come from the directory's own files
 (aggdec.tokenizers.hf). Greedy decoding of an imported model is token-identical to
 `model.generate(num_beams=1, do_sample=False)` of transformers, except that aggdec never emits eos as
-the first output token (fairseq's min_len 1) and decodes with its own length limits.
+the first output token (fairseq's min_len 1) nor the pad token, and decodes with its own length
+limits (max_len_a = 0, max_len_b = N gives transformers' `max_new_tokens = N`).
 
 Weights load from model.safetensors without pickle; a pytorch_model.bin is a pickle and needs
 `trust=True` (the same rule as fairseq .pt files). Nothing is downloaded: a directory path only.
@@ -28,8 +37,13 @@ from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers.hf import hf_tokenizers
 
-SUPPORTED = ("marian", "bart", "mbart", "m2m_100")
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
+SUPPORTED = ("marian", "bart", "mbart", "m2m_100", "t5", "mt5")
+T5_FAMILIES = ("t5", "mt5")
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh"}
+T5_POSITIONS = 512
+"""Source and output positions of a T5 whose config.json has no `n_positions` (T5 has no position
+table: a limit on lengths only)."""
 LANGUAGE_PATTERNS = {  # how each family writes its language tokens -> the code users give
     "m2m_100": (re.compile(r"^__([a-z]{2,3})__$"), re.compile(r"^([a-z]{3}_[A-Z][a-z]{3})$")),  # M2M100, NLLB
     "mbart": (re.compile(r"^([a-z]{2}_[A-Z]{2})$"),),
@@ -65,16 +79,21 @@ def _model_type(d: Path, hf: dict) -> str:
     return kind
 
 
+def _needs(d: Path, hf: dict):
+    def need(key: str):
+        if key not in hf:
+            raise ValueError(f"{d / 'config.json'}: {key}: missing")
+        return hf[key]
+    return need
+
+
 def model_config(d: Path, hf: dict, weights: dict[str, torch.Tensor]) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json of a supported family."""
     kind = _model_type(d, hf)
+    if kind in T5_FAMILIES:
+        return t5_config(d, hf, weights, kind)
     where = d / "config.json"
-
-    def need(key: str):
-        if key not in hf:
-            raise ValueError(f"{where}: {key}: missing")
-        return hf[key]
-
+    need = _needs(d, hf)
     act = need("activation_function")
     if act not in ACTIVATIONS:
         raise ValueError(f"{where}: activation_function {act!r} is not supported ({', '.join(ACTIVATIONS)})")
@@ -107,6 +126,76 @@ def model_config(d: Path, hf: dict, weights: dict[str, torch.Tensor]) -> ModelCo
         sinusoidal="marian" if kind == "marian" else "fairseq",
         output_bias=bias is not None and bool(bias.abs().max() > 0),
     )
+
+
+def t5_config(d: Path, hf: dict, weights: dict[str, torch.Tensor], kind: str) -> ModelConfig:
+    """The ModelConfig of a T5 or mT5 config.json (module docstring)."""
+    where = d / "config.json"
+    need = _needs(d, hf)
+    proj = hf.get("feed_forward_proj", "relu" if kind == "t5" else "gated-gelu")
+    parts = proj.split("-")
+    act = hf.get("dense_act_fn") or ("gelu_new" if proj == "gated-gelu" else parts[-1])
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or act not in ACTIVATIONS:
+        raise ValueError(f"{where}: feed_forward_proj {proj!r} is not supported (relu, gated-gelu, gated-silu, ...)")
+    head = weights.get("lm_head.weight")
+    tied = head is None or torch.equal(head, weights.get("shared.weight", head))
+    if kind == "mt5":  # transformers' MT5ForConditionalGeneration never rescales
+        scale = False
+    else:
+        scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+    layers, heads, d_model = need("num_layers"), need("num_heads"), need("d_model")
+    positions = hf.get("n_positions") or T5_POSITIONS
+    pad, eos = need("pad_token_id"), need("eos_token_id")
+    return ModelConfig(
+        src_vocab=need("vocab_size"), tgt_vocab=need("vocab_size"), d_model=d_model,
+        enc_layers=layers, dec_layers=hf.get("num_decoder_layers") or layers, enc_heads=heads, dec_heads=heads,
+        enc_ffn=need("d_ff"), dec_ffn=need("d_ff"), enc_normalize_before=True, dec_normalize_before=True,
+        no_scale_embedding=True, share_all_embeddings=True, share_decoder_input_output_embed=tied,
+        untied_output=not tied,
+        activation=ACTIVATIONS[act], gated_ffn=parts[0] == "gated", linear_bias=False, norm="rms",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-6), head_dim=need("d_kv"), attention_scale=False,
+        relative_buckets=hf.get("relative_attention_num_buckets", 32),
+        relative_max_distance=hf.get("relative_attention_max_distance", 128),
+        output_scale=d_model**-0.5 if scale else 1.0, dropout=0.0,
+        max_source_positions=positions, max_target_positions=positions,
+        bos=eos, pad=pad, eos=eos, unk=_added_tokens(d).get("<unk>", 2),
+    )
+
+
+T5_LAYERS = {"SelfAttention": "self_attn", "EncDecAttention": "encoder_attn"}
+T5_PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj", "wi": "fc1", "wi_0": "fc1",
+                  "wi_1": "fc3", "wo": "fc2"}
+T5_NORMS = {"encoder": ("self_attn_layer_norm", "final_layer_norm"),
+            "decoder": ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")}
+T5_UNUSED = "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"  # older checkpoints; never read
+
+
+def _t5_name(name: str) -> str | None:
+    """A T5 tensor name -> aggdec's (None: not a parameter aggdec keeps); unknown names unchanged
+    (`state_dict` names them)."""
+    if name == T5_UNUSED:
+        return None
+    if name in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        return "encoder.embed_tokens.weight"  # one embedding; copies must equal it (`state_dict`)
+    if name == "lm_head.weight":
+        return "decoder.output_projection.weight"
+    m = re.fullmatch(r"(encoder|decoder)\.final_layer_norm\.weight", name)
+    if m:
+        return f"{m.group(1)}.layer_norm.weight"
+    m = re.fullmatch(r"(encoder|decoder)\.block\.(\d+)\.layer\.(\d+)\.(.+)", name)
+    if not m:
+        return name
+    side, i, sub, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+    if rest == "layer_norm.weight" and sub < len(T5_NORMS[side]):
+        return f"{side}.layers.{i}.{T5_NORMS[side][sub]}.weight"
+    m = re.fullmatch(r"(SelfAttention|EncDecAttention|DenseReluDense)\.(\w+)\.weight", rest)
+    if not m:
+        return name
+    if m.group(2) == "relative_attention_bias":
+        return f"{side}.relative_attention_bias.{i}.weight"
+    if m.group(1) == "DenseReluDense":
+        return f"{side}.layers.{i}.{T5_PROJECTIONS.get(m.group(2), m.group(2))}.weight"
+    return f"{side}.layers.{i}.{T5_LAYERS[m.group(1)]}.{T5_PROJECTIONS.get(m.group(2), m.group(2))}.weight"
 
 
 def _unk(d: Path, kind: str) -> int:
@@ -150,13 +239,17 @@ def _our_name(name: str) -> str | None:
     return name
 
 
-def state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """Map `weights` onto Transformer(cfg)'s parameters; errors name the tensor at fault."""
+def state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: Path,
+               kind: str = "bart") -> dict[str, torch.Tensor]:
+    """Map `weights` of a `kind` model onto Transformer(cfg)'s parameters; errors name the tensor at
+    fault."""
     want = Transformer(cfg).state_dict()
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for name, tensor in weights.items():
-        ours = _our_name(name)
+        ours = _t5_name(name) if kind in T5_FAMILIES else _our_name(name)
+        if ours is None:
+            continue
         if ours.endswith("embed_positions.weight") and not (cfg.enc_learned_pos or cfg.dec_learned_pos):
             continue  # a sinusoidal table saved by older versions: computed, not loaded
         if ours == "decoder.output_bias":
@@ -227,6 +320,11 @@ def tokenizer_spec(d: Path, kind: str, cfg: ModelConfig, added: dict[str, int]) 
     if (d / "tokenizer.json").is_file():
         return ({"type": "hf-tokenizers", "file": "tokenizer.json", "unk": added.get("<unk>"), "cleanup": cleanup},
                 ["tokenizer.json"])
+    if kind in T5_FAMILIES:
+        _require(d, ["spiece.model"], kind)
+        sentinels = [t for t in tc.get("additional_special_tokens") or [] if str(t).startswith("<extra_id_")]
+        extra = (tc["extra_ids"] or len(sentinels)) if "extra_ids" in tc else (len(sentinels) or 100)
+        return {"type": "hf-spiece", "file": "spiece.model", "extra_ids": extra, "cleanup": cleanup}, ["spiece.model"]
     if kind == "m2m_100":
         files = ["sentencepiece.bpe.model", "vocab.json"]
         _require(d, files, kind)
@@ -260,7 +358,7 @@ def conventions(d: Path, kind: str, hf: dict, tokens: dict[str, int]) -> tuple[C
     start = gen.get("decoder_start_token_id")
     forced_bos = gen.get("forced_bos_token_id")
     src_lang, tgt_lang = tc.get("src_lang"), tc.get("tgt_lang")
-    if kind == "marian":
+    if kind in ("marian", *T5_FAMILIES):  # text </s>; the decoder starts from pad
         conv = Conventions(decoder_start=start if start is not None else hf["pad_token_id"])
     elif kind == "bart":
         conv = Conventions(source_prefix=(hf.get("bos_token_id", 0),), decoder_start=start,
@@ -288,7 +386,7 @@ def _prepare(d: Path, *, trust: bool):
     spec, files = tokenizer_spec(d, kind, cfg, added)
     conv, ignored = conventions(d, kind, hf, spec.get("added", added))
     meta = {"source": "transformers", "model_type": kind, "generation_config_ignored": ignored}
-    return cfg, state_dict(cfg, weights, source), spec, files, conv, meta, source
+    return cfg, state_dict(cfg, weights, source, kind), spec, files, conv, meta, source
 
 
 def _model(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> Transformer:

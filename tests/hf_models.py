@@ -198,3 +198,60 @@ def build_nllb(out: Path, steps: int = 200, seed: int = 0) -> Path:
     _train(model, pairs, model.config.pad_token_id, steps, seed)
     model.save_pretrained(out)
     return out
+
+
+TASK_PREFIX = "Fix grammatical errors in this sentence: "
+"""A CoEdIT-style instruction: T5 test models learn to copy the text after it and never the prefix."""
+T5_LAYOUTS = {  # (transformers class, its config fields): every one with d_kv * num_heads != d_model
+    # v1.0: ReLU, the output projection tied to the embedding (states rescaled by d_model ** -0.5), the
+    # embedding padded past the tokenizer; short buckets, so that distances reach the log buckets and past
+    "t5": ("T5", dict(feed_forward_proj="relu", d_kv=12, num_heads=4, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=20)),
+    # v1.1 / Flan-T5: gated GELU-tanh, a separate lm_head (transformers 5 caches a decoder deeper than
+    # the encoder wrongly, so the layers are as many: tests/tiny_models.py has a deeper decoder)
+    "t5-v1.1": ("T5", dict(feed_forward_proj="gated-gelu", d_kv=6, num_heads=4)),
+    "mt5": ("MT5", dict(feed_forward_proj="gated-gelu", d_kv=12, num_heads=3)),  # mT5: gated, lm_head
+}
+
+
+def t5_pairs(tok, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+    """Copy pairs, half of them with TASK_PREFIX on the source (never on the target)."""
+    return [(tok(TASK_PREFIX * (i % 2) + t).input_ids, tok(t).input_ids) for i, t in enumerate(texts)]
+
+
+def build_t5(out: Path, layout: str = "t5", steps: int = 200, seed: int = 0) -> Path:
+    """A T5-family directory as transformers saves it (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json) plus the spiece.model it was made from, as Hugging Face hub directories
+    hold: T5's sentencepiece layout (pad 0, </s> 1, <unk> 2), 10 sentinels <extra_id_i>, a copy task
+    with a task prefix on half the sources (`t5_pairs`; steps=0: random weights). Layouts:
+    `T5_LAYOUTS`."""
+    import transformers
+    from torch import nn
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = synthetic_sentences(400, seed)
+    spm_file = _spm(out, texts + [TASK_PREFIX] * 20, 150, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+    spm_file.rename(out / "spiece.model")
+    work = out / "tok"
+    work.mkdir()
+    (work / "spiece.model").write_bytes((out / "spiece.model").read_bytes())
+    tok = transformers.T5Tokenizer.from_pretrained(str(work), extra_ids=10)
+    family, fields = T5_LAYOUTS[layout]
+    torch.manual_seed(seed)
+    untied = fields["feed_forward_proj"] != "relu"
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=len(tok) + (6 if not untied else 0), d_model=32, d_ff=64, num_layers=2, dropout_rate=0.0,
+        decoder_start_token_id=0, tie_word_embeddings=not untied, **fields)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(cfg)
+    if untied:  # transformers ties lm_head to the embedding unless it is a parameter of its own
+        model.lm_head.weight = nn.Parameter(model.shared.weight.detach().clone())
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, 1.0)
+    if steps:
+        _train(model, t5_pairs(tok, texts), cfg.pad_token_id, steps, seed)
+    model.eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    for f in work.iterdir():
+        f.unlink()
+    work.rmdir()
+    return out

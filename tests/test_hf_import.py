@@ -172,10 +172,11 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
-    d = _copy(hf_dirs["marian"], tmp_path / "t5")
+    d = _copy(hf_dirs["marian"], tmp_path / "pegasus")
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
-    with pytest.raises(ValueError, match=r"model_type 't5' is not supported; supported: marian, bart, mbart, m2m_100"):
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "pegasus"}))
+    with pytest.raises(ValueError, match=r"model_type 'pegasus' is not supported; supported: marian, bart, mbart, "
+                                         r"m2m_100, t5, mt5"):
         checkpoint.load(d)
 
     d = _copy(hf_dirs["bart"], tmp_path / "mismatch")
@@ -207,7 +208,7 @@ def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
     """A job on the Hugging Face directory itself, its target language from the spec's [decode]."""
     from jobs.preflight import check_job
     from jobs.spec import SpecError, load_spec
-    from test_jobs import run_on_new_ray, write_corpus, write_spec
+    from test_jobs import write_corpus, write_spec
 
     d = hf_dirs["m2m100"]
     inp = write_corpus(tmp_path / "in", shards=2, rows=10)
@@ -217,10 +218,19 @@ def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
         check_job(bad)  # as `aggdec run`, before Ray starts
     spec = load_spec(write_spec(tmp_path / "job.toml", d, inp, tmp_path / "out",
                                 decode={"method": '"iad"', "target_lang": '"fr"'}, resources={"actors": "1"}))
+    job_decodes_as_the_api(spec, d, tmp_path / "out", rows=20)
+
+
+def job_decodes_as_the_api(spec, model_dir: Path, out: Path, rows: int) -> None:
+    """Run the job `spec` on a new local Ray (after `aggdec run`'s checks): its `rows` rows hold the
+    API's texts and statuses for their sources."""
+    from jobs.preflight import check_job
+    from test_jobs import run_on_new_ray
+
     check_job(spec)
-    result, table = run_on_new_ray(spec, tmp_path / "out")
-    assert result.rows == table.num_rows == 20
-    want = Translator.load(d).translate_batch(table.column("src").to_pylist(), spec.decode)
+    result, table = run_on_new_ray(spec, out)
+    assert result.rows == table.num_rows == rows
+    want = Translator.load(model_dir).translate_batch(table.column("src").to_pylist(), spec.decode)
     assert table.column("hyp").to_pylist() == [r.text for r in want]
     assert table.column("status").to_pylist() == [r.status for r in want]
 

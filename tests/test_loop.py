@@ -84,11 +84,12 @@ def test_greedy_loop_equals_naive_recompute(kind):
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["marian-like", "bart-like"]), bs=st.integers(1, 6),
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["marian-like", "bart-like", "t5-like", "t5-gated-like"]),
+       bs=st.integers(1, 6),
        forced=st.integers(0, 2), budget=st.sampled_from([None, "random"]))
 def test_imported_layouts_and_prompts_are_lossless(seed, kind, bs, forced, budget):
-    """Hugging Face layouts (position offsets, Marian's sinusoids, silu, an output bias) with a start
-    token and forced first tokens: the loop equals naive recomputation, and IAD and the draft head
+    """Hugging Face layouts (position offsets, Marian's sinusoids, silu, an output bias; T5's relative
+    positions, RMS norms, gated FFN, head size, output scale) with a start token and forced first tokens: the loop equals naive recomputation, and IAD and the draft head
     leave it unchanged."""
     model = tiny_model(kind, seed=seed % 7)
     rng = random.Random(seed)
@@ -97,7 +98,8 @@ def test_imported_layouts_and_prompts_are_lossless(seed, kind, bs, forced, budge
     ref = {r.index: naive_greedy(model, r.src, r.max_len, prompt) for r in reqs}
     assert all(ref[r.index][:forced] == list(prompt[1:]) for r in reqs)
     torch.manual_seed(seed)
-    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=1, block_size=3)).double().eval()
+    head = DraftHead(DraftHeadConfig(d_model=16, heads=2, kv_dim=model.cfg.inner_dim(2), ffn=24, layers=1,
+                                     block_size=3)).double().eval()
     budgets = {None: None, "random": RandomBudget(seed, 4)}
     for drafter in (NoDraft(), InputCopy(max_draft=4), DraftHeadDrafter(model, head)):
         got = _decode(model, drafter, reqs, max_batch_size=bs, prompt=prompt, budget=budgets[budget])
@@ -107,16 +109,16 @@ def test_imported_layouts_and_prompts_are_lossless(seed, kind, bs, forced, budge
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 8), cap=st.one_of(st.none(), st.integers(1, 6)),
        adaptive=st.booleans(), refill=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
-       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans(), encode_batch=st.integers(0, 6),
-       budget=st.sampled_from([None, "random", "measured"]))
+       repeat=st.booleans(), substitution=st.booleans(), nearest_match=st.booleans(), skip_prefix=st.booleans(),
+       encode_batch=st.integers(0, 6), budget=st.sampled_from([None, "random", "measured"]))
 def test_iad_equals_greedy(seed, bs, cap, adaptive, refill, max_tokens, repeat, substitution, nearest_match,
-                           encode_batch, budget):
+                           skip_prefix, encode_batch, budget):
     model = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 10), model.cfg.src_vocab, model.cfg.eos, repeat=repeat)
     rng.shuffle(reqs)  # refill order
     greedy = _decode(model, NoDraft(), reqs, max_batch_size=3)
-    fallbacks = dict(substitution=substitution, nearest_match=nearest_match)
+    fallbacks = dict(substitution=substitution, nearest_match=nearest_match, skip_prefix=skip_prefix)
     drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
                else InputCopy(max_draft=cap, **fallbacks))
     budgets = {None: None, "random": RandomBudget(seed, cap or 6), "measured": DraftBudget(cap or 6, block=2)}

@@ -24,7 +24,7 @@ from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
-         "bart-like"]
+         "bart-like", "t5-like", "t5-gated-like"]
 
 
 def _run(loop, reqs):
@@ -49,10 +49,10 @@ def test_slot_greedy_equals_naive_recompute(kind):
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10**6), kind=st.sampled_from(KINDS), bs=st.integers(1, 9),
        cap=st.one_of(st.none(), st.integers(1, 6)), adaptive=st.booleans(), substitution=st.booleans(),
-       nearest_match=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
+       nearest_match=st.booleans(), skip_prefix=st.booleans(), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
        budget=st.booleans(), forced=st.integers(0, 2), encode_batch=st.integers(0, 5))
-def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nearest_match, max_tokens, budget,
-                                forced, encode_batch):
+def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nearest_match, skip_prefix, max_tokens,
+                                budget, forced, encode_batch):
     model = tiny_model(kind, seed=seed % 5, vocab=9)
     rng = random.Random(seed)
     prompt = tuple(rng.randint(3, model.cfg.tgt_vocab - 1) for _ in range(1 + forced))
@@ -60,9 +60,9 @@ def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nea
             if r.max_len > forced]
     rng.shuffle(reqs)
     ref = {r.index: naive_greedy(model, r.src, r.max_len, prompt) for r in reqs}
-    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, substitution=substitution,
-                         nearest_match=nearest_match) if adaptive
-               else InputCopy(max_draft=cap, substitution=substitution, nearest_match=nearest_match))
+    fallbacks = dict(substitution=substitution, nearest_match=nearest_match, skip_prefix=skip_prefix)
+    drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
+               else InputCopy(max_draft=cap, **fallbacks))
     loop = SlotLoop(model, drafter, max_batch_size=bs, max_tokens=max_tokens, prompt=prompt,
                     encode_batch=encode_batch, budget=RandomBudget(seed, cap or 6) if budget else None)
     for _ in range(2):  # a second run reuses the slots, reset in place
@@ -279,6 +279,37 @@ def test_decode_attention_kernel_equals_masked_softmax():
         decode_attention.attend(q, k, v, torch.ones_like(count), heads, bad)
 
 
+def test_decode_attention_kernel_adds_a_score_bias():
+    """With a score bias (B,heads,T,L) of any strides (T5's relative positions: a view whose heads
+    are not last; one row broadcast over the batch) and a scale of its own (T5's: 1), the kernel
+    computes the biased masked softmax of `core`, and so does `core(math=True)`: each query its own
+    row of bias."""
+    from aggdec.model import decode_attention
+    from aggdec.model.transformer import MultiheadAttention
+
+    assert decode_attention.load()
+    gen = torch.Generator().manual_seed(2)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        for b, t, length, heads, scaled in ((1, 1, 5, 4, False), (3, 4, 9, 2, True), (2, 3, 20, 3, False)):
+            attn = MultiheadAttention(16, heads, 0.0, head_dim=5, bias=False, scaled=scaled).eval()
+            dim = heads * 5
+            q, k, v = (torch.randn(b, n, dim, generator=gen, dtype=dtype) for n in (t, length, length))
+            bias = torch.randn(b, t, length, heads, generator=gen, dtype=dtype).permute(0, 3, 1, 2)
+            count = torch.randint(2, length + 1, (b, t), generator=gen)  # two keys or more: the bias matters
+            keep = (torch.arange(length)[None, None, :] < count[:, :, None])[:, None]
+            want = attn.core(q, k, v, keep, bias=bias)
+            got = decode_attention.attend(q, k, v, count, heads, bias=bias, scale=attn.scale)
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            torch.testing.assert_close(attn.core(q, k, v, keep, math=True, bias=bias), want, rtol=tol, atol=tol)
+            shared = bias[:1].expand(b, -1, -1, -1)
+            torch.testing.assert_close(decode_attention.attend(q, k, v, count, heads, bias=shared, scale=attn.scale),
+                                       attn.core(q, k, v, keep, bias=bias[:1]), rtol=tol, atol=tol)
+            plain = decode_attention.attend(q, k, v, count, heads, scale=attn.scale)
+            assert not torch.allclose(plain, want)
+    with pytest.raises(RuntimeError, match="bias"):
+        decode_attention.attend(q, k, v, count, heads, bias=bias[:, :, :, :-1])
+
+
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_decode_attention_kernel_for_other_cpus(capability):
     """The kernel as built for an AVX2-only CPU (which this one can run) and with ATen's portable
@@ -322,12 +353,14 @@ def test_loops_load_the_attention_kernel_when_built(monkeypatch):
         assert built == [torch.backends.cpu.get_cpu_capability()]
 
 
-def test_compiled_step_with_the_attention_kernel_equals_greedy():
-    """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel: naive greedy's output, with
-    the slots refilled and the tail narrowed (one program for all of it)."""
+@pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like"])
+def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
+    """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel (T5: with its relative
+    position bias): naive greedy's output, with the slots refilled and the tail narrowed (one program
+    for all of it)."""
     from aggdec.decoding.slot_loop import RAGGED_SLOTS
 
-    model = tiny_model("prenorm-learned-separate", seed=2, vocab=9)
+    model = tiny_model(kind, seed=2, vocab=9)
     reqs = _requests(random.Random(5), 3 * RAGGED_SLOTS, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
     loop = SlotLoop(model, NoDraft(), max_batch_size=RAGGED_SLOTS, compile=True)

@@ -20,6 +20,14 @@ CONFIGS |= {  # the switches of imported Hugging Face families (aggdec.hf_import
     "bart-like": dict(share_all_embeddings=True, enc_learned_pos=True, dec_learned_pos=True, first_position=2,
                       layernorm_embedding=True, output_bias=True, max_source_positions=70),
 }
+T5 = dict(share_all_embeddings=True, no_scale_embedding=True, enc_normalize_before=True, dec_normalize_before=True,
+          norm="rms", norm_eps=1e-6, linear_bias=False, head_dim=6, attention_scale=False, relative_buckets=8,
+          relative_max_distance=12, pad=0, eos=1, unk=2, bos=1)
+CONFIGS |= {  # T5's layouts: relative position buckets (short: distances past 12 share the last), RMS norms, ...
+    "t5-like": T5 | dict(output_scale=16**-0.5),  # v1.0: ReLU, the output tied and rescaled
+    "t5-gated-like": T5 | dict(activation="gelu_tanh", gated_ffn=True, untied_output=True,  # v1.1, mT5; and
+                               relative_per_layer=True, dec_layers=3),  # umT5's bias table per layer
+}
 MODELS = CONFIGS | {  # models whose outputs are not single-token greedy's
     "double-token": dict(share_all_embeddings=True, dec_learned_pos=True, double_token=True),  # aggdec.double_token
 }

@@ -33,6 +33,10 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
     nearest_match: bool = option(False, "After a rejection where the output's suffix occurs several times in the "
                                         "input, re-align at the occurrence nearest the rejected token (a deletion "
                                         "guess) instead of one AR step.")
+    skip_prefix: bool = option(True, "Where the output's first token has no unique match in the input, re-align at "
+                                     "its first occurrence (the output starts past text it never copies, such as "
+                                     "an instruction prefix: 'Fix grammatical errors in this sentence: ...') "
+                                     "instead of one AR step.", output=False)
 
     def validate(self) -> None:
         if self.adaptive_draft and self.draft_cap is None:
@@ -74,6 +78,13 @@ def _match_row(x: list[int], out: list[int], anchor: int) -> int:
     return -1
 
 
+def _first_occurrence(state: DecodeState) -> torch.Tensor:
+    """(B,) the x index of the first occurrence of each row's last output token in its input, or -1."""
+    hit = state.src == state.last_tokens()[:, None]
+    hit &= torch.arange(state.src.shape[1], device=hit.device)[None] < state.src_len[:, None]
+    return torch.where(hit.any(dim=1), hit.long().argmax(dim=1) + 1, -1)
+
+
 def _copy(state: DecodeState, start: torch.Tensor, num: torch.Tensor, width: int) -> DraftBatch:
     """Drafts (B, width): each row's `num` source tokens from x index `start`, pad after them."""
     offs = torch.arange(width, device=state.out.device)[None]
@@ -98,6 +109,13 @@ class InputCopy:
     copying the input after the rejected token, instead of drafting nothing. Like every draft, this
     cannot change the output; it only saves the AR steps that re-alignment would take.
 
+    `skip_prefix=True` goes beyond Algorithm 1 too: once a row's output has its first token and no
+    suffix of the output is unique in the input (the output's start mark matches the input's start
+    only, so an output that skipped a prefix of the input, e.g. a CoEdIT instruction, has none
+    where its first token occurs several times), re-align at the token's first occurrence in the
+    input instead of drafting nothing. A prefix the output never copies then costs one call: the
+    first draft, rejected at its first token.
+
     `nearest_match=True` also goes beyond Algorithm 1: right after a rejected draft token, where no
     suffix of the output is unique in the input but its longest matching suffix occurs several
     times, re-align at the occurrence nearest to the input token after the rejected one (where a
@@ -108,7 +126,7 @@ class InputCopy:
     name = "iad"
 
     def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
-                 substitution: bool = False, nearest_match: bool = False):
+                 substitution: bool = False, nearest_match: bool = False, skip_prefix: bool = False):
         if max_draft is not None and max_draft < 1:
             raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
         if adaptive and max_draft is None:
@@ -118,6 +136,7 @@ class InputCopy:
         self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
         self.substitution = substitution
         self.nearest_match = nearest_match
+        self.skip_prefix = skip_prefix
         # per row: cap (adaptive only), the draft cap; resume, the x index to copy from after a
         # rejection, or -1; start, the x index of the last draft's first token, or -1
         self.rows = RowState()
@@ -125,7 +144,7 @@ class InputCopy:
     @classmethod
     def from_options(cls, opts: IADOptions, ctx=None) -> "InputCopy":
         return cls(max_draft=opts.draft_cap, adaptive=opts.adaptive_draft, substitution=opts.substitution,
-                   nearest_match=opts.nearest_match)
+                   nearest_match=opts.nearest_match, skip_prefix=opts.skip_prefix)
 
     def admit(self, state, slots):
         self.rows.admit(state, slots, resume=-1, start=-1, **({"cap": self.max_draft} if self.adaptive else {}))
@@ -217,6 +236,8 @@ class InputCopy:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
         its first draft token (-1: no draft) and its draft length under the row's cap."""
         rows = self.rows
+        if self.skip_prefix:
+            pos = torch.where((pos < 0) & (state.generated == state.stride), _first_occurrence(state), pos)
         if self.substitution:
             pos = torch.where((pos < 0) & (rows.resume >= 0), rows.resume - 1, pos)
         start = torch.where(pos >= 0, pos + 1, -1)  # x index i is src index i - 1

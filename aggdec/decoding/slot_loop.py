@@ -296,7 +296,7 @@ class SlotLoop:
             self._reset()
             return
         dev = self.device
-        self.cache = SlotCache(cfg.dec_layers, cfg.d_model, b, length, src_width, self.dtype, dev)
+        self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.dtype, dev)
         out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
         out[:, 0] = self.start
         self.state = DecodeState(

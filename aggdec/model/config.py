@@ -1,4 +1,5 @@
-"""Model configuration: every field a fairseq `transformer` checkpoint can vary that we support."""
+"""Model configuration: every field a fairseq `transformer` checkpoint can vary that we support, and
+the switches of the imported Hugging Face families (aggdec.hf_import)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 
-ACTIVATIONS = ("relu", "gelu", "silu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+NORMS = ("layer", "rms")
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,12 @@ class ModelConfig:
     fed `eos` as its first token unless a model's conventions (aggdec.conventions) name another.
     Positions: row `first_position + i` of the position table embeds position i (fairseq and
     M2M100: pad + 1; BART/mBART's learned table: 2; Marian: 0).
+
+    T5 (and mT5) set `relative_buckets`: no absolute positions, but a learned bias per head added to
+    every self-attention score, looked up by the bucket of the key's distance from the query
+    (bidirectional in the encoder, causal in the decoder; one table per stack, or per layer with
+    `relative_per_layer`); and RMS norms, pre-norm blocks, no biases, unscaled attention scores, a
+    head size of its own (`head_dim`), a gated FFN and `output_scale`.
     """
 
     src_vocab: int  # rows of encoder.embed_tokens
@@ -36,7 +44,18 @@ class ModelConfig:
     no_scale_embedding: bool = False  # fairseq scales token embeddings by sqrt(d_model) unless set
     share_all_embeddings: bool = False  # encoder and decoder share one embedding matrix
     share_decoder_input_output_embed: bool = False  # output projection tied to decoder embeddings
-    activation: str = "relu"  # "relu", "gelu" or "silu" (Marian's "swish")
+    untied_output: bool = False  # an output projection of its own despite share_all_embeddings (T5 v1.1's lm_head)
+    activation: str = "relu"  # "relu", "gelu", "gelu_tanh" (tanh approximation) or "silu" (Marian's "swish")
+    gated_ffn: bool = False  # FFN fc2(act(fc1(x)) * fc3(x)) (T5 v1.1, Flan-T5, mT5) instead of fc2(act(fc1(x)))
+    linear_bias: bool = True  # attention and FFN projections have biases (T5: none)
+    norm: str = "layer"  # "layer" (LayerNorm) or "rms" (T5's: no mean subtracted, no bias, variance in fp32)
+    norm_eps: float = 1e-5
+    head_dim: int | None = None  # size of each attention head (T5's d_kv); None: d_model / heads
+    attention_scale: bool = True  # attention scores scaled by head_dim ** -0.5 (T5: unscaled)
+    relative_buckets: int = 0  # T5's relative position bias: its buckets; 0: none (absolute positions instead)
+    relative_max_distance: int = 128  # distances from this one on share the last bucket
+    relative_per_layer: bool = False  # a bias table in every self-attention layer (umT5), not one per stack
+    output_scale: float = 1.0  # final decoder states times this before the output projection (tied T5: d_model**-0.5)
     dropout: float = 0.1  # training only
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
@@ -56,15 +75,23 @@ class ModelConfig:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         if self.sinusoidal not in ("fairseq", "marian"):
             raise ValueError(f"sinusoidal must be 'fairseq' or 'marian', got {self.sinusoidal!r}")
-        for name in ("d_model", "enc_heads", "dec_heads"):
-            if getattr(self, name) <= 0:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        for name in ("d_model", "enc_heads", "dec_heads", "head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.d_model % self.enc_heads or self.d_model % self.dec_heads:
+        if self.head_dim is None and (self.d_model % self.enc_heads or self.d_model % self.dec_heads):
             raise ValueError(f"d_model={self.d_model} is not divisible by the number of heads")
+        if self.relative_buckets and (self.enc_learned_pos or self.dec_learned_pos or self.double_token):
+            raise ValueError("relative_buckets replaces absolute positions: no learned positions, no double_token")
         if self.double_token and not self.dec_learned_pos:
             raise ValueError("double_token needs dec_learned_pos (a pair's tokens are not adjacent in the sentence)")
         if self.share_all_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError("share_all_embeddings needs src_vocab == tgt_vocab")
+
+    def inner_dim(self, heads: int) -> int:
+        """Width of the queries, keys and values of an attention with `heads` heads."""
+        return heads * self.head_dim if self.head_dim is not None else self.d_model
 
     @property
     def position_offset(self) -> int:

@@ -4,7 +4,9 @@
 (views such as a prefix of a cache are read in place where their last dimension is contiguous);
 count (B,T) int64, any strides (a count per row broadcast over its queries): query
 [b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
-softmax(q k^T / sqrt(D/heads)) v. `rows` (B,L) int64, any strides, optional: key j of row b is
+softmax(q k^T * scale + bias) v, `scale` default (D/heads) ** -0.5. `bias` (B,heads,T,L), any
+strides, optional: added to the scores of (row, head, query, key) (T5's relative positions; each
+query of a block its own row of them). `rows` (B,L) int64, any strides, optional: key j of row b is
 read from row rows[b, j] of k and v, which then hold any number of rows (beam search: its beams'
 shared prefixes in place, where they were written, and a sentence's source shared by its beams);
 an entry a query reads that is not a row of k raises. This is the masked softmax of
@@ -87,11 +89,13 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
+           rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           scale: float | None = None) -> torch.Tensor:
     """See the module docstring. Only where `usable(q.device, q.dtype)`."""
-    return getattr(torch.ops.aggdec, OP)(q, k, v, count, heads, rows)
+    return getattr(torch.ops.aggdec, OP)(q, k, v, count, heads, rows, bias, scale)
 
 
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
+           rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           scale: float | None = None) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -33,6 +33,7 @@ from aggdec.model.linear import Linear
 class DraftHeadConfig:
     d_model: int
     heads: int  # the verifier's decoder heads (cross-attention reads its keys/values)
+    kv_dim: int = 0  # width of the verifier's keys/values (a T5's heads * d_kv); 0: d_model
     ffn: int = 1024
     layers: int = 1  # attention layers (at least one)
     block_size: int = 4  # mask queries: most tokens drafted per call
@@ -43,32 +44,32 @@ class DraftHeadConfig:
 
 
 class _Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, kv: bool):
+    def __init__(self, dim: int, heads: int, kv: bool, inner: int):
         super().__init__()
         self.heads = heads
-        self.q_proj = Linear(dim, dim)
-        self.out_proj = Linear(dim, dim)
+        self.q_proj = Linear(dim, inner)
+        self.out_proj = Linear(inner, dim)
         if kv:
-            self.k_proj = Linear(dim, dim)
-            self.v_proj = Linear(dim, dim)
+            self.k_proj = Linear(dim, inner)
+            self.v_proj = Linear(dim, inner)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """q (B,T,D) queries before q_proj; k, v (B,L,D) projected; keep (B,1,1|T,L) bool or None."""
-        b, t, d = q.shape
+        """q (B,T,D) queries before q_proj; k, v (B,L,E) projected (E: kv_dim); keep (B,1,1|T,L) bool or None."""
+        b, t, _ = q.shape
         h = self.heads
-        qh = self.q_proj(q).view(b, t, h, d // h).transpose(1, 2)
-        kh = k.view(b, -1, h, d // h).transpose(1, 2)
-        vh = v.view(b, -1, h, d // h).transpose(1, 2)
+        qh = self.q_proj(q).unflatten(-1, (h, -1)).transpose(1, 2)
+        kh = k.unflatten(-1, (h, -1)).transpose(1, 2)
+        vh = v.unflatten(-1, (h, -1)).transpose(1, 2)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep)
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class _Layer(nn.Module):
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
         d = cfg.d_model
-        self.self_attn = _Attention(d, cfg.heads, kv=True)
-        self.cross_attn = _Attention(d, cfg.heads, kv=False)
+        self.self_attn = _Attention(d, cfg.heads, kv=True, inner=cfg.kv_dim or d)
+        self.cross_attn = _Attention(d, cfg.heads, kv=False, inner=cfg.kv_dim or d)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.ffn)
         self.fc2 = Linear(cfg.ffn, d)
@@ -76,8 +77,8 @@ class _Layer(nn.Module):
     def forward(self, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, self_keep: torch.Tensor,
                 cross_k: torch.Tensor, cross_v: torch.Tensor, cross_keep: torch.Tensor) -> torch.Tensor:
         """x (N,K1,D): one block of K1 = k + 1 positions per row; self-attention over the row's prefix
-        keys/values (prefix_k/v (N,L,D)) and the block, keep (N,1,1,L+K1); cross-attention to the
-        row's source (cross_k/v (N,S,D), keep (N,1,1,S))."""
+        keys/values (prefix_k/v (N,L,E), E its kv_dim) and the block, keep (N,1,1,L+K1);
+        cross-attention to the row's source (cross_k/v (N,S,E), keep (N,1,1,S))."""
         h = self.norm1(x)
         k = torch.cat([prefix_k, self.self_attn.k_proj(h)], dim=1)
         v = torch.cat([prefix_v, self.self_attn.v_proj(h)], dim=1)
@@ -118,8 +119,8 @@ class DraftHead(nn.Module):
         """Final states of the first `k` masks (default all).
 
         h, token_emb: (N,D) verifier states and the embeddings of the tokens they produced;
-        prefix_k/v (N,L,D): the verifier's last-layer self-attention keys/values of each row's prefix
-        (up to and including h's position), prefix_keep (N,L) bool; cross_k/v (N,S,D): its last-layer
+        prefix_k/v (N,L,E): the verifier's last-layer self-attention keys/values of each row's prefix
+        (up to and including h's position), prefix_keep (N,L) bool; cross_k/v (N,S,E): its last-layer
         cross-attention keys/values of each row's source, src_pad (N,S) bool. -> (N,k,D).
         """
         return self.from_context(self.fuse(torch.cat([h, token_emb], dim=-1)), prefix_k, prefix_v, prefix_keep,

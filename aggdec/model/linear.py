@@ -165,7 +165,8 @@ class Linear(nn.Linear):
 
 class FusedLinear:
     """Several `Linear` layers applied to the same input as one product at inference: their weights
-    (and biases) concatenated by output rows once, and again whenever one of them changes, then one
+    (and biases, where they have them) concatenated by output rows once, and again whenever one of
+    them changes, then one
     `linear` (prepacked as `packed_for` decides) split back into each layer's output: one 256x768
     product costs less than three 256x256 ones (one call's fixed cost instead of three).
 
@@ -185,21 +186,24 @@ class FusedLinear:
     def __call__(self, layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(layer(x) for layer in layers), each (..., layer.out_features)."""
         first = layers[0].weight if isinstance(layers[0], Linear) else None
+        biased = isinstance(layers[0], Linear) and layers[0].bias is not None
         if (first is None or torch.is_grad_enabled()
-                or any(not isinstance(l, Linear) or l.bias is None or l.weight.dtype != first.dtype
+                or any(not isinstance(l, Linear) or (l.bias is not None) != biased or l.weight.dtype != first.dtype
                        or l.weight.device != first.device for l in layers)):
             return tuple(layer(x) for layer in layers)
         if torch.compiler.is_compiling():  # frozen weights: their concatenation is folded into a constant
-            y = F.linear(x, torch.cat([l.weight for l in layers]), torch.cat([l.bias for l in layers]))
+            y = F.linear(x, torch.cat([l.weight for l in layers]),
+                         torch.cat([l.bias for l in layers]) if biased else None)
             return y.split([l.out_features for l in layers], dim=-1)
         if any(l.weight.is_inference() for l in layers):
             return tuple(layer(x) for layer in layers)
-        key = tuple((p.data_ptr(), p._version) for l in layers for p in (l.weight, l.bias))
+        params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._key:
             self._reset()
             with torch.inference_mode(False):  # a plain tensor, so that it can be prepacked
                 self.weight = torch.cat([l.weight.detach() for l in layers])
-                self.bias = torch.cat([l.bias.detach() for l in layers])
+                self.bias = torch.cat([l.bias.detach() for l in layers]) if biased else None
             self._key = key
         y = linear(x, self.weight, self.bias, packed_for(self, self.weight, x))
         return y.split([l.out_features for l in layers], dim=-1)

@@ -18,6 +18,7 @@ from aggdec.model import decode_attention
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import FusedLinear, Linear, PackedWeight, linear, packed_for
+from aggdec.model.relative_bias import RelativeBias
 from aggdec.model.slots import SlotCache
 
 
@@ -70,15 +71,46 @@ class Positions(nn.Module):
         return self.table[index]
 
 
+class RMSNorm(nn.Module):
+    """T5's layer norm: x / sqrt(mean(x^2) + eps) * weight, no mean subtracted, no bias; the variance
+    (and the normalized states of a bf16 or fp16 model, cast back before the weight) in fp32 at least.
+    fp32 and fp64 states of a model of their dtype take PyTorch's `rms_norm`, which computes the same
+    products in one operator."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        variance = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(self.weight.dtype)
+
+
+def layer_norm(cfg: ModelConfig) -> nn.Module:
+    """A norm over d_model of the kind the config names (`cfg.norm`)."""
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
 class MultiheadAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
+    """Projections (D -> H*Dh for queries, keys, values; back to D) and scaled dot-product attention,
+    with an optional additive bias on the scores (T5's relative positions, `core`'s `bias`). Scores
+    are scaled by Dh ** -0.5 unless `scaled` is False (T5)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, head_dim: int | None = None, bias: bool = True,
+                 scaled: bool = True):
         super().__init__()
         self.heads = heads
         self.dropout = dropout
-        self.q_proj = Linear(dim, dim)
-        self.k_proj = Linear(dim, dim)
-        self.v_proj = Linear(dim, dim)
-        self.out_proj = Linear(dim, dim)
+        inner = dim if head_dim is None else heads * head_dim
+        self.scale = (inner // heads) ** -0.5 if scaled else 1.0
+        self.q_proj = Linear(dim, inner, bias=bias)
+        self.k_proj = Linear(dim, inner, bias=bias)
+        self.v_proj = Linear(dim, inner, bias=bias)
+        self.out_proj = Linear(inner, dim, bias=bias)
         self._qkv, self._kv = FusedLinear(), FusedLinear()
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,9 +122,10 @@ class MultiheadAttention(nn.Module):
         return self._kv((self.k_proj, self.v_proj), x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-             math: bool = False) -> torch.Tensor:
+             math: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
-        -> (B,T,D) attention output before out_proj.
+        -> (B,T,D) attention output before out_proj. bias (B|1,H,T,L), optional: added to the scaled
+        scores (T5's relative positions).
 
         math: two batched products and a softmax, which TorchInductor compiles into its own loops
         around the products (a compiled step's few queries per row: the CPU's flash-attention kernel
@@ -105,12 +138,15 @@ class MultiheadAttention(nn.Module):
         k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
         v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
         if math:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * (d // h) ** -0.5  # (B,H,T,L)
+            scores = torch.matmul(q, k.transpose(-1, -2))  # (B,H,T,L)
+            scores = scores * self.scale if self.scale != 1.0 else scores
+            scores = scores + bias if bias is not None else scores
             weights = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
             out = torch.matmul(weights, v)  # (B,H,T,Dh)
         else:
             p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)  # (B,H,T,Dh)
+            mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)  # (B,H,T,Dh)
         return out.transpose(1, 2).reshape(b, t, d)
 
     def core_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
@@ -122,16 +158,22 @@ class MultiheadAttention(nn.Module):
         attention: scaled queries, products, softmax."""
         b, t, d = q.shape
         h, g = self.heads, b // group
-        q = (q * (d // h) ** -0.5).reshape(g, group * t, h, d // h).transpose(1, 2)  # (G,H,group*T,Dh)
+        q = (q * self.scale).reshape(g, group * t, h, d // h).transpose(1, 2)  # (G,H,group*T,Dh)
         weights = torch.matmul(q, k.transpose(-1, -2)).masked_fill_(~keep, float("-inf")).softmax(dim=-1)
         return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, d)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """x (B,T,D) queries -> (B,T,D): q_proj, attention over projected k/v, out_proj."""
-        return self.out_proj(self.core(self.q_proj(x), k, v, keep))
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B,T,D) queries -> (B,T,D): q_proj, attention over projected k/v (`core`), out_proj."""
+        return self.out_proj(self.core(self.q_proj(x), k, v, keep, bias=bias))
 
 
-ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (T5 v1.1's "gelu_new")."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh, "silu": F.silu}
 
 
 def dropout_in_training(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -141,26 +183,42 @@ def dropout_in_training(x: torch.Tensor, p: float, training: bool) -> torch.Tens
 
 
 class FeedForward(nn.Module):
-    """Mixin for fc1/fc2 with fairseq's names; used by both layer kinds."""
+    """Mixin for fc1/fc2 with fairseq's names (and fc3, the linear half of a gated FFN: T5 v1.1's
+    wi_1); used by both layer kinds."""
+
+    def init_ffn(self, cfg: ModelConfig, ffn: int) -> None:
+        d = cfg.d_model
+        self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
+        self.act = ACTIVATION[cfg.activation]
+        self.fc1 = Linear(d, ffn, bias=cfg.linear_bias)
+        self.fc3 = Linear(d, ffn, bias=cfg.linear_bias) if cfg.gated_ffn else None
+        self.fc2 = Linear(ffn, d, bias=cfg.linear_bias)
+        self._up = FusedLinear()
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1.relu(x) if self.act is F.relu else self.act(self.fc1(x))
+        if self.fc3 is not None:  # gated: act(fc1(x)) * fc3(x), one product at inference
+            a, b = self._up((self.fc1, self.fc3), x)
+            h = self.act(a) * b
+        else:
+            h = self.fc1.relu(x) if self.act is F.relu else self.act(self.fc1(x))
         h = dropout_in_training(h, self.activation_dropout, self.training)
         return dropout_in_training(self.fc2(h), self.dropout, self.training)
+
+
+def attention(cfg: ModelConfig, heads: int) -> MultiheadAttention:
+    """An attention layer of `cfg` with `heads` heads."""
+    return MultiheadAttention(cfg.d_model, heads, cfg.attention_dropout, cfg.head_dim, cfg.linear_bias,
+                              cfg.attention_scale)
 
 
 class EncoderLayer(FeedForward, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d = cfg.d_model
         self.pre = cfg.enc_normalize_before
-        self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
-        self.act = ACTIVATION[cfg.activation]
-        self.self_attn = MultiheadAttention(d, cfg.enc_heads, cfg.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = Linear(d, cfg.enc_ffn)
-        self.fc2 = Linear(cfg.enc_ffn, d)
-        self.final_layer_norm = nn.LayerNorm(d)
+        self.self_attn = attention(cfg, cfg.enc_heads)
+        self.self_attn_layer_norm = layer_norm(cfg)
+        self.init_ffn(cfg, cfg.enc_ffn)
+        self.final_layer_norm = layer_norm(cfg)
 
     def forward(self, x: torch.Tensor, self_attn) -> torch.Tensor:
         """x: token states, (B,S,D) or packed (N,D); self_attn(h) returns the attention output in the
@@ -177,17 +235,13 @@ class EncoderLayer(FeedForward, nn.Module):
 class DecoderLayer(FeedForward, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d = cfg.d_model
         self.pre = cfg.dec_normalize_before
-        self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
-        self.act = ACTIVATION[cfg.activation]
-        self.self_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = MultiheadAttention(d, cfg.dec_heads, cfg.attention_dropout)
-        self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = Linear(d, cfg.dec_ffn)
-        self.fc2 = Linear(cfg.dec_ffn, d)
-        self.final_layer_norm = nn.LayerNorm(d)
+        self.self_attn = attention(cfg, cfg.dec_heads)
+        self.self_attn_layer_norm = layer_norm(cfg)
+        self.encoder_attn = attention(cfg, cfg.dec_heads)
+        self.encoder_attn_layer_norm = layer_norm(cfg)
+        self.init_ffn(cfg, cfg.dec_ffn)
+        self.final_layer_norm = layer_norm(cfg)
 
     def forward(self, x: torch.Tensor, self_attn, cross_attn) -> torch.Tensor:
         """x: token states, (B,T,D) or packed (N,D). self_attn(h) / cross_attn(h) return attention
@@ -206,7 +260,11 @@ class DecoderLayer(FeedForward, nn.Module):
 
 
 class Stack(nn.Module):
-    """Embeddings + layers of one side, named as fairseq's `encoder.*` / `decoder.*`."""
+    """Embeddings + layers of one side, named as fairseq's `encoder.*` / `decoder.*`.
+
+    Positions are absolute (`embed_positions`) or, with `cfg.relative_buckets`, T5's relative bias
+    (`relative_attention_bias`: one table, or one per layer with `cfg.relative_per_layer`; the
+    encoder's buckets bidirectional, the decoder's causal)."""
 
     def __init__(self, cfg: ModelConfig, vocab: int, learned_pos: bool, max_pos: int, pre: bool, layer_cls, n: int):
         super().__init__()
@@ -217,16 +275,39 @@ class Stack(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
         with torch.no_grad():
             self.embed_tokens.weight[cfg.pad].zero_()
-        self.embed_positions = Positions(cfg, max_pos, learned_pos)
+        self.position_offset = cfg.position_offset
+        self.embed_positions = None if cfg.relative_buckets else Positions(cfg, max_pos, learned_pos)
+        self.relative_attention_bias = None
+        if cfg.relative_buckets:
+            heads = cfg.enc_heads if layer_cls is EncoderLayer else cfg.dec_heads
+            self.relative_attention_bias = nn.ModuleList(
+                RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, layer_cls is EncoderLayer)
+                for _ in range(n if cfg.relative_per_layer else 1))
         self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
         self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(n))
-        self.layer_norm = nn.LayerNorm(d) if pre else None
+        self.layer_norm = layer_norm(cfg) if pre else None
 
-    def embed(self, tokens: torch.Tensor, pos_index: torch.Tensor) -> torch.Tensor:
-        x = self.embed_scale * self.embed_tokens(tokens) + self.embed_positions(pos_index)
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens and their positions (0-based, int64, same shape) -> (..., D). Positions past the
+        table (the padding of short blocks, whose outputs are never used) read its last row."""
+        x = self.embed_tokens(tokens)
+        x = self.embed_scale * x if self.embed_scale != 1.0 else x
+        if self.embed_positions is not None:
+            x = x + self.embed_positions((positions + self.position_offset).clamp(max=self.embed_positions.rows - 1))
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return dropout_in_training(x, self.dropout, self.training)
+
+    def position_bias(self, query: torch.Tensor, keys: int) -> list[torch.Tensor | None]:
+        """Each layer's self-attention score bias (B,H,T,keys) for queries at positions `query` (B,T)
+        over key positions 0 .. keys - 1: T5's relative positions (computed once per table and
+        shared by the layers that read it), or None for each layer without them."""
+        tables = self.relative_attention_bias
+        if tables is None:
+            return [None] * len(self.layers)
+        index = tables[0].index(query, keys)
+        biases = [table(index) for table in tables]
+        return biases if len(biases) > 1 else biases * len(self.layers)
 
 
 class Transformer(nn.Module):
@@ -246,7 +327,7 @@ class Transformer(nn.Module):
                              cfg.dec_normalize_before, DecoderLayer, cfg.dec_layers)
         if cfg.share_all_embeddings:
             self.decoder.embed_tokens.weight = self.encoder.embed_tokens.weight
-        if cfg.share_decoder_input_output_embed or cfg.share_all_embeddings:
+        if (cfg.share_decoder_input_output_embed or cfg.share_all_embeddings) and not cfg.untied_output:
             self.decoder.output_projection = None
         else:
             self.decoder.output_projection = Linear(cfg.d_model, cfg.tgt_vocab, bias=False)
@@ -267,10 +348,12 @@ class Transformer(nn.Module):
         src_pad = src.eq(self.cfg.pad)
         valid = ~src_pad
         nonpad = valid.long()
-        pos = (torch.cumsum(nonpad, dim=1) - 1) * nonpad + self.cfg.position_offset
+        pos = (torch.cumsum(nonpad, dim=1) - 1) * nonpad
         keep = valid[:, None, None, :]  # (B,1,1,S)
         packed = not bool(valid.all())
         x = self.encoder.embed(src[valid], pos[valid]) if packed else self.encoder.embed(src, pos)
+        width = src.shape[1]
+        biases = self.encoder.position_bias(torch.arange(width, device=src.device)[None], width)  # (1,H,S,S) each
 
         def unpack(y: torch.Tensor) -> torch.Tensor:
             if not packed:
@@ -287,19 +370,26 @@ class Transformer(nn.Module):
                 sees, rows = lengths[sentence][:, None], sentence[:, None].expand(-1, src.shape[1])
             else:
                 sees = lengths[:, None].expand_as(src)
+            kernel = {}  # each table's bias in the kernel's layout: per packed token (N,H,1,S), or per row
+            for b in biases:
+                if b is not None and id(b) not in kernel:
+                    kernel[id(b)] = (b[0][:, pos[valid]].transpose(0, 1)[:, :, None] if packed
+                                     else b.expand(src.shape[0], -1, -1, -1))
+            biases = [kernel[id(b)] if b is not None else None for b in biases]
 
-        def self_attn(h: torch.Tensor, sa: MultiheadAttention) -> torch.Tensor:
+        def self_attn(h: torch.Tensor, sa: MultiheadAttention, bias: torch.Tensor | None) -> torch.Tensor:
             q, k, v = sa.qkv(h)
             if sees is None:
-                out = sa.core(unpack(q), unpack(k), unpack(v), keep)
+                out = sa.core(unpack(q), unpack(k), unpack(v), keep, bias=bias)
                 return sa.out_proj(out[valid] if packed else out)
             if packed:  # (N,1,D): one query per token
-                out = decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows)[:, 0]
+                out = decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows, bias,
+                                              sa.scale)[:, 0]
                 return sa.out_proj(out)
-            return sa.out_proj(decode_attention.attend(q, k, v, sees, sa.heads))
+            return sa.out_proj(decode_attention.attend(q, k, v, sees, sa.heads, bias=bias, scale=sa.scale))
 
-        for layer in self.encoder.layers:
-            x = layer(x, lambda h, sa=layer.self_attn: self_attn(h, sa))
+        for layer, bias in zip(self.encoder.layers, biases):
+            x = layer(x, lambda h, sa=layer.self_attn, bias=bias: self_attn(h, sa, bias))
         if self.encoder.layer_norm is not None:
             x = self.encoder.layer_norm(x)
         return unpack(x), src_pad
@@ -317,8 +407,8 @@ class Transformer(nn.Module):
     def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64,
                    group: int = 1, indirect: bool = False) -> DecoderCache:
         """An empty decoder cache for encoder output `memory` (B,S,D) with padding mask `src_pad`."""
-        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.d_model, capacity, group,
-                            indirect)
+        return DecoderCache(self.cross_kv(memory, src_pad), self.cfg.dec_layers, self.cfg.inner_dim(self.cfg.dec_heads),
+                            capacity, group, indirect)
 
     # -- decoder ---------------------------------------------------------------------------------
 
@@ -370,7 +460,6 @@ class Transformer(nn.Module):
         if valid is not None and bool(valid.all()):  # nothing to pack: the plain layout, flattened
             hidden = self.decode_hidden(tokens, cache, key_limit)
             return hidden.reshape(-1, hidden.shape[-1])
-        cfg = self.cfg
         bsz, t = tokens.shape
         cache.reserve(t)
         offs = torch.arange(t, device=tokens.device)
@@ -387,12 +476,12 @@ class Transformer(nn.Module):
         if sources is not None:  # each sentence's source, read by its beams through a row map
             cross_rows, cross_count = sources[:, None].expand(bsz, cross_keep.shape[-1]), cross_count[sources]
         attend, self_sees, cross_sees = self._attention(limit, span, cross_count, cross_keep, ragged)
+        biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
         if valid is not None:
             rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
             where = (rows, pos[valid])
             tokens, pos = tokens[valid], pos[valid]
-        # Padding positions of short blocks may run past the table; their outputs are never used.
-        x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
+        x = self.decoder.embed(tokens, pos)
 
         def unpack(y: torch.Tensor) -> torch.Tensor:
             if valid is None:
@@ -404,13 +493,13 @@ class Transformer(nn.Module):
         def pack(y: torch.Tensor) -> torch.Tensor:
             return y if valid is None else y[valid]
 
-        for i, layer in enumerate(self.decoder.layers):
+        for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
-            def self_attn(h, i=i, sa=sa):
+            def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
                 k, v = cache.write(i, k, v, where if valid is not None else None, span)
-                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees, self_rows)))
+                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees, self_rows, bias)))
 
             def cross_attn(h, i=i, ca=ca):
                 if cache.group > 1 and not ragged:  # beams sharing their sentence's cross K/V (never packed)
@@ -420,9 +509,7 @@ class Transformer(nn.Module):
                                                cross_sees, cross_rows)))
 
             x = layer(x, self_attn, cross_attn)
-        if self.decoder.layer_norm is not None:
-            x = self.decoder.layer_norm(x)
-        return x
+        return self._final(x)
 
     def decode_slots(self, tokens: torch.Tensor, cache: SlotCache, start: torch.Tensor, span: int,
                      width: int, ragged: bool = False) -> torch.Tensor:
@@ -438,10 +525,10 @@ class Transformer(nn.Module):
         attention reads each row's visible keys only; else masked products over the `span` and
         `width` prefixes.
         """
-        cfg = self.cfg
         bsz, t = tokens.shape
         pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
-        x = self.decoder.embed(tokens, (pos + cfg.position_offset).clamp(max=self.decoder.embed_positions.rows - 1))
+        x = self.decoder.embed(tokens, pos)
+        biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
         # a compiled scatter_ into an input copies the whole buffer)
         at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
@@ -449,38 +536,44 @@ class Transformer(nn.Module):
         attend, self_sees, cross_sees = self._attention(
             self._default_limit(pos), span, cache.src_count.clamp(max=width), cache.src_keep[:, None, None, :width],
             ragged and decode_attention.usable(tokens.device, cache.k[0].dtype), math)
-        for i, layer in enumerate(self.decoder.layers):
+        for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
-            def self_attn(h, i=i, sa=sa):
+            def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
-                return sa.out_proj(attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], self_sees))
+                return sa.out_proj(attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], self_sees, bias=bias))
 
             def cross_attn(h, i=i, ca=ca):
                 return ca.out_proj(attend(ca, ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
                                           cross_sees))
 
             x = layer(x, self_attn, cross_attn)
+        return self._final(x)
+
+    def _final(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoder's last layer's states -> its final states: the final norm (pre-norm), times
+        `cfg.output_scale` (tied T5)."""
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
-        return x
+        return x * self.cfg.output_scale if self.cfg.output_scale != 1.0 else x
 
     @staticmethod
     def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor,
                    ragged: bool, math: bool = False) -> tuple:
-        """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None), self_sees, cross_sees).
-        Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T) within the first
-        `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S) marks.
-        `ragged`: the CPU kernel over each row's own keys (`decode_attention`; counts; `rows` its row
-        map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
+        """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None, bias=None), self_sees,
+        cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T)
+        within the first `span`, and the first cross_count[b] (B,) source positions, which
+        cross_keep (B,1,1,S) marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU
+        kernel over each row's own keys (`decode_attention`; counts; `rows` its row map); else
+        masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
         if ragged:
             counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
-            return (lambda mha, q, k, v, sees, rows=None: decode_attention.attend(q, k, v, sees, mha.heads, rows),
-                    *counts)
+            return (lambda mha, q, k, v, sees, rows=None, bias=None:
+                    decode_attention.attend(q, k, v, sees, mha.heads, rows, bias, mha.scale), *counts)
         keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
-        return (lambda mha, q, k, v, sees, rows=None: mha.core(q, k, v, sees, math)), keep, cross_keep
+        return (lambda mha, q, k, v, sees, rows=None, bias=None: mha.core(q, k, v, sees, math, bias)), keep, cross_keep
 
     def _default_limit(self, pos: torch.Tensor) -> torch.Tensor:
         """Causal: each position sees itself and before; a double-token model's unit is the pair."""
@@ -495,14 +588,14 @@ class Transformer(nn.Module):
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
         pos = torch.arange(t, device=src.device)
-        x = self.decoder.embed(prev_output_tokens, (pos + self.cfg.position_offset)[None].expand(bsz, t))
+        x = self.decoder.embed(prev_output_tokens, pos[None].expand(bsz, t))
         limit = self._default_limit(pos[None].expand(bsz, t)) if key_limit is None else key_limit
         causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]
-        for i, layer in enumerate(self.decoder.layers):
+        biases = self.decoder.position_bias(pos[None], t)  # (1,H,T,T) each, or None
+        for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
-            x = layer(x, lambda h, sa=sa: sa.attend(h, sa.k_proj(h), sa.v_proj(h), causal),
+            x = layer(x, lambda h, sa=sa, bias=bias: sa.attend(h, sa.k_proj(h), sa.v_proj(h), causal, bias),
                       lambda h, i=i, ca=ca: ca.attend(h, cross.k[i], cross.v[i], cross_keep))
-        if self.decoder.layer_norm is not None:
-            x = self.decoder.layer_norm(x)
+        x = self._final(x)
         return x if return_hidden else self.output_logits(x)

@@ -63,7 +63,8 @@ def extract_features(verifier: str | Path, sources: list[str], out: str | Path, 
         reqs = [Request(index=i, src=s, max_len=max(1, max_len_for(len(s), opts.max_len_a, opts.max_len_b,
                                                                    cfg.max_target_positions)))
                 for i, s in enumerate(src_ids[start: start + chunk])]
-        hyps = sorted(DraftVerifyLoop(model, max_batch_size=batch_size).run(reqs), key=lambda h: h.index)
+        loop = DraftVerifyLoop(model, max_batch_size=batch_size, prompt=tr.framing().prompt)
+        hyps = sorted(loop.run(reqs), key=lambda h: h.index)
         tgt_ids += [h.tokens + [cfg.eos] for h in hyps]
         log(f"decoded {len(tgt_ids)}/{len(src_ids)} ({len(tgt_ids) / (time.time() - t0):.1f} sent/s)")
     for name, seqs in (("src", src_ids), ("tgt", tgt_ids)):
@@ -80,13 +81,16 @@ def extract_features(verifier: str | Path, sources: list[str], out: str | Path, 
 def store_states(tr: Translator, out: Path, *, batch_size: int = 64) -> dict:
     """The verifier's states on the stored token ids, teacher-forced, as float16 arrays: memory
     (encoder output, sum S x D), hidden (final decoder state at every target position, sum T x D),
-    self_k / self_v (the last decoder layer's self-attention keys/values there, sum T x D)."""
+    self_k / self_v (the last decoder layer's self-attention keys/values there, sum T x E, E the
+    attention's width: a T5's heads * d_kv). The decoder is fed the model's start token first."""
     model, cfg = tr.model, tr.cfg
     src_tok, src_off = np.load(out / "src_tok.npy"), np.load(out / "src_off.npy")
     tgt_tok, tgt_off = np.load(out / "tgt_tok.npy"), np.load(out / "tgt_off.npy")
-    n, d = len(src_off) - 1, cfg.d_model
+    n, start = len(src_off) - 1, tr.framing().start
+    width = {"memory": cfg.d_model, "hidden": cfg.d_model, "self_k": cfg.inner_dim(cfg.dec_heads),
+             "self_v": cfg.inner_dim(cfg.dec_heads)}
     arrays = {k: np.lib.format.open_memmap(out / f"{k}.npy", mode="w+", dtype=np.float16,
-                                           shape=(int((src_off if k == "memory" else tgt_off)[-1]), d))
+                                           shape=(int((src_off if k == "memory" else tgt_off)[-1]), width[k]))
               for k in STATES}
     order = sorted(range(n), key=lambda i: int(src_off[i + 1] - src_off[i]))
     agree, t0 = 0, time.time()
@@ -95,7 +99,7 @@ def store_states(tr: Translator, out: Path, *, batch_size: int = 64) -> dict:
         srcs = [src_tok[src_off[i]: src_off[i + 1]].tolist() for i in idx]
         tgts = [tgt_tok[tgt_off[i]: tgt_off[i + 1]].tolist() for i in idx]
         memory, src_pad = model.encode(pad_batch(srcs, cfg.pad))
-        prev = pad_batch([[cfg.eos] + t[:-1] for t in tgts], cfg.pad)
+        prev = pad_batch([[start] + t[:-1] for t in tgts], cfg.pad)
         cache = model.start_from(memory, src_pad, capacity=prev.shape[1])
         hidden = model.decode_hidden(prev, cache)
         pred = model.output_logits(hidden).argmax(-1)
@@ -131,13 +135,14 @@ class Features:
         return self.tgt_tok[self.tgt_off[i]: self.tgt_off[i + 1]]
 
     def batch(self, idx: list[int], pad: int) -> dict[str, torch.Tensor]:
-        """-> memory (B,S,D) float32, src_pad (B,S), hidden, self_k, self_v (B,T,D) float32, tokens (B,T)
+        """-> memory (B,S,D) float32, src_pad (B,S), hidden (B,T,D), self_k, self_v (B,T,E) float32, tokens (B,T)
         (pad-filled)."""
         s_len = [int(self.src_off[i + 1] - self.src_off[i]) for i in idx]
         t_len = [int(self.tgt_off[i + 1] - self.tgt_off[i]) for i in idx]
-        b, d = len(idx), self.memory.shape[1]
-        out = {"memory": np.zeros((b, max(s_len), d), dtype=np.float32),
-               **{k: np.zeros((b, max(t_len), d), dtype=np.float32) for k in ("hidden", "self_k", "self_v")},
+        b = len(idx)
+        out = {"memory": np.zeros((b, max(s_len), self.memory.shape[1]), dtype=np.float32),
+               **{k: np.zeros((b, max(t_len), getattr(self, k).shape[1]), dtype=np.float32)
+                  for k in ("hidden", "self_k", "self_v")},
                "tokens": np.full((b, max(t_len)), pad, dtype=np.int64), "src_pad": np.ones((b, max(s_len)), dtype=bool)}
         for r, i in enumerate(idx):
             src, tgt = slice(self.src_off[i], self.src_off[i + 1]), slice(self.tgt_off[i], self.tgt_off[i + 1])
@@ -235,8 +240,8 @@ def train(a: argparse.Namespace) -> Path:
     held = list(range(n - a.valid, n))
     train_idx = list(range(n - a.valid))
     k = a.block_size
-    hcfg = DraftHeadConfig(d_model=cfg.d_model, heads=cfg.dec_heads, ffn=a.ffn, layers=a.layers,
-                           block_size=k, draft_vocab=a.draft_vocab)
+    hcfg = DraftHeadConfig(d_model=cfg.d_model, heads=cfg.dec_heads, kv_dim=cfg.inner_dim(cfg.dec_heads), ffn=a.ffn,
+                           layers=a.layers, block_size=k, draft_vocab=a.draft_vocab)
     head = DraftHead(hcfg)
     _init_from_verifier(head, verifier)
     vocab_map = None
@@ -301,22 +306,25 @@ def _length_batch(rng: random.Random, idx: list[int], lengths: np.ndarray, posit
 
 
 def _init_from_verifier(head: DraftHead, verifier: Transformer) -> None:
-    """Start the head's layers from the verifier's last decoder layer (attention, FFN, norms)."""
+    """Start the head's layers from the verifier's last decoder layer (attention, FFN where it has the
+    head's shape and is not gated, norms): each tensor the verifier has in the same shape (a T5's
+    layers and RMS norms have no biases: those keep their initialization)."""
     last = verifier.decoder.layers[-1]
+    pairs = [(head.norm, verifier.decoder.layer_norm)] if verifier.decoder.layer_norm is not None else []
+    for layer in head.layers:
+        pairs += [(getattr(layer.self_attn, n), getattr(last.self_attn, n))
+                  for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        pairs += [(getattr(layer.cross_attn, n), getattr(last.encoder_attn, n)) for n in ("q_proj", "out_proj")]
+        pairs += [(layer.norm1, last.self_attn_layer_norm), (layer.norm2, last.encoder_attn_layer_norm),
+                  (layer.norm3, last.final_layer_norm)]
+        if layer.fc1.weight.shape == last.fc1.weight.shape and last.fc3 is None:
+            pairs += [(layer.fc1, last.fc1), (layer.fc2, last.fc2)]
     with torch.no_grad():
-        for layer in head.layers:
-            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                getattr(layer.self_attn, name).load_state_dict(getattr(last.self_attn, name).state_dict())
-            for name in ("q_proj", "out_proj"):
-                getattr(layer.cross_attn, name).load_state_dict(getattr(last.encoder_attn, name).state_dict())
-            if layer.fc1.weight.shape == last.fc1.weight.shape:
-                layer.fc1.load_state_dict(last.fc1.state_dict())
-                layer.fc2.load_state_dict(last.fc2.state_dict())
-            layer.norm1.load_state_dict(last.self_attn_layer_norm.state_dict())
-            layer.norm2.load_state_dict(last.encoder_attn_layer_norm.state_dict())
-            layer.norm3.load_state_dict(last.final_layer_norm.state_dict())
-        if verifier.decoder.layer_norm is not None:
-            head.norm.load_state_dict(verifier.decoder.layer_norm.state_dict())
+        for ours, theirs in pairs:
+            mine = dict(ours.named_parameters())
+            for name, p in theirs.named_parameters():
+                if name in mine and mine[name].shape == p.shape:
+                    mine[name].copy_(p)
 
 
 def main(argv: list[str] | None = None) -> int:

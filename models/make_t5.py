@@ -1,0 +1,147 @@
+"""Build the T5 benchmark models as transformers `save_pretrained` directories (not kept in git).
+
+    # (a) Flan-T5-small's shape with random weights: d_model 512, 8 heads of d_kv 64, gated GELU FFN
+    #     1024, 8 + 8 layers, 32,128 embedding rows; the tokenizer trained here on the GEC data
+    python models/make_t5.py random --data ../shared/data/gec/train.tsv --out runs/t5/flan-small-random
+    # (b) a small T5 v1.1 trained briefly (--minutes, CPU) on GEC pairs whose sources carry CoEdIT's
+    #     task prefix "Fix grammatical errors in this sentence: "
+    python models/make_t5.py gec --data ../shared/data/gec/train.tsv --out runs/t5/gec-small --minutes 10
+
+Each directory holds config.json, model.safetensors, spiece.model, tokenizer.json and
+tokenizer_config.json, as Hugging Face hub T5 directories do; `aggdec decode -m DIR` and
+`transformers.AutoModelForSeq2SeqLM.from_pretrained(DIR)` both read it. The tokenizer is T5's
+layout (pad 0, </s> 1, <unk> 2, 100 sentinels <extra_id_i> after the pieces), a unigram
+sentencepiece model trained on both columns of the data (`--vocab` pieces where the data has that
+many, fewer where it does not: the summary says how many).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+TASK_PREFIX = "Fix grammatical errors in this sentence: "
+EXTRA_IDS = 100
+SHAPES = {  # T5Config fields
+    "random": dict(d_model=512, num_heads=8, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8,
+                   feed_forward_proj="gated-gelu", vocab_size=32128),
+    "gec": dict(d_model=256, num_heads=4, d_kv=64, d_ff=1024, num_layers=4, num_decoder_layers=4,
+                feed_forward_proj="gated-gelu"),
+}
+
+
+def read_pairs(path: Path) -> list[tuple[str, str]]:
+    """(noisy, clean) rows of a GEC TSV with a header line."""
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        if not {"noisy", "clean"} <= set(rows.fieldnames or ()):
+            raise SystemExit(f"{path}: needs the columns noisy and clean")
+        return [(r["noisy"], r["clean"]) for r in rows]
+
+
+def tokenizer(pairs: list[tuple[str, str]], out: Path, vocab: int):
+    """Train T5's sentencepiece model into out/spiece.model and save T5's tokenizer files beside it."""
+    import sentencepiece as spm
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = [t for pair in pairs for t in pair] + [TASK_PREFIX.strip()] * 100
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=str(out / "spiece"), vocab_size=vocab, model_type="unigram",
+        character_coverage=0.9999, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False,
+        input_sentence_size=400_000, shuffle_input_sentence=False, num_threads=2, minloglevel=2)
+    (out / "spiece.vocab").unlink()
+    tok = transformers.T5Tokenizer.from_pretrained(str(out), extra_ids=EXTRA_IDS)
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: int):
+    import torch
+    import transformers
+    from torch import nn
+
+    tok = tokenizer(pairs, out, vocab)
+    torch.manual_seed(seed)
+    fields = dict(SHAPES[kind])
+    fields.setdefault("vocab_size", len(tok) + (-len(tok)) % 128)  # padded as T5's 32,128 rows
+    if fields["vocab_size"] < len(tok):
+        raise SystemExit(f"the tokenizer has {len(tok)} entries, more than the model's {fields['vocab_size']} rows")
+    cfg = transformers.T5Config(**fields, dropout_rate=0.0 if kind == "random" else 0.1, decoder_start_token_id=0,
+                                tie_word_embeddings=False)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))  # untied, as Flan-T5's
+    with torch.no_grad():  # logits of about unit scale from the start (random: not flat, not one-hot)
+        model.lm_head.weight.normal_(0, cfg.d_model ** -0.5)
+    return tok, model
+
+
+def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, lr: float, seed: int) -> dict:
+    """Teacher-forced AdamW updates on (prefix + noisy -> clean) until `minutes` pass."""
+    import torch
+
+    rng = random.Random(seed)
+    src = tok([TASK_PREFIX + n for n, _ in pairs], truncation=True, max_length=128).input_ids
+    tgt = tok([c for _, c in pairs], truncation=True, max_length=128).input_ids
+    order = sorted(range(len(pairs)), key=lambda i: len(src[i]))
+    batches = [order[i: i + batch] for i in range(0, len(order), batch)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    deadline, start, step, losses = time.time() + 60 * minutes, time.time(), 0, []
+    while time.time() < deadline:
+        idx = rng.choice(batches)
+        ws, wt = max(len(src[i]) for i in idx), max(len(tgt[i]) for i in idx)
+        s = torch.tensor([src[i] + [0] * (ws - len(src[i])) for i in idx])
+        labels = torch.tensor([tgt[i] + [-100] * (wt - len(tgt[i])) for i in idx])
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50)
+        loss = model(input_ids=s, attention_mask=s.ne(0), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        step += 1
+        if step % 50 == 0:
+            print(f"update {step} | loss {sum(losses[-50:]) / 50:.3f} | {(time.time() - start) / 60:.1f} min",
+                  file=sys.stderr, flush=True)
+    model.eval()
+    return {"updates": step, "minutes": round((time.time() - start) / 60, 2),
+            "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kind", choices=sorted(SHAPES))
+    ap.add_argument("--data", required=True, help="GEC TSV (columns noisy, clean): ../shared/data/gec/train.tsv")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab", type=int, default=None, help="sentencepiece pieces (default: 32000 random, 8000 gec)")
+    ap.add_argument("--minutes", type=float, default=10.0, help="gec: training time")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    pairs = read_pairs(Path(a.data))
+    tok, model = build(a.kind, pairs, out, a.vocab or (32000 if a.kind == "random" else 8000), a.seed)
+    summary = {"kind": a.kind, "pieces": len(tok) - EXTRA_IDS, "embedding_rows": model.config.vocab_size,
+               "parameters": sum(p.numel() for p in model.parameters())}
+    if a.kind == "gec":
+        summary |= train(model, tok, pairs, a.minutes, a.batch, a.lr, a.seed)
+    model.save_pretrained(str(out))
+    (out / "make_t5.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
