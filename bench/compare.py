@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bench.record import REPO, Results, shown
-from bench.systems import Process, System
+from bench.systems import START_ENV, Process, System
 
 OPUS_MT_SHAPED = "opus-mt-shaped"  # the model name that builds a Marian model of opus-mt-en-de's shape
 OPUS_MT = dict(vocab_size=58101, decoder_vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6,
@@ -51,6 +51,7 @@ def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     ap.add_argument("--data", type=Path, required=True, help="a TSV file with a header line")
     ap.add_argument("--column", default="noisy", help="the source column")
     ap.add_argument("--ref-column", default=None, help="the reference column: BLEU and chrF of every run")
+    ap.add_argument("--prefix", default="", help="text put before every source (a task prefix, as T5 models take)")
     ap.add_argument("--systems", default=systems, help="comma-separated systems (bench/systems.py)")
     ap.add_argument("--reference", default="greedy", help="the system whose outputs the others are compared with")
     ap.add_argument("--batch-sizes", default="1,64")
@@ -204,7 +205,7 @@ class Matrix:
         self.sizes = [int(b) for b in a.batch_sizes.split(",")]
         sources, refs = read_tsv(a.data, a.column, a.ref_column or a.column)
         keep = [i for i, s in enumerate(sources) if s.strip()][: a.limit]
-        self.sources, self.refs = [sources[i] for i in keep], [refs[i] for i in keep]
+        self.sources, self.refs = [a.prefix + sources[i] for i in keep], [refs[i] for i in keep]
         self.work = a.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"aggdec-bench-{os.getpid()}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.models: dict[str, Model] = {}
@@ -395,7 +396,7 @@ def score(sources: list[str], hyps: list[str], refs: list[str], errant: bool) ->
 def competitors(count: int, threads: int) -> Iterator[None]:
     """`count` processes, each multiplying matrices on `threads` threads, running until the block ends."""
     procs = [subprocess.Popen([sys.executable, "-c", COMPETITOR, str(threads)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS=str(threads))) for _ in range(count)]
+                              env=dict(START_ENV, OMP_NUM_THREADS=str(threads))) for _ in range(count)]
     try:
         for p in procs:
             p.stdout.readline()  # "ready": it computes

@@ -83,11 +83,16 @@ def check_clean(system: System, modules: list[str]) -> None:
                            "process of its own without them, or its figures are not its own")
 
 
+START_ENV = dict(os.environ)
+"""The harness's environment before it imports aggdec, whose import sets GOMP_SPINCOUNT (aggdec's
+__init__): peers and competing processes start from it, so they run as they would on their own."""
+
+
 class Process:
     """A system's process (`serve` in a child): `request` sends it one decode and waits for the reply."""
 
     def __init__(self, system: System, job: Path, threads: int, repo: Path):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env = dict(START_ENV, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         if system.kind == "aggdec":  # the parent's tree first, and (Python 3.11+) not this folder
             flags = []
             env["PYTHONSAFEPATH"] = "1"

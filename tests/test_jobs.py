@@ -164,7 +164,7 @@ def test_actor_killed_once_every_row_exactly_once(ray_local, tiny_model_dir, tmp
     marker = tmp_path / "killed-once"
     spec = load_spec(write_spec(tmp_path / "job.toml", tiny_model_dir, inp, out, resources={"actors": "1"},
                                 decode={"method": '"greedy"'}))
-    monkeypatch.setattr("jobs.pipeline.DecodeWorker", kill_once_worker(marker))
+    monkeypatch.setattr("cluster.actors.DecodeWorker", kill_once_worker(marker))
     warned: list[str] = []
     result = run_job(spec, warn=warned.append)
     assert marker.is_file()  # an actor did call os._exit(1) on its first batch
@@ -592,7 +592,7 @@ def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkey
     spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
                             "decode.method=greedy", "resources.actors=1"])
     release = tmp_path / "release"
-    monkeypatch.setattr("jobs.pipeline.DecodeWorker", _waiting_worker(release))
+    monkeypatch.setattr("cluster.actors.DecodeWorker", _waiting_worker(release))
     first: dict = {}
     job = threading.Thread(target=lambda: first.update(r=run_job(spec)))
     job.start()
@@ -723,7 +723,7 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     assert not list(out.glob(".*.tmp"))
 
     # an exception of the task itself is not a lost actor either: raised at once, in one line
-    monkeypatch.setattr("jobs.pipeline.DecodeWorker", _raising_worker())
+    monkeypatch.setattr("cluster.actors.DecodeWorker", _raising_worker())
     with pytest.raises(RuntimeError, match=r"^a decode actor failed: ValueError: a bug in the task$"):
         run_job(load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={tmp_path / 'out3'}",
                                  "decode.method=greedy"]), warn=warned.append)
