@@ -138,7 +138,9 @@ def t5_config(d: Path, hf: dict, weights: dict[str, torch.Tensor], kind: str) ->
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or act not in ACTIVATIONS:
         raise ValueError(f"{where}: feed_forward_proj {proj!r} is not supported (relu, gated-gelu, gated-silu, ...)")
     head = weights.get("lm_head.weight")
-    tied = head is None or torch.equal(head, weights.get("shared.weight", head))
+    emb = next((weights[k] for k in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+                if k in weights), None)
+    tied = head is None or (emb is not None and emb.shape == head.shape and torch.equal(head, emb))
     if kind == "mt5":  # transformers' MT5ForConditionalGeneration never rescales
         scale = False
     else:
