@@ -84,7 +84,7 @@ def test_random_t5s_are_token_identical_under_aggdecs_rules(layout, tmp_path):
     """Random weights, whose outputs may hold the pad token or start with eos: transformers with
     aggdec's two rules (never pad, eos not first) gives aggdec's output."""
     d = hf_models.build_t5(tmp_path / layout, layout, steps=0, seed=1)
-    _assert_identical(d, SOURCES[:30], suppress_tokens=[0], min_new_tokens=1)
+    _assert_identical(d, SOURCES[:12], suppress_tokens=[0], min_new_tokens=1)
 
 
 def test_a_t5_without_tokenizer_json_reads_its_spiece_model(t5_dirs, tmp_path):
@@ -110,7 +110,9 @@ def test_a_t5_without_tokenizer_json_reads_its_spiece_model(t5_dirs, tmp_path):
 def test_every_method_decodes_a_t5(t5_dirs, layout, tmp_path):
     """IAD (the draft budget's and the longest drafts), GAD (an untrained draft head reading the
     T5's keys of heads * d_kv) and blockwise (untrained proposal heads) equal greedy at batch sizes
-    1 and 7; beam search decodes."""
+    1 and 7; beam search decodes. (The re-alignment options and draft budgets on T5 layouts:
+    tests/test_loop.py, tests/test_slot_loop.py.)"""
+    sources = SOURCES[:24]
     tr = Translator.load(t5_dirs[layout])
     cfg = tr.cfg
     torch.manual_seed(0)
@@ -119,20 +121,20 @@ def test_every_method_decodes_a_t5(t5_dirs, layout, tmp_path):
     checkpoint.save_draft_head(tmp_path / "head", head, {"verifier_sha": tr.bundle.sha})
     checkpoint.save_heads(tmp_path / "heads", ProposalHeads(cfg.d_model, 3, 32), {"verifier_sha": tr.bundle.sha})
     common = dict(max_len_a=0, max_len_b=LIMIT)
-    want = [r.tokens for r in tr.translate_batch(SOURCES, method="greedy", max_batch_size=1, **common)]
+    want = [r.tokens for r in tr.translate_batch(sources, method="greedy", max_batch_size=1, **common)]
     for method, extra in (("iad", {}), ("iad", {"draft_length": "max"}),
-                          ("iad", {"draft_length": "max", "substitution": True, "nearest_match": True}),
                           ("gad", {"drafter": str(tmp_path / "head"), "draft_length": "max"}),
                           ("blockwise", {"drafter": str(tmp_path / "heads"), "block_size": 4, "draft_length": "max"})):
         for bs in (1, 7):
-            got = tr.translate_batch(SOURCES, method=method, max_batch_size=bs, **common, **extra)
+            got = tr.translate_batch(sources, method=method, max_batch_size=bs, **common, **extra)
             assert [r.tokens for r in got] == want, (method, extra, bs)
-    iad = tr.translate_batch(SOURCES, method="iad", max_batch_size=7, draft_length="max", **common)
-    assert sum(r.stats.accepted for r in iad) > 0  # the copy drafts are used
-    beam = tr.translate_batch(SOURCES[:12], method="beam", beam=3, **common)
+            if method == "iad" and extra:
+                assert sum(r.stats.accepted for r in got) > 0  # the copy drafts are used
+    beam = tr.translate_batch(sources[:8], method="beam", beam=3, **common)
     assert all(r.status in ("ok", "truncated_output") and r.tokens for r in beam)
 
 
+@pytest.mark.slow  # two compiles; tests/test_slot_loop.py compiles a float64 T5 layout's step in the default run
 def test_compiled_steps_decode_a_t5(t5_dirs):
     """The slot loop's TorchInductor-compiled step (greedy at 4 slots; IAD at 2, its drafts verified
     in the step) gives the eager greedy output."""
