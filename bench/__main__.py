@@ -4,6 +4,7 @@
                 x models x batch sizes, each system in a process of its own
     contention  the same systems quiet and beside N competing compute processes
     host        host work per decoder call on a tiny model: the row loop against the slot loop
+    trees       aggdec's methods from this tree and another (a worktree of main): identity, speed
     gpu         the decode engine on a GPU: identity, captures, throughput, transformers, DecodeWorker
     jobs        corpus jobs on Ray against in-process decoding
     table       a results file as the markdown table docs/benchmarks.md shows
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    from bench import compare, gpu, host, pipeline
+    from bench import compare, gpu, host, pipeline, trees
 
     p = sub.add_parser("compare", help="systems x models x batch sizes")
     compare.add_arguments(p, "greedy,iad,ct2")
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("host", help="host work per decoder call (tiny model)")
     host.add_arguments(p)
     p.set_defaults(func=host.main)
+    p = sub.add_parser("trees", help="aggdec's methods from two source trees")
+    trees.add_arguments(p)
+    p.set_defaults(func=trees.main)
     p = sub.add_parser("gpu", help="the decode engine on a GPU")
     gpu.add_arguments(p)
     p.set_defaults(func=gpu.main)
