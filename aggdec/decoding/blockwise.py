@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
-from aggdec.decoding.drafters import StateDrafter
+from aggdec.decoding.drafters import StateDrafter, Verified
 from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.heads import ProposalHeads
@@ -65,11 +65,9 @@ class BlockwiseHeads(StateDrafter):
         return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
-    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:
         """The first k heads' proposals (only the heads of the next call's draft run)."""
-        logits = linear(self.heads(hidden.to(self.out_weight.dtype), k), self.out_weight, self.out_bias)  # (B, k, V)
+        hidden = verified.hidden.to(self.out_weight.dtype)
+        logits = linear(self.heads(hidden, k), self.out_weight, self.out_bias)  # (B, k, V)
         logits[..., state.pad] = -float("inf")
         return draft_argmax(logits)
-
-    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
-        return self._draft(state, hidden, self.max_draft)

@@ -1,9 +1,10 @@
 """Drafters: what the verifier is asked to check at each iteration of the loop.
 
-A drafter is the batched counterpart of HF's CandidateGenerator: `propose` returns a ragged
-DraftBatch for the active rows, `observe` sees how many tokens each row accepted. The loop tells a
-drafter when rows enter (`admit`, continuous batching) and when the batch is compacted
-(`select`), so drafters may keep per-row state aligned with the loop's rows (`RowState`).
+A drafter is the batched counterpart of HF's CandidateGenerator: `propose` returns the rows' drafts
+as (tokens, lengths) tensors, `observe` sees how many tokens each row accepted and, for drafters
+that draft from them, the verifier's states (`Verified`). The loop tells a drafter when rows enter
+(`admit`, continuous batching) and when the batch is compacted (`select`), so drafters may keep
+per-row state aligned with the loop's rows (`RowState`).
 
 Each drafter lives in its own module with its options class (iad.py, gad_head.py, blockwise.py) and is
 registered in aggdec.decoding.methods. This module holds the protocol, greedy's empty drafter and
@@ -12,6 +13,7 @@ what drafters share.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -23,7 +25,16 @@ from aggdec.decoding.state import DecodeState
 
 
 class Drafter(Protocol):
+    """What every loop asks of a drafter (one protocol for all of them).
+
+    `max_draft`: the most tokens a row drafts in a call (None: no cap; 0: it never drafts).
+    `from_states`: True where it drafts from the verifier's states of the call that just ran (the
+    draft head, proposal heads): a loop that runs its step as one program then observes after it.
+    """
+
     name: str
+    max_draft: int | None
+    from_states: bool
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
         """New sentences were placed in `slots` (1-D index tensor) of `state`."""
@@ -31,13 +42,30 @@ class Drafter(Protocol):
     def select(self, rows: torch.Tensor) -> None:
         """The loop kept only `rows`, in that order."""
 
-    def propose(self, state: DecodeState) -> DraftBatch:
-        """Drafts for every active row (possibly empty)."""
+    def propose(self, state: DecodeState, width: int | None = None) -> DraftBatch:
+        """Drafts for every row. With a `width`: a fixed-shape program (no host reads), tokens (B, width)
+        and each row's draft length before the cut at `width` (the loop cuts); without: tokens (B, K),
+        K the longest row's draft (the packed backend, which may read the host), lengths at most K."""
 
-    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
-        """accepted (B,): draft tokens kept in the call that just ran (rows not yet removed);
-        hidden (B,D): the verifier's final decoder state that produced each row's bonus token
-        (blockwise heads propose from it)."""
+    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor,
+                verified: "Verified | None") -> None:
+        """After the call's commit: `draft` as verified (its lengths cut by the loop), `accepted` (B,)
+        the draft tokens kept (rows not yet removed), `verified` the verifier's side of the call
+        (None where the call drafted nothing and the drafter does not draft from states). Updates
+        the drafter's row tensors in place (their storage stays put for captured steps)."""
+
+
+@dataclass
+class Verified:
+    """The verifier's side of a call, for drafters that draft from it (`StateDrafter`).
+
+    hidden (B, D): each row's final decoder state behind its bonus token. keys(layer) -> that layer's
+    self-attention keys and values (B, L, E), of which each row's first `lengths` (B,) are its prefix,
+    its cross-attention keys and values (B, S, E) and their source padding (B, S) bool:
+    (k, v, lengths, cross_k, cross_v, src_pad), as the loop's cache holds them."""
+
+    hidden: torch.Tensor
+    keys: Callable[[int], tuple[torch.Tensor, ...]]
 
 
 class RowState:
@@ -90,19 +118,15 @@ class StateDrafter:
     """Base of the drafters that draft the next call's tokens from the verifier's states of the call
     that just ran (the draft head, proposal heads): up to `max_draft` tokens a row, pending in
     `rows.pending` (B, max_draft) behind `rows.ready` (B,). A row's first call drafts nothing (there is
-    no verifier state yet).
+    no verifier state yet). `observe` drafts the next call's length (`state.next_draft`), none where it
+    drafts nothing. Subclasses give `_draft(state, verified, k)`: each row's proposals (B, k)."""
 
-    In the row loop, `observe` drafts the next call's length (`state.next_draft`), none where it
-    drafts nothing; in the slot loop (`aggdec.decoding.slot_loop`), `draft_fixed` hands each call its
-    width of the pending tokens and `draft_after` drafts all `max_draft` of them, in place (their
-    storage stays put for CUDA graphs), once the loop knows the next call drafts. Subclasses give
-    `_draft(state, hidden, k)` (the row loop's cache) and `_draft_slots(state, hidden, span, src_width)`
-    (the slot loop's), each row's proposals (B, k) from its state `hidden` (B, D)."""
+    from_states = True
 
     def __init__(self, max_draft: int):
         self.max_draft = max_draft
         self.rows = RowState()
-        self._k = 0  # the row loop's length of the pending drafts
+        self._k = 0  # the length of the pending drafts
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
         self.rows.admit(state, slots, ready=False,
@@ -113,44 +137,28 @@ class StateDrafter:
     def select(self, rows: torch.Tensor) -> None:
         self.rows.select(rows)
 
-    def propose(self, state: DecodeState) -> DraftBatch:
-        """The pending drafts of the ready rows; none where the last `observe` drafted none or every
-        row was admitted since (with `_k` > 0 some row is ready: refills replace only some rows)."""
+    def propose(self, state: DecodeState, width: int | None = None) -> DraftBatch:
+        """The pending drafts of the ready rows: with a `width`, its first `width` (offered: all
+        `max_draft`); without, the `_k` the last `observe` drafted (none after it drafted none or
+        every row was admitted since; with `_k` > 0 some row is ready: refills replace only some rows)."""
+        ready = self.rows.ready
+        if width is not None:
+            return DraftBatch(tokens=self.rows.pending[:, :width], num_draft=torch.where(ready, self.max_draft, 0))
         if self._k == 0:
             return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
-        return DraftBatch(tokens=self.rows.pending[:, : self._k].clone(),
-                          num_draft=torch.where(self.rows.ready, self._k, 0))
+        return DraftBatch(tokens=self.rows.pending[:, : self._k], num_draft=torch.where(ready, self._k, 0))
 
-    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Draft the next call's tokens (the row loop runs it under inference mode); none where the next
-        call drafts nothing (`propose` then reads no row, and a call that drafts makes every row ready)."""
+    def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor,
+                verified: Verified | None) -> None:
+        """Draft the next call's tokens, in place; none where the next call drafts nothing (`propose`
+        then reads no row, and a call that drafts makes every row ready)."""
         self._k = state.next_draft(self.max_draft)
         if self._k == 0:
             return
-        drafts = self._draft(state, hidden, self._k)
-        self.rows.pending = torch.nn.functional.pad(drafts, (0, self.max_draft - self._k), value=state.pad)
-        self.rows.ready = torch.ones_like(self.rows.ready)
-
-    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> tuple[DraftBatch, torch.Tensor]:
-        """`propose` as a fixed-shape tensor program: each ready row's first `width` pending tokens
-        (B, width), and the length offered before that cut (B,). `depth` is IAD's (unused)."""
-        ready = self.rows.ready
-        return (DraftBatch(tokens=self.rows.pending[:, :width], num_draft=torch.where(ready, width, 0)),
-                torch.where(ready, self.max_draft, 0))
-
-    def draft_after(self, state: DecodeState, hidden: torch.Tensor, accepted: torch.Tensor, span: int,
-                    src_width: int) -> None:
-        """`observe` for the slot loop, after a call where the next call drafts: every slot's
-        `max_draft` tokens from the call's states `hidden` (B, T, D) at its last verified position
-        (`accepted`), the call's `span` and `src_width`; every slot is then ready."""
-        behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-        self.rows.pending.copy_(self._draft_slots(state, behind, span, src_width))
+        self.rows.pending[:, : self._k] = self._draft(state, verified, self._k)
         self.rows.ready.fill_(True)
 
-    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
+    def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -177,6 +185,8 @@ class NoDraft:
     """Greedy decoding: every row drafts nothing, so each call adds the verifier's token."""
 
     name = "greedy"
+    max_draft = 0
+    from_states = False
 
     def admit(self, state, slots):
         pass
@@ -184,8 +194,8 @@ class NoDraft:
     def select(self, rows):
         pass
 
-    def propose(self, state):
+    def propose(self, state, width=None):
         return DraftBatch.empty(state.batch_size, state.out.device, state.pad)
 
-    def observe(self, state, draft, accepted, hidden):
+    def observe(self, state, draft, accepted, verified):
         pass

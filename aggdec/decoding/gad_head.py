@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
-from aggdec.decoding.drafters import StateDrafter
+from aggdec.decoding.drafters import StateDrafter, Verified
 from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, OptionError, option
 from aggdec.decoding.state import DecodeState
 from aggdec.model.draft_head import DraftHead
@@ -104,25 +104,12 @@ class DraftHeadDrafter(StateDrafter):
         return cls(ctx.model, head, opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
-    def _draft(self, state: DecodeState, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        cache, layer = state.cache, self.last_layer
-        span = cache.longest  # kept on the host by the cache
-        return self._head(state, hidden, cache.k[layer][:, :span], cache.v[layer][:, :span], cache.lengths,
-                          cache.cross.k[layer], cache.cross.v[layer], cache.cross.src_pad, k)
-
-    def _draft_slots(self, state: DecodeState, hidden: torch.Tensor, span: int, src_width: int) -> torch.Tensor:
-        cache, layer = state.cache, self.last_layer
-        return self._head(state, hidden, cache.k[layer][:, :span], cache.v[layer][:, :span], state.generated,
-                          cache.cross_k[layer][:, :src_width], cache.cross_v[layer][:, :src_width],
-                          ~cache.src_keep[:, :src_width], self.max_draft)
-
-    def _head(self, state: DecodeState, hidden: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
-              lengths: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, src_pad: torch.Tensor, k: int) -> torch.Tensor:
-        """(B, k) drafts from each row's verifier state `hidden` (B, D) behind its last token, the
-        last layer's self-attention keys/values pk, pv (B, L, D) of which each row's first
-        `lengths` (B,) are its prefix, and its cross keys/values ck, cv (B, S, D) with `src_pad`."""
+    def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:
+        """(B, k) drafts from each row's verifier state behind its last token and the verifier's last
+        layer's self- and cross-attention keys/values (`Verified`)."""
+        pk, pv, lengths, ck, cv, src_pad = verified.keys(self.last_layer)
         dtype = self.weight.dtype
-        ctx = self.head.context(hidden.to(dtype), self.token_table, state.last_tokens())
+        ctx = self.head.context(verified.hidden.to(dtype), self.token_table, state.last_tokens())
         keep = torch.arange(pk.shape[1], device=pk.device)[None] < lengths[:, None]
         states = self.head.from_context(ctx, pk.to(dtype), pv.to(dtype), keep, ck.to(dtype), cv.to(dtype), src_pad, k)
         logits = linear(states, self.weight, self.bias, packed=self.packed)  # (B, k, V_draft)

@@ -48,6 +48,9 @@ HOST_MATCH_ROWS = 64
 match in plain Python for less than the tensor `match` costs in operators; from about a hundred
 rows the tensor match is the cheaper."""
 
+MATCH_DEPTH = 16
+"""Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match_fixed`)."""
+
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
 _NO_MATCH = -3  # before the output's start, matches nothing
@@ -124,6 +127,7 @@ class InputCopy:
     """
 
     name = "iad"
+    from_states = False
 
     def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
                  substitution: bool = False, nearest_match: bool = False, skip_prefix: bool = False):
@@ -223,15 +227,6 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
-    def draft_fixed(self, state: DecodeState, width: int, depth: int) -> tuple[DraftBatch, torch.Tensor]:
-        """`propose` as a fixed-shape tensor program: drafts (B, width) from suffixes of at most
-        `depth` tokens (`match_fixed`), with no host reads, for the slot loop; and each row's draft
-        length before the cut at `width` (B,), what the draft budget is told was offered."""
-        rows = self.rows
-        start, num = self._drafts(state, self.match_fixed(state, depth, rows.resume if self.nearest_match else None))
-        rows.start.copy_(start)
-        return _copy(state, start, num.clamp(max=width), width), num
-
     def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
         its first draft token (-1: no draft) and its draft length under the row's cap."""
@@ -248,9 +243,8 @@ class InputCopy:
             num = num.clamp(max=self.max_draft)
         return start, num.clamp(min=0)
 
-    def observe_fixed(self, state: DecodeState, num_draft: torch.Tensor, accepted: torch.Tensor) -> None:
-        """`observe`, updating the row tensors in place (their storage stays put for CUDA graphs)."""
-        rows = self.rows
+    def observe(self, state, draft, accepted, verified):
+        rows, num_draft = self.rows, draft.num_draft
         if self.substitution or self.nearest_match:
             # after rejecting draft token m (x index start+m), resume copying at start+m+1
             rejected = (accepted < num_draft) & (rows.start >= 0)
@@ -258,20 +252,25 @@ class InputCopy:
         if self.adaptive:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
-    def propose(self, state):
+    def propose(self, state, width=None):
+        """With a `width`: a fixed-shape program, drafts (B, width) from suffixes of at most
+        MATCH_DEPTH tokens (`match_fixed`), no host reads. Without: each row's whole draft, matched on
+        the host (`match_rows`, up to HOST_MATCH_ROWS rows on the CPU) or by `match`."""
         bsz = state.batch_size
         dev = state.out.device
         rows = self.rows
+        anchor = rows.resume if self.nearest_match else None
+        if width is not None:
+            start, num = self._drafts(state, self.match_fixed(state, MATCH_DEPTH, anchor))
+            rows.start.copy_(start)
+            return _copy(state, start, num, width)
         if state.next_draft(1) == 0:
             rows.start = torch.full_like(rows.start, -1)
             return DraftBatch.empty(bsz, dev, state.pad)
         match = self.match_rows if bsz <= HOST_MATCH_ROWS and dev.type == "cpu" else self.match
-        start, num = self._drafts(state, match(state, rows.resume if self.nearest_match else None))
+        start, num = self._drafts(state, match(state, anchor))
         rows.start = start
         k = int(num.max()) if bsz else 0
         if k == 0:
             return DraftBatch.empty(bsz, dev, state.pad)
         return _copy(state, start, num, k)
-
-    def observe(self, state, draft, accepted, hidden):
-        self.observe_fixed(state, draft.num_draft, accepted)

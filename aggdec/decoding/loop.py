@@ -24,8 +24,8 @@ import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits, unpack
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.drafters import Drafter, NoDraft
-from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.drafters import Drafter, NoDraft, Verified
+from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
 from aggdec.decoding.state import NO_LIMIT, DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
@@ -314,7 +314,8 @@ class DraftVerifyLoop:
                 state.budget = self._length
             # 5. Observe.
             t0 = time.perf_counter()
-            self.drafter.observe(state, draft, accepted, fed_hidden)
+            checked = draft if plain else DraftBatch(draft.tokens, num_draft)
+            self.drafter.observe(state, checked, accepted, Verified(fed_hidden, state.cache.layer_keys))
             observed = time.perf_counter() - t0
             # Drafts accepted past an accepted eos are dropped: count only the committed ones.
             if plain:

@@ -31,9 +31,9 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
 
 Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
 that draft as tensor programs: greedy's empty draft; IAD, whose drafting and re-alignment run inside
-the step (`draft_fixed` / `observe_fixed`); the draft head (GAD) and proposal heads (blockwise), which
-draft from each call's verifier states once the draft budget has picked the next call's length, after
-the step and only where that call drafts (`drafters.StateDrafter.draft_after`: the step keeps its
+the step (`propose` at the call's width, `observe`); the draft head (GAD) and proposal heads (blockwise),
+which draft from each call's verifier states once the draft budget has picked the next call's length,
+after the step and only where that call drafts (`from_states` drafters' `observe`: the step keeps its
 states and accepted counts; eager, also where the step is a CUDA graph or compiled). The other
 methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
 """
@@ -41,6 +41,7 @@ methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import types
 import warnings
@@ -50,9 +51,9 @@ import torch
 
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
-from aggdec.decoding.metadata import Hypothesis, Request, RowStats
+from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
 from aggdec.model import decode_attention
 from aggdec.model.slots import SlotCache, bucket, leading
@@ -93,9 +94,6 @@ the padding it skips."""
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
 
-MATCH_DEPTH = 16
-"""Longest output suffix a fixed-shape IAD re-alignment tries (`InputCopy.match_fixed`)."""
-
 
 def slot_count(max_batch_size: int, requests: int) -> int:
     """Slots for a run: the power of two at or above min(max_batch_size, requests)."""
@@ -105,8 +103,7 @@ def slot_count(max_batch_size: int, requests: int) -> int:
 
 def supports(model: Transformer, drafter, acceptance) -> bool:
     """Whether the slot loop runs this combination (see the module docstring's scope)."""
-    fixed = isinstance(drafter, NoDraft) or hasattr(drafter, "draft_fixed")
-    return fixed and isinstance(acceptance, ExactMatch) and not model.cfg.double_token
+    return isinstance(acceptance, ExactMatch) and not model.cfg.double_token
 
 
 class SlotLoop:
@@ -140,9 +137,9 @@ class SlotLoop:
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
-        self.max_draft = 0 if isinstance(self.drafter, NoDraft) else (self.drafter.max_draft or DraftBudget.LONGEST)
-        # drafts from each call's verifier states, after the step (`draft_after`: the draft head, proposal heads)
-        self._after = hasattr(self.drafter, "draft_after")
+        self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
+        # drafts from each call's verifier states, after the step (the draft head, proposal heads)
+        self._after = self.drafter.from_states
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
         self._graph_states: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
@@ -156,11 +153,11 @@ class SlotLoop:
         st, cfg = self.state, self.model.cfg
         active = self.active
         if width:
-            draft, offered = self.drafter.draft_fixed(st, width, MATCH_DEPTH)
+            draft = self.drafter.propose(st, width)
             tokens = draft.tokens
-            room = (st.max_len - st.generated).clamp(min=0)
+            room = (st.max_len - st.generated).clamp(min=0, max=width)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
-            offered = torch.where(active, offered, 0).max()
+            offered = torch.where(active, draft.num_draft, 0).max()
         else:
             tokens = st.out.new_zeros(st.out.shape[0], 0)
             num = torch.zeros_like(st.out_len)
@@ -200,10 +197,18 @@ class SlotLoop:
         active &= ~done
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
         if width and not self._after:
-            self.drafter.observe_fixed(st, num, accepted)
+            self.drafter.observe(st, DraftBatch(tokens, num), accepted, None)
         if self._after:
             self._states = (hidden, accepted)
         self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None], offered[None]]))
+
+    def _observe_states(self, span: int, src_width: int) -> None:
+        """A `from_states` drafter drafts the next call from the last step's states at each slot's last
+        verified position, once the loop knows the next call drafts (eager, whatever runs the step)."""
+        hidden, accepted = self._states
+        behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+        keys = functools.partial(self.cache.layer_keys, lengths=self.state.generated, span=span, src_width=src_width)
+        self.drafter.observe(self.state, None, accepted, Verified(behind, keys))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self._compiled is not None:
@@ -250,7 +255,7 @@ class SlotLoop:
         copy of its code object. `slots`: the loop's slot count, which picks the products (`gemm_backend`)."""
         fn = SlotLoop._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        backend = gemm_backend(self.dtype, slots, drafts=not isinstance(self.drafter, NoDraft))
+        backend = gemm_backend(self.dtype, slots, drafts=self.max_draft != 0)
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
@@ -360,7 +365,7 @@ class SlotLoop:
             t.fill_(1)
         for t in (self.active, self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
             t.zero_()
-        if not isinstance(self.drafter, NoDraft):
+        if self.max_draft:
             self.drafter.admit(st, torch.arange(st.batch_size, device=self.device))
             self._whole_drafter = self.drafter.rows.tensors()
 
@@ -381,7 +386,7 @@ class SlotLoop:
         for t in (self.iterations, self.drafted, self.accepted, self.ms, self.fed_before):
             t[idx] = 0
         self.active[idx] = True
-        if not isinstance(self.drafter, NoDraft):
+        if self.max_draft:
             self.drafter.admit(st, idx)
 
     def _retire(self, slots: list[int], out_len: list[int]) -> Iterator[Hypothesis]:
@@ -422,7 +427,7 @@ class SlotLoop:
         out_len = [1] * n
         length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
                                                 else self.budget.next_length(1, self.max_draft))
-        observed = 0.0  # seconds of the last call's `draft_after`: drafting for this call
+        observed = 0.0  # seconds of the last call's drafting from states: drafting for this call
         while queue or len(free) < n:
             if free and queue:
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
@@ -457,7 +462,7 @@ class SlotLoop:
             observed = 0.0
             if self._after and length:  # the next call drafts: from this call's states
                 t0 = time.perf_counter()
-                self.drafter.draft_after(self.state, *self._states, span, src_width)
+                self._observe_states(span, src_width)
                 observed = time.perf_counter() - t0
             finished = [s for s in range(n) if done[s]]
             if finished:

@@ -109,6 +109,11 @@ class DecoderCache:
             self._longest = int(self.lengths.max()) if self.batch_size else 0
         return self._longest
 
+    def layer_keys(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """`layer`'s keys as a drafter reads them (`aggdec.decoding.drafters.Verified.keys`)."""
+        span, cross = self.longest, self.cross
+        return self.k[layer][:, :span], self.v[layer][:, :span], self.lengths, cross.k[layer], cross.v[layer], cross.src_pad
+
     def reserve(self, extra: int) -> None:
         """Grow buffers so that every row can take `extra` more positions."""
         need = self.longest + extra

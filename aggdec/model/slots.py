@@ -78,6 +78,12 @@ class SlotCache:
     def src_width(self) -> int:
         return self.src_keep.shape[1]
 
+    def layer_keys(self, layer: int, lengths: torch.Tensor, span: int, src_width: int) -> tuple[torch.Tensor, ...]:
+        """`layer`'s keys as a drafter reads them (`aggdec.decoding.drafters.Verified.keys`), for a
+        step that read `span` key positions and `src_width` source positions; `lengths` (slots,)."""
+        return (self.k[layer][:, :span], self.v[layer][:, :span], lengths, self.cross_k[layer][:, :src_width],
+                self.cross_v[layer][:, :src_width], ~self.src_keep[:, :src_width])
+
     def place(self, slots: torch.Tensor, cross: CrossKV) -> None:
         """Put the cross K/V of new sentences (len(slots) rows, width <= src_width) into `slots`."""
         w = cross.src_pad.shape[1]
