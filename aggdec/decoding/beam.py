@@ -34,6 +34,7 @@ from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowSta
 from aggdec.decoding.method_options import BeamOptions
 from aggdec.decoding.pair_beam import pair_beam_search
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 
 def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
@@ -111,7 +112,9 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     neg = -math.inf
 
     step = 0
+    THREADS.start()
     while True:
+        THREADS.tick()
         t0 = time.perf_counter()
         n = bsz * k
         logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)
