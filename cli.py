@@ -126,11 +126,11 @@ def _load_translator(model: str, trust_checkpoint: bool, data_dir: str | None, b
 
 def _decoding_params() -> list[click.Option]:
     """`aggdec decode`'s --method and one option per decoding option of every registered method
-    (aggdec.decoding.methods), generated from the options' fields: name, type, bounds, choices and
+    (aggdec.decoding.method_options), generated from the options' fields: name, type, bounds, choices and
     help. Unset flags are None."""
-    from aggdec.decoding.methods import METHODS, all_options
+    from aggdec.decoding.method_options import OPTIONS, all_options
 
-    params = [click.Option(["--method"], default="greedy", show_default=True, type=click.Choice(list(METHODS)),
+    params = [click.Option(["--method"], default="greedy", show_default=True, type=click.Choice(list(OPTIONS)),
                            help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")]
     for name, (f, hint) in all_options().items():
         meta, base = f.metadata, _base_type(hint)
@@ -187,7 +187,7 @@ def _base_type(hint):
 def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, stats_path, input_path, **flags) -> None:
     """Decode text in-process (no Ray): one sentence per line in, one output line out.
 
-    Decoding options are those of aggdec.decoding.methods; options of other methods than --method
+    Decoding options are those of aggdec.decoding.method_options; options of other methods than --method
     are ignored (with a note).
 
     \b
@@ -199,7 +199,7 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
       aggdec decode -m ckpt/checkpoint_best.pt --data-dir data-bin --trust-checkpoint --method greedy < in.txt
     """
     from aggdec.api import summarize
-    from aggdec.decoding.methods import options_from_mapping
+    from aggdec.decoding.method_options import options_from_mapping
     from aggdec.decoding.options import OptionError
     from aggdec.schema import decoded_columns
 
@@ -292,27 +292,36 @@ _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help
 @click.pass_context
 def train_ar(ctx) -> None:
     """Train an AR encoder-decoder; options as `python -m aggdec.train.ar --help`."""
+    from aggdec.train.args import ar_config
+
+    config = ar_config(ctx.args)  # --help and bad flags answer here, before torch loads
     from aggdec.train import ar
 
-    sys.exit(ar.main(ctx.args))
+    ar.train_ar(config)
 
 
 @train.command("heads", context_settings=_PASS_THROUGH)
 @click.pass_context
 def train_heads(ctx) -> None:
     """Train blockwise proposal heads on a frozen verifier; options as `python -m aggdec.train.heads --help`."""
+    from aggdec.train.args import heads_args
+
+    args = heads_args(ctx.args)
     from aggdec.train import heads
 
-    sys.exit(heads.main(ctx.args))
+    heads.train_heads(args)
 
 
 @train.command("seqkd", context_settings=_PASS_THROUGH)
 @click.pass_context
 def train_seqkd(ctx) -> None:
     """Make Seq-KD data (the verifier's own outputs) in-process; options as `python -m aggdec.train.seqkd --help`."""
+    from aggdec.train.args import seqkd_args
+
+    args = seqkd_args(ctx.args)
     from aggdec.train import seqkd
 
-    sys.exit(seqkd.main(ctx.args))
+    sys.exit(seqkd.run(args))
 
 
 

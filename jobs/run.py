@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aggdec.checkpoint import file_sha
-from aggdec.decoding.methods import output_options
+from aggdec.decoding.method_options import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
 from jobs.commit import OutputDir, UnwritableOutput

@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aggdec.decoding.drafters import GreedyOptions
-from aggdec.decoding.methods import options_from_mapping, to_mapping
+from aggdec.decoding.method_options import GreedyOptions, options_from_mapping, to_mapping
 from aggdec.decoding.options import DecodeOptions, OptionError, coerce, type_hints
 from aggdec.distill import PairFilter
 

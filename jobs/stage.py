@@ -46,7 +46,7 @@ from ray.data import Dataset
 
 from aggdec import checkpoint
 from aggdec.api import Translator
-from aggdec.decoding.methods import decode_options, options_from_mapping
+from aggdec.decoding.method_options import decode_options, options_from_mapping
 from aggdec.decoding.options import DecodeOptions
 from aggdec.schema import RESULT_COLUMNS, decoded_columns, decoded_schema
 from cluster.actors import map_decode

@@ -19,7 +19,7 @@ from aggdec.api import Translator
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
-from aggdec.decoding.methods import decode_options, options_from_mapping
+from aggdec.decoding.method_options import decode_options, options_from_mapping
 from aggdec.decoding.options import OptionError
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.linear import Linear

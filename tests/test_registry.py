@@ -16,7 +16,8 @@ from tiny_models import tiny_model
 from aggdec.api import Translator, decode_options
 from aggdec.decoding.drafters import NoDraft, RowState
 from aggdec.decoding.metadata import DraftBatch, Request
-from aggdec.decoding.methods import METHODS, DraftContext, Method, output_options, register
+from aggdec.decoding.method_options import output_options
+from aggdec.decoding.methods import METHODS, DraftContext, Method, register, unregister
 from aggdec.decoding.options import DecodeOptions, OptionError, option
 from aggdec.model.projection import OutputProjection
 
@@ -77,7 +78,7 @@ def lookup_method():
     try:
         yield method
     finally:
-        del METHODS["lookup"]
+        unregister("lookup")
 
 
 def _requests(rng, n, vocab, eos):
@@ -104,7 +105,7 @@ def test_a_registered_drafter_is_lossless(seed, bs, ngram, width):
         assert {h.index: h.tokens for h in lookup} == {h.index: h.tokens for h in greedy}
         assert method.lossless(opts) and opts.lossless
     finally:
-        del METHODS["lookup"]
+        unregister("lookup")
 
 
 def test_a_registered_method_works_through_the_api(tiny_model_dir, lookup_method):

@@ -387,7 +387,8 @@ def test_compiled_step_equals_greedy():
     and narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached
     through the public option of greedy and of IAD (which compiles below batch size 3, its draft
     budget not timing the calls that compiled)."""
-    from aggdec.decoding.methods import DraftContext, decode_options, get_method
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import DraftContext, get_method
     from aggdec.model.projection import OutputProjection
 
     model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)

@@ -22,7 +22,7 @@ import ray  # noqa: E402
 import ray._private.state  # noqa: E402
 
 from aggdec.api import Translator  # noqa: E402
-from aggdec.decoding.methods import options_from_mapping  # noqa: E402
+from aggdec.decoding.method_options import options_from_mapping  # noqa: E402
 from aggdec.decoding.options import OptionError  # noqa: E402
 from jobs import build_processor  # noqa: E402
 from jobs.run import run_job  # noqa: E402

@@ -25,40 +25,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
-from aggdec.decoding.options import DecodeOptions, OptionError, option
+from aggdec.decoding.method_options import BeamOptions
 from aggdec.decoding.pair_beam import pair_beam_search
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 
-@dataclass(frozen=True, kw_only=True)
-class BeamOptions(DecodeOptions):
-    """Beam search as fairseq-generate --beam (not a draft -> verify method); over token pairs for a
-    double-token model (aggdec.decoding.pair_beam)."""
-
-    method: ClassVar[str] = "beam"
-
-    beam: int = option(5, "Beam size.", low=1)
-    lenpen: float = option(1.0, "Length penalty: hypotheses are ranked by sum of log-probs / len ** lenpen.")
-    nbest: int = option(1, "Results also carry the nbest best hypotheses with their scores.", low=1)
-
-    def validate(self) -> None:
-        if self.nbest > self.beam:
-            raise OptionError("nbest", f"must be <= beam ({self.beam}), got {self.nbest}")
-
-    def run(self, model: Transformer, requests: list[Request], prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
-        if model.cfg.double_token:  # beam over (head, tail) pairs, the double-token paper's Algorithm 1
-            return pair_beam_search(model, requests, beam=self.beam, lenpen=self.lenpen,
-                                    max_batch_size=self.max_batch_size, nbest=self.nbest, prompt=prompt)
-        return beam_search(model, requests, beam=self.beam, lenpen=self.lenpen, max_batch_size=self.max_batch_size,
-                           nbest=self.nbest, prompt=prompt)
+def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
+             prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
+    """Decode `requests` as `opts` says: beam search, over (head, tail) pairs for a double-token model
+    (the double-token paper's Algorithm 1)."""
+    search = pair_beam_search if model.cfg.double_token else beam_search
+    return search(model, requests, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
+                  nbest=opts.nbest, prompt=prompt)
 
 
 @torch.inference_mode()
@@ -127,7 +112,9 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     neg = -math.inf
 
     step = 0
+    THREADS.start()
     while True:
+        THREADS.tick()
         t0 = time.perf_counter()
         n = bsz * k
         logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)

@@ -11,34 +11,16 @@ iteration is one verifier call plus k-1 small head FFNs on one position per row.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.drafters import StateDrafter, Verified
-from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, option
+from aggdec.decoding.method_options import BlockwiseOptions
 from aggdec.decoding.state import DecodeState
 from aggdec.model.heads import ProposalHeads
 from aggdec.model.linear import linear
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockwiseOptions(Drafting, DraftModel, DecodeOptions):
-    """Blockwise parallel decoding: `drafter` is a proposal-heads directory; lossless with top_k_accept
-    1 and min_block 0."""
-
-    method: ClassVar[str] = "blockwise"
-
-    top_k_accept: int = option(1, "Accept proposals within the verifier's top-k (1: exact, lossless).", low=1)
-
-    def acceptance(self) -> Acceptance:
-        inner = TopKTolerance(self.top_k_accept, math.inf) if self.top_k_accept > 1 else ExactMatch()
-        return MinBlock.around(inner, self.min_block)
 
 
 class BlockwiseHeads(StateDrafter):

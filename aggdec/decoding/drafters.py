@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import CompiledStep, DecodeOptions
 from aggdec.decoding.state import DecodeState
 
 
@@ -172,13 +171,6 @@ def adapt_length(length: torch.Tensor, drafted: torch.Tensor, accepted: torch.Te
     early = accepted < drafted // 2
     length = torch.where(full, length * 2, torch.where(early, length // 2, length))
     return length.clamp(low, high)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GreedyOptions(CompiledStep, DecodeOptions):
-    """Greedy decoding: one verifier call per output token; the reference of every lossless method."""
-
-    method: ClassVar[str] = "greedy"
 
 
 class NoDraft:

@@ -10,43 +10,16 @@ verifier call plus the head on k + 1 positions per row: no second encoder, no se
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.drafters import StateDrafter, Verified
-from aggdec.decoding.options import DecodeOptions, DraftModel, Drafting, OptionError, option
+from aggdec.decoding.options import OptionError
 from aggdec.decoding.state import DecodeState
 from aggdec.model.draft_head import DraftHead
 from aggdec.model.linear import linear, prepack
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
-
-
-@dataclass(frozen=True, kw_only=True)
-class GADOptions(Drafting, DraftModel, DecodeOptions):
-    """GAD (SpecDec): a draft head proposes `block_size` tokens, exact top-1 verification (lossless
-    unless min_block > 0)."""
-
-    method: ClassVar[str] = "gad"
-
-    def acceptance(self) -> Acceptance:
-        return MinBlock.around(ExactMatch(), self.min_block)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GADPlusOptions(GADOptions):
-    """GAD++: a drafted token is accepted within the verifier's top-beta and log-prob gap tau (lossy)."""
-
-    method: ClassVar[str] = "gad++"
-
-    top_beta: int = option(3, "Accept a drafted token within the verifier's top-beta ...", low=1)
-    tau: float = option(1.0, "... and within tau of the top log-probability.", low=0)
-
-    def acceptance(self) -> Acceptance:
-        return MinBlock.around(TopKTolerance(self.top_beta, self.tau), self.min_block)
 
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

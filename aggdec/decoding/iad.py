@@ -5,42 +5,14 @@ For correction-like tasks, where the output mostly copies the input. Lossless: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
-from aggdec.decoding.options import AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, OptionError, option
+from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
-
-
-@dataclass(frozen=True, kw_only=True)
-class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
-    """IAD's options; with adaptive_draft the cap of a row moves between 4 and draft_cap."""
-
-    method: ClassVar[str] = "iad"
-    # every slot verifies the call's whole draft width, where the row loop packs each row's own draft:
-    # the compiled step's saving outweighs that padding only at the smallest batch sizes
-    compile_pays_below: ClassVar[int | None] = 3
-
-    draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
-                                         "input).", low=1)
-    substitution: bool = option(False, "After a rejection with no unique re-alignment, keep copying the input "
-                                       "after the rejected token (a substitution guess) instead of one AR step.")
-    nearest_match: bool = option(False, "After a rejection where the output's suffix occurs several times in the "
-                                        "input, re-align at the occurrence nearest the rejected token (a deletion "
-                                        "guess) instead of one AR step.")
-    skip_prefix: bool = option(True, "Where the output's first token has no unique match in the input, re-align at "
-                                     "its first occurrence (the output starts past text it never copies, such as "
-                                     "an instruction prefix: 'Fix grammatical errors in this sentence: ...') "
-                                     "instead of one AR step.", output=False)
-
-    def validate(self) -> None:
-        if self.adaptive_draft and self.draft_cap is None:
-            raise OptionError("adaptive_draft", "with method iad needs draft_cap")
 
 
 HOST_MATCH_ROWS = 64

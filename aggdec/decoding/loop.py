@@ -32,6 +32,7 @@ from aggdec.model import decode_attention
 from aggdec.model.cache import CrossKV
 from aggdec.model.projection import Constrain, OutputProjection
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 
 def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -252,6 +253,7 @@ class DraftVerifyLoop:
         for r in queue:
             self._check(r)
         self._refills.reset()
+        THREADS.start()
         state: DecodeState | None = None
         observed = 0.0  # seconds of the last call's observe: drafting for the next call
         while queue or state is not None:
@@ -325,6 +327,7 @@ class DraftVerifyLoop:
                 self._record(state, num_draft.tolist(), torch.minimum(accepted, n_new).tolist(), seconds)
             self.counters.calls += 1
             self.counters.padded += padded
+            THREADS.tick()
             # 6. Retire finished rows, refill their slots.
             done_list = done.tolist()
             if any(done_list):

@@ -1,41 +1,44 @@
 """The method registry, the one place that wires decoding methods together.
 
-A method is an options class (aggdec.decoding.options; its `method` is the name, its
+A method is an options class (aggdec.decoding.method_options; its `method` is the name, its
 `acceptance()` the acceptance rule) plus, for draft -> verify methods, a function that builds its
-drafter. Everything else is generated from the registry: the API's `decode_options`, the job spec's
-`[decode]` table, the `aggdec decode` flags, whether a method is lossless and the output signature.
+drafter, or, for a method outside the loop, a function that decodes. The options side of the
+registry (`method_options.OPTIONS`: the API's `decode_options`, the job spec's `[decode]` table, the
+`aggdec decode` flags, the output signature) needs no torch; `register` adds to both.
 
-Adding a drafter is one module (the drafter and its options class) and one `register` line below.
+Adding a drafter is one module (the drafter), its options class and one `register` line below.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aggdec.decoding.acceptance import ExactMatch
-from aggdec.decoding.beam import BeamOptions
-from aggdec.decoding.blockwise import BlockwiseHeads, BlockwiseOptions
+from aggdec.decoding.beam import run_beam
+from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.drafters import Drafter, GreedyOptions, NoDraft
-from aggdec.decoding.gad_head import DraftHeadDrafter, GADOptions, GADPlusOptions
-from aggdec.decoding.iad import IADOptions, InputCopy
+from aggdec.decoding.drafters import Drafter, NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
+from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.metadata import Hypothesis, Request
+from aggdec.decoding.method_options import (
+    OPTIONS,
+    BeamOptions,
+    BlockwiseOptions,
+    GADOptions,
+    GADPlusOptions,
+    GreedyOptions,
+    IADOptions,
+)
+from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.slot_loop import supports as slots_support
-from aggdec.decoding.metadata import Hypothesis, Request
-from aggdec.decoding.options import (
-    DecodeOptions,
-    OptionError,
-    coerce,
-    option_fields,
-    type_hints,
-)
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
-from aggdec.versions import package_version
 
 
 KEPT_BUDGETS = 16
@@ -66,11 +69,12 @@ class Method:
     """A registered decoding method.
 
     drafter(options, context) builds the method's drafter for the draft -> verify loop; None for a
-    method outside the loop, whose options class then decodes itself (`run(model, requests, prompt)`).
+    method outside the loop, which `run(options, model, requests, prompt)` decodes instead.
     """
 
     options: type[DecodeOptions]
     drafter: Callable[[Any, DraftContext], Drafter] | None = field(default=None)
+    run: Callable[..., list[Hypothesis]] | None = field(default=None)
 
     @property
     def name(self) -> str:
@@ -107,7 +111,7 @@ class Method:
 
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
         if self.drafter is None:
-            return opts.run(context.model, requests, context.prompt)
+            return self.run(opts, context.model, requests, context.prompt)
         return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
 
 
@@ -146,13 +150,21 @@ METHODS: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
-    """Add (or replace) a method under its options class's `method` name."""
+    """Add (or replace) a method under its options class's `method` name, its options class with it
+    (method_options.OPTIONS)."""
     METHODS[method.name] = method
+    OPTIONS[method.name] = method.options
     return method
 
 
+def unregister(name: str) -> None:
+    """Remove a registered method and its options class."""
+    METHODS.pop(name, None)
+    OPTIONS.pop(name, None)
+
+
 register(Method(GreedyOptions, lambda opts, ctx: NoDraft()))
-register(Method(BeamOptions))
+register(Method(BeamOptions, run=run_beam))
 register(Method(IADOptions, InputCopy.from_options))
 register(Method(GADOptions, DraftHeadDrafter.from_options))
 register(Method(GADPlusOptions, DraftHeadDrafter.from_options))
@@ -167,74 +179,6 @@ def get_method(name: str) -> Method:
 
 def method_of(opts: DecodeOptions) -> Method:
     return get_method(opts.method)
-
-
-def decode_options(method: str = "greedy", **fields: Any) -> DecodeOptions:
-    """The options of `method` with the given fields (the rest at their defaults); raises OptionError
-    naming the field for an unknown or invalid option."""
-    cls = get_method(method).options
-    known = option_fields(cls)
-    for name in fields:
-        if name not in known:
-            raise OptionError(name, f"not an option of method {method} (its options: {', '.join(known)})")
-    return cls(**fields)
-
-
-def all_options() -> dict[str, tuple[Any, Any]]:
-    """{name: (dataclasses.Field, type hint)} of every option of every registered method."""
-    out: dict[str, tuple[Any, Any]] = {}
-    for m in METHODS.values():
-        hints = type_hints(m.options)
-        for name, f in option_fields(m.options).items():
-            out.setdefault(name, (f, hints[name]))
-    return out
-
-
-def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[DecodeOptions, list[str]]:
-    """Options from a table such as a job spec's [decode]: `method` (default `default_method`) plus
-    option values as read from TOML or `--set` (types coerced, see options.coerce).
-
-    -> (options, names given that belong to other methods and were ignored). Raises OptionError naming
-    the field for an unknown name or a bad value."""
-    method = data.get("method", default_method)
-    if not isinstance(method, str):
-        raise OptionError("method", f"must be a string, got {method!r}")
-    cls = get_method(method).options
-    own, hints, every = option_fields(cls), type_hints(cls), all_options()
-    fields, unused = {}, []
-    for name, value in data.items():
-        if name == "method":
-            continue
-        if name in own:
-            fields[name] = coerce(name, value, hints[name])
-        elif name in every:
-            unused.append(name)
-        else:
-            raise OptionError(name, f"unknown option; known: {', '.join(sorted(['method', *every]))}")
-    return cls(**fields), sorted(unused)
-
-
-def to_mapping(opts: DecodeOptions) -> dict[str, Any]:
-    """{"method": ..., option: value, ...}: the inverse of options_from_mapping."""
-    return {"method": opts.method, **{name: getattr(opts, name) for name in option_fields(type(opts))}}
-
-
-def output_options(opts: DecodeOptions) -> dict[str, Any]:
-    """Everything that can change the output of `opts`: the package version, the method, its
-    acceptance rule (draft -> verify methods) and every option not marked output=False."""
-    out: dict[str, Any] = {"aggdec": package_version("aggdec"), "method": opts.method}
-    if get_method(opts.method).drafter is not None:
-        out["accept"] = opts.acceptance().describe()
-    for name, f in option_fields(type(opts)).items():
-        if f.metadata.get("output", True):
-            out[name] = getattr(opts, name)
-    return out
-
-
-def signature(opts: DecodeOptions, sha: str = "") -> str:
-    """`output_options` as one string, plus the checkpoint's hash when given."""
-    parts = [f"{k}:{v}" for k, v in output_options(opts).items()]
-    return "|".join(parts + ([f"ckpt:{sha}"] if sha else []))
 
 
 def drafts_in_bf16(opts: DecodeOptions, projection: OutputProjection) -> bool:

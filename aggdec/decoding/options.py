@@ -1,11 +1,10 @@
 """Decoding options: every option is declared once, as a field of a frozen dataclass.
 
 `DecodeOptions` holds the fields every method has (batching, length limits, precision); each method
-adds its own in a subclass that lives beside its drafter (`iad.IADOptions`, `gad_head.GADOptions`, ...),
-and `aggdec.decoding.methods` registers them. A field's metadata (see `option`) carries its help
+adds its own in a subclass (`aggdec.decoding.method_options`, where the method names are registered). A field's metadata (see `option`) carries its help
 text, its lower bound or choices, its command-line flag and whether it can change an output, so
 validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature are
-all generated from the fields.
+all generated from the fields. Torch-free: reading options loads no model code.
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch
-from aggdec.model.precision import PRECISIONS
-from aggdec.model.projection import AUTO_CERTIFIED_ROWS
+if TYPE_CHECKING:
+    from aggdec.decoding.acceptance import Acceptance
 
+PRECISIONS = ("fp32", "bf16", "int8")
+"""The verifier precisions (aggdec.model.precision)."""
 VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
 
 
@@ -48,6 +48,8 @@ class DecodeOptions:
     """Options every method has. Subclasses add a method's own options and set `method`."""
 
     method: ClassVar[str] = ""
+    draft_verify: ClassVar[bool] = True
+    """Whether the method runs the draft -> verify loop (its output then depends on `acceptance()`)."""
 
     max_batch_size: int = option(64, "Most sentences decoded at once (continuous batching).", low=1,
                                  flag="--batch-size", output=False)
@@ -72,8 +74,9 @@ class DecodeOptions:
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
-                "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with AMX, on calls of at least "
-                f"{AUTO_CERTIFIED_ROWS} positions (fewer take fp32's, faster there), else fp32.",
+                "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with AMX, on calls of enough "
+                "positions (aggdec.model.projection.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster there), else "
+                "fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,8 @@ class DecodeOptions:
 
     def acceptance(self) -> Acceptance:
         """The acceptance rule of a draft -> verify method: exact top-1 unless the method says otherwise."""
+        from aggdec.decoding.acceptance import ExactMatch
+
         return ExactMatch()
 
     @property
@@ -100,8 +105,8 @@ class DecodeOptions:
         return method_of(self).lossless(self)
 
     def signature(self, sha: str = "") -> str:
-        """A string that changes with anything that can change an output (see methods.signature)."""
-        from aggdec.decoding.methods import signature
+        """A string that changes with anything that can change an output (method_options.signature)."""
+        from aggdec.decoding.method_options import signature
 
         return signature(self, sha)
 

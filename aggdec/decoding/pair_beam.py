@@ -28,6 +28,7 @@ from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 
 @torch.inference_mode()
@@ -76,7 +77,9 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     ms = [0.0] * bsz
     chunk = chunk_for(vocab)
     step = 0
+    THREADS.start()
     while bsz:
+        THREADS.tick()
         t0 = time.perf_counter()
         logits = model.decode(tokens[:, -STRIDE:], cache)  # (n, 2, V)
         cache.commit(STRIDE)

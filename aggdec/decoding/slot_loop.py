@@ -58,6 +58,7 @@ from aggdec.decoding.state import DecodeState
 from aggdec.model import decode_attention
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
@@ -421,6 +422,7 @@ class SlotLoop:
             return
         self._allocate(queue)
         self._refills.reset()
+        THREADS.start()
         n = self.state.batch_size  # the slots the steps run on: all of them until the queue is empty
         free = list(range(n))
         src_len = [0] * n  # host copy of each occupied slot's source length
@@ -454,6 +456,7 @@ class SlotLoop:
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
+            THREADS.tick()
             self.counters.padded += n * (width + 1)
             if self.budget is not None and self.max_draft:
                 if not built:  # a program's build (seconds, once) is no cost of the length that met it

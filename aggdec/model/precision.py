@@ -1,6 +1,6 @@
 """Verifier precisions: the fp32 model as trained, a bf16 copy, or an int8 copy of its linear layers.
 
-`PRECISIONS`: "fp32" (the default, the exact result), "bf16" (every weight and activation in
+`PRECISIONS` (declared with the `precision` option, aggdec.decoding.options): "fp32" (the default, the exact result), "bf16" (every weight and activation in
 bfloat16) and "int8" (W8A8: every linear layer of encoder and decoder, and the output projection,
 multiplies int8 weights by int8 activations with int32 accumulation; embeddings, norms, attention
 and the residual stream stay in the model's float dtype).
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from aggdec.decoding.options import PRECISIONS
 from aggdec.model.linear import Linear
 from aggdec.model.transformer import Transformer
 
-PRECISIONS = ("fp32", "bf16", "int8")
 
 ISAS = ("amx", "avx512_vnni", "avx_vnni", "avx512", "avx2", "other")
 """CPU classes by what decides the cost of bf16 and int8 products, best first (`cpu_isa`)."""

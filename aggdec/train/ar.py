@@ -16,7 +16,6 @@ sinusoidal table.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -24,7 +23,6 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,57 +35,10 @@ from aggdec.double_token import teacher_forcing
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import SentencePieceTokenizer
+from aggdec.train.args import TrainConfig, ar_config
 from aggdec.train.spm import train_sentencepiece
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-TASKS = {  # name -> (directory, source column, target column)
-    "gec": ("gec", "noisy", "clean"),
-    "ende": ("ende", "en", "de"),
-}
 BOS, PAD, EOS = 0, 1, 2
-
-
-@dataclass
-class TrainConfig:
-    train: str
-    valid: str
-    src_col: str
-    tgt_col: str
-    out: str
-    recipe: str = ""  # free-form name recorded in meta
-    spm_model: str | None = None  # reuse this sentencepiece model; default: train <out>/spm.model
-    vocab_size: int = 8000
-    init_from: str | None = None  # continue from a saved model directory (its config and spm win)
-    rewarmup: int = 100  # with init_from: ramp the (continued) schedule's lr up over this many updates
-    # model
-    d_model: int = 256
-    heads: int = 4
-    ffn: int = 1024
-    enc_layers: int = 6
-    dec_layers: int = 3
-    pre_norm: bool = True
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    max_positions: int = 512
-    double_token: bool = False  # fold targets into (head, tail) pairs; learned decoder positions
-    # optimisation
-    max_tokens: int = 4096  # per batch, counting padding: batch_size * max(len) on either side
-    lr: float = 1e-3
-    warmup: int = 1000
-    warmup_init_lr: float = 1e-7
-    label_smoothing: float = 0.1
-    clip_norm: float = 1.0
-    bf16: bool = False  # bfloat16 autocast for the forward pass (CPU with avx512_bf16/AMX, or CUDA)
-    device: str = "cpu"  # "cpu" or "cuda" (checkpoints are saved the same either way)
-    # budget and bookkeeping
-    max_minutes: float = 60.0
-    max_updates: int = 0  # 0 = unlimited
-    seed: int = 1
-    threads: int = 1
-    log_interval: int = 50  # updates
-    eval_minutes: float = 5.0  # validate (and save if better) this often, and at the end
-    eval_updates: int = 0  # ... or every this many updates (0 = off)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -414,54 +365,10 @@ def train_ar(cfg: TrainConfig) -> Path:
 
 # -- command line --------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m aggdec.train.ar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=sorted(TASKS),
-                   help="preset columns and files TASK/train.tsv, TASK/valid.tsv under --data-dir (the project's corpora)")
-    p.add_argument("--data-dir", default=str(DATA), help="where --task finds its files (default: ../shared/data "
-                                                           "beside the source tree)")
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for name, f in fields.items():
-        flag = "--" + name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            typ = {"int": int, "float": float}.get(str(f.type), str)
-            default = None if f.default is dataclasses.MISSING else f.default
-            p.add_argument(flag, type=typ, default=default)
-    return p
-
-
-def _missing_data(name: str, path: str, task: str | None, data_dir: Path) -> str:
-    """One line naming the missing --train/--valid file and how to give data (the presets read the
-    project's own corpora, which a copy of the package does not hold)."""
-    own = "--train FILE --valid FILE --src-col COL --tgt-col COL (TSV files with a header line)"
-    if task:
-        sub = TASKS[task][0]
-        return (f"--task {task}: {path} not found; the preset reads {sub}/train.tsv and {sub}/valid.tsv under "
-                f"--data-dir (default {data_dir}): pass --data-dir DIR, or your own data with {own}")
-    return f"--{name}: {path} not found; give {own}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry; returns 0 (an exit status) once the model is saved."""
-    args = vars(build_parser().parse_args(argv))
-    task, data_dir = args.pop("task"), Path(args.pop("data_dir"))
-    if task:
-        sub, s_col, t_col = TASKS[task]
-        args["train"] = args["train"] or str(data_dir / sub / "train.tsv")
-        args["valid"] = args["valid"] or str(data_dir / sub / "valid.tsv")
-        args["src_col"] = args["src_col"] or s_col
-        args["tgt_col"] = args["tgt_col"] or t_col
-    missing = [k for k in ("train", "valid", "src_col", "tgt_col", "out") if not args[k]]
-    if missing:
-        raise SystemExit(f"missing --{', --'.join(m.replace('_', '-') for m in missing)} (or use --task)")
-    for name in ("train", "valid"):
-        if not Path(args[name]).is_file():
-            raise SystemExit(_missing_data(name, args[name], task, data_dir))
-    if not args["recipe"]:
-        args["recipe"] = "python -m aggdec.train.ar " + " ".join(sys.argv[1:] if argv is None else argv)
-    train_ar(TrainConfig(**args))
+    """Command-line entry (flags: aggdec.train.args.ar_config); returns 0 (an exit status) once the
+    model is saved."""
+    train_ar(ar_config(argv))
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 from aggdec import checkpoint
 from aggdec.checkpoint import save_heads
 from aggdec.model.heads import ProposalHeads
+from aggdec.train.args import heads_args
 from aggdec.train.ar import PAD, collate, encode_pairs, log, ls_loss, make_batches, read_tsv, to_device, training_autocast
 
 
@@ -83,29 +84,8 @@ def train_heads(a: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m aggdec.train.heads", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--verifier", required=True)
-    ap.add_argument("--data", required=True, help="Seq-KD TSV (see aggdec.train.seqkd)")
-    ap.add_argument("--src-col", default="src")
-    ap.add_argument("--tgt-col", default="kd")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--block-size", type=int, default=4, help="k: k - 1 heads")
-    ap.add_argument("--hidden", type=int, default=512, help="FFN width of each head")
-    ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--warmup", type=int, default=500)
-    ap.add_argument("--label-smoothing", type=float, default=0.1)
-    ap.add_argument("--max-minutes", type=float, default=30)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for forward passes")
-    ap.add_argument("--pad-multiple", type=int, default=8, help="round batch widths up to this (GPU shape reuse)")
-    ap.add_argument("--log-interval", type=int, default=50)
-    a = ap.parse_args(argv)
-    if a.block_size < 2:
-        raise SystemExit("--block-size must be >= 2")
-    train_heads(a)
+    """Command-line entry (flags: aggdec.train.args.heads_args)."""
+    train_heads(heads_args(argv))
     return 0
 
 

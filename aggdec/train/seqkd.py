@@ -18,6 +18,7 @@ import torch
 from aggdec.api import Translator, decode_options
 from aggdec.distill import TSV_HEADER, PairFilter, filter_reasons, pair_lines
 from aggdec.schema import decoded_columns
+from aggdec.train.args import seqkd_args
 from aggdec.train.ar import log, read_tsv
 
 
@@ -43,17 +44,12 @@ def generate(model_dir: str | Path, sources: list[str], out_tsv: str | Path, *, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m aggdec.train.seqkd", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--data", required=True, help="TSV with a header line")
-    ap.add_argument("--column", required=True, help="source column")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--method", default="greedy", choices=["greedy", "beam"])
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
-    a = ap.parse_args(argv)
+    """Command-line entry (flags: aggdec.train.args.seqkd_args); returns 0 once the pairs are written."""
+    return run(seqkd_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    """Write the Seq-KD pairs that `a` (seqkd_args) asks for; returns 0."""
     torch.set_num_threads(a.threads)
     src, _ = read_tsv(a.data, a.column, a.column)
     if a.limit:

@@ -1,0 +1,89 @@
+"""Decoding threads that follow how busy the cores are.
+
+torch runs each operator of a decoder step as a parallel region of `torch.get_num_threads()` OpenMP
+threads that meet at a barrier when it ends. On a machine whose cores other processes share, a
+thread of ours that the kernel has descheduled holds the others at that barrier; a decoder that runs
+hundreds of regions a second then gets far less done than its share of the CPU would allow (the
+contention benchmark, docs/benchmarks.md). One thread has no barriers to wait at.
+
+`THREADS` reads, over windows of `WINDOW_S` seconds of decoding, how long the decoding thread was
+ready to run but waited for a core (the kernel's run-queue time, `/proc/thread-self/schedstat`).
+Where it waited more than `BUSY_WAIT` of the window, other threads want the cores and it decodes on
+one thread; it goes back to the count the process set (`torch.set_num_threads`) once a window shows
+at most `FREE_WAIT`, and waits twice as long before the next return each time a return finds the
+cores still busy. On a machine of its own its thread never waits and nothing changes; where the
+kernel does not report run-queue time it does nothing. Outputs depend on the thread count only as
+far as the model's own arithmetic does (as for two greedy runs at different counts).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+WINDOW_S = 0.25
+"""Seconds of decoding a measurement covers."""
+BUSY_WAIT = 0.2
+"""Share of a window spent waiting for a core over which the cores are taken to be busy."""
+FREE_WAIT = 0.05
+"""Share of a window spent waiting for a core under which one thread takes them to be free again."""
+LONGEST_WAIT_S = 8.0
+"""The longest wait before trying the process's thread count again."""
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def run_queue_seconds() -> float | None:
+    """Seconds the calling thread has waited for a core so far; None where the kernel does not say."""
+    try:
+        with open(SCHEDSTAT) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ThreadGovernor:
+    """One per process (`THREADS`): decoding loops call `start()` when a run starts and `tick()` once
+    per verifier call, on the thread that decodes. Between runs nothing is measured."""
+
+    def __init__(self) -> None:
+        self.wanted = 0  # the process's own thread count
+        self.chosen = 0  # the count set here last
+        self.switches = 0  # changes of the thread count so far
+        self._backoff = WINDOW_S  # seconds on one thread before the wanted count is tried again
+        self._since = 0.0  # when the thread count last changed
+        self._wall = 0.0
+        self._waited: float | None = None
+
+    def start(self) -> None:
+        """A run starts: measure from here."""
+        threads = torch.get_num_threads()
+        if threads != self.chosen:  # set by the process itself: its count
+            self.wanted = self.chosen = threads
+            self._backoff = WINDOW_S
+        self._wall, self._waited = time.perf_counter(), run_queue_seconds()
+
+    def tick(self) -> None:
+        """After a verifier call: at the end of a window, the thread count for the next one."""
+        wall = time.perf_counter()
+        elapsed = wall - self._wall
+        if elapsed < WINDOW_S or self._waited is None or self.wanted < 2:
+            return
+        waited = run_queue_seconds()
+        share = (waited - self._waited) / elapsed
+        if self.chosen > 1 and share > BUSY_WAIT:
+            if wall - self._since < 2 * WINDOW_S:  # a return that found the cores still busy
+                self._backoff = min(2 * self._backoff, LONGEST_WAIT_S)
+            self._set(1, wall)
+        elif self.chosen < self.wanted and share < FREE_WAIT and wall - self._since >= self._backoff:
+            self._set(self.wanted, wall)
+        self._wall, self._waited = wall, waited
+
+    def _set(self, threads: int, now: float) -> None:
+        torch.set_num_threads(threads)
+        self.chosen, self._since = threads, now
+        self.switches += 1
+
+
+THREADS = ThreadGovernor()
+"""The process's governor (torch's thread count is the process's)."""
