@@ -8,7 +8,7 @@ costs. `keep_freed_memory` raises the mmap threshold to glibc's largest (32 MiB)
 threshold to 1 GiB, so such blocks are reused from the heap (docs/design.md, "Large batches: memory,
 not arithmetic"). The cost is memory: up to 1 GiB freed
 heap stays with the process. Larger blocks are still mapped; the verifier's top-1 keeps its logits
-under that size (aggdec.model.projection.TOP1_ROWS).
+under that size (aggdec.thresholds.TOP1_ROWS).
 """
 
 from __future__ import annotations

@@ -33,11 +33,12 @@ from aggdec.decoding.methods import DraftContext, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.double_token import teacher_forcing
 from aggdec.model.precision import cpu_isa, cpu_warning, with_precision
-from aggdec.model.projection import AUTO_CERTIFIED_ROWS, OutputProjection, certified_pays
+from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
+from aggdec.thresholds import AUTO_CERTIFIED_ROWS
 
 __all__ = ["DecodeOptions", "TranslationResult", "Translator", "decode_options", "summarize"]
 

@@ -11,7 +11,8 @@ from aggdec import api
 from aggdec.api import Translator
 from aggdec.decoding.acceptance import constrain_logits
 from aggdec.model.precision import Int8Weight
-from aggdec.model.projection import AUTO_CERTIFIED_ROWS, TOP1_ROWS, OutputProjection
+from aggdec.model.projection import OutputProjection
+from aggdec.thresholds import AUTO_CERTIFIED_ROWS, TOP1_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -358,7 +358,7 @@ def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
     """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel (T5: with its relative
     position bias): naive greedy's output, with the slots refilled and the tail narrowed (one program
     for all of it)."""
-    from aggdec.decoding.slot_loop import RAGGED_SLOTS
+    from aggdec.thresholds import RAGGED_SLOTS
 
     model = tiny_model(kind, seed=2, vocab=9)
     reqs = _requests(random.Random(5), 3 * RAGGED_SLOTS, model.cfg.src_vocab, model.cfg.eos, repeat=True)
@@ -423,3 +423,49 @@ def test_compiled_step_equals_greedy():
     with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
         assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \
             "DraftVerifyLoop"
+
+
+CHECKED = {"greedy": lambda m: NoDraft(), "iad": lambda m: InputCopy(max_draft=4, substitution=True, nearest_match=True),
+           "iad-adaptive": lambda m: InputCopy(max_draft=4, adaptive=True, min_draft=1, skip_prefix=True),
+           "gad": lambda m: _head_drafter("gad", m, 3), "gad-vocab": lambda m: _head_drafter("gad", m, 3, vocab=4),
+           "blockwise": lambda m: _head_drafter("blockwise", m, 3)}
+
+
+@pytest.mark.parametrize("method", CHECKED)
+def test_every_slot_method_keeps_capture_discipline(method):
+    """Every method of the captured path runs its steps as a replayed CUDA graph would (`graphs="check"`:
+    no host read inside a step, no state left in a tensor the step allocated, outputs read from
+    buffers of their own): naive greedy's output, with refills, a random draft budget (widths 0
+    included) and the tail narrowed, run after run."""
+    model = tiny_model("prenorm-learned-separate", seed=4, vocab=9)
+    reqs = _requests(random.Random(6), 20, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    torch.manual_seed(6)
+    drafter = CHECKED[method](model)
+    loop = SlotLoop(model, drafter, max_batch_size=4, graphs="check",
+                    budget=RandomBudget(6, drafter.max_draft or 6) if drafter.max_draft != 0 else None)
+    for _ in range(2):
+        assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+
+
+def test_capture_discipline_finds_host_reads_and_state_allocated_in_a_step():
+    """The check backend refuses a drafter that reads the host inside the step and one that keeps its
+    state in a tensor allocated by the step (a replay would rewrite it)."""
+    from aggdec.decoding.capture_check import CaptureError
+
+    class Reads(InputCopy):
+        def propose(self, state, width=None):
+            int(state.out_len.max())
+            return super().propose(state, width)
+
+    class Keeps(InputCopy):
+        def observe(self, state, draft, accepted, verified):
+            self.rows.resume = accepted + 1
+
+    model = tiny_model(seed=1, vocab=9)
+    reqs = _requests(random.Random(1), 4, model.cfg.src_vocab, model.cfg.eos)
+    with pytest.raises(CaptureError, match="reads a tensor on the host"):
+        _run(SlotLoop(model, Reads(max_draft=3), max_batch_size=2, graphs="check"), reqs)
+    with pytest.raises(CaptureError, match="rows._tensors\\['resume'\\]"):
+        _run(SlotLoop(model, Keeps(max_draft=3, substitution=True), max_batch_size=2, graphs="check"), reqs)
+    assert _run(SlotLoop(model, Keeps(max_draft=3, substitution=True), max_batch_size=2), reqs)  # eager runs it

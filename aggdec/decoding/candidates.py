@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from aggdec.thresholds import CHUNKED_FROM
+
 CHUNKS = range(256, 63, -16)
 """Chunk lengths `top_candidates` may cut rows into, the longest dividing the vocabulary first: whole
 vectors of 16 floats (lengths that are not reduced several times slower on the CPU)."""
-
-CHUNKED_FROM = 32768
-"""Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
-chunked search's five operators, whose fixed cost only a long row repays."""
 
 
 def chunk_for(vocab: int) -> int | None:

@@ -47,7 +47,7 @@ class Drafter(Protocol):
         K the longest row's draft (the packed backend, which may read the host), lengths at most K."""
 
     def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor,
-                verified: "Verified | None") -> None:
+                verified: Verified | None) -> None:
         """After the call's commit: `draft` as verified (its lengths cut by the loop), `accepted` (B,)
         the draft tokens kept (rows not yet removed), `verified` the verifier's side of the call
         (None where the call drafted nothing and the drafter does not draft from states). Updates

@@ -13,15 +13,8 @@ from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
+from aggdec.thresholds import HOST_MATCH_ROWS, MATCH_DEPTH
 
-
-HOST_MATCH_ROWS = 64
-"""Most rows whose suffix match runs on the host (`InputCopy.match_rows`), on the CPU: a few rows
-match in plain Python for less than the tensor `match` costs in operators; from about a hundred
-rows the tensor match is the cheaper."""
-
-MATCH_DEPTH = 16
-"""Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match_fixed`)."""
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing

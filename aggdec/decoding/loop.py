@@ -33,6 +33,7 @@ from aggdec.model.cache import CrossKV
 from aggdec.model.projection import Constrain, OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
+from aggdec.thresholds import ENCODE_AHEAD, ENCODE_AHEAD_TOKENS
 
 
 def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -55,16 +56,6 @@ def take(queue: list[Request], free_slots: int, used_tokens: int, max_tokens: in
         taken.append(queue.pop())
         used_tokens += n
     return taken
-
-
-ENCODE_AHEAD = 32
-"""Sentences a refill is encoded with at least, by default, at any batch size (fewer where they
-would exceed ENCODE_AHEAD_TOKENS): at batch 1 a sentence encoded alone streams all the encoder's
-weights from memory for its 20-odd tokens (gec-base: 12.6 MB), 32 sentences share one pass
-(docs/design.md, "Encode-ahead refills")."""
-ENCODE_AHEAD_TOKENS = 4096
-"""Source tokens (padded to the longest) that ENCODE_AHEAD's sentences may reach: what waits as
-cross K/V beyond the batch stays small for long sentences and large models."""
 
 
 def ahead_count(longest: int) -> int:

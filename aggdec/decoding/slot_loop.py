@@ -51,6 +51,7 @@ import torch
 
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
+from aggdec.decoding.capture_check import checked
 from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
@@ -59,6 +60,7 @@ from aggdec.model import decode_attention
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
+from aggdec.thresholds import CPP_GEMM_SLOTS, RAGGED_SLOTS
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
@@ -69,27 +71,12 @@ per product, whose call costs more than one row's arithmetic.
 Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
 each; symbolic ones compile once."""
 
-CPP_GEMM_SLOTS = 8
-"""Slots up to which a compiled fp32 step's products are TorchInductor's C++ GEMM template on weights
-packed once, inlined into the program (at a few rows it beats a library call); with more slots ATen's
-products, which freezing turns into oneDNN's on prepacked weights (faster than the template on wide
-products, the output projection first; docs/design.md, "Fixed slots: the slot loop"). One backend
-per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
-float64 (test) models always take ATen's."""
-
 
 def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`). A step that
     verifies drafts takes ATen's: for its products the C++ template offered no choice
     (`NoValidChoicesError`, and the step decoded eagerly)."""
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
-
-
-RAGGED_SLOTS = 16
-"""Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
-which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
-step always takes it). With fewer rows the kernel's call through the dispatcher costs more than
-the padding it skips."""
 
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
@@ -109,12 +96,13 @@ def supports(model: Transformer, drafter, acceptance) -> bool:
 
 class SlotLoop:
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
-    `graphs`: capture steps as CUDA graphs (default: on a CUDA device); `compile`: compile steps with
+    `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
+    under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
 
     def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
                  min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
-                 prompt: tuple[int, ...] | None = None, graphs: bool | None = None, compile: bool = False):
+                 prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if model.cfg.double_token:
@@ -227,6 +215,9 @@ class SlotLoop:
                 self._compiled = None
             finally:
                 inductor_config.freezing = frozen
+        if self.graphs == "check":
+            checked(lambda: self._step(width, span, src_width), self, "_states")
+            return
         if not self.graphs:
             self._step(width, span, src_width)
             return
@@ -256,7 +247,7 @@ class SlotLoop:
         copy of its code object. `slots`: the loop's slot count, which picks the products (`gemm_backend`)."""
         fn = SlotLoop._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        backend = gemm_backend(self.dtype, slots, drafts=self.max_draft != 0)
+        backend = gemm_backend(self.dtype, slots, drafts=self.drafter.max_draft != 0)
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 

@@ -31,15 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_MACS = 1 << 20
-"""Products with an unpacked weight and fewer multiply-adds (rows x in x out) stay on `F.linear`."""
-
-WIDE_ROW_MACS = 1 << 17
-"""A prepacked weight (`packed_for`) with at least this many multiply-adds per row (in x out: the
-256x768 fused q/k/v, 256x1024, 1024x256, the output projection) is used from 2 rows; any from
-`MIN_MACS` multiply-adds in all, as unpacked ones. Packing once removes the per-call reorder that made small
-products slower on oneDNN; a wide product then beats MKL from 2 rows, a 256x256 one only from about
-16 rows."""
+from aggdec.thresholds import MIN_MACS, WIDE_ROW_MACS
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None

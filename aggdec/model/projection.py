@@ -36,16 +36,13 @@ from collections.abc import Callable
 import torch
 
 from aggdec.model.linear import linear, prepack
+from aggdec.thresholds import TOP1_ROWS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
 REFINE_WIDTH = 16
 """Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
 whole fp32 row."""
-TOP1_ROWS = 128
-"""Positions per product in the plain top-1: their (n, V) logits stay in the cache, where one product
-over every position of a large batch (1,300 positions x 8,000 tokens x 4 bytes: 42 MB) is written to
-fresh pages at every call (glibc maps allocations over 32 MB anew) and read again by the argmax."""
 
 Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
 """constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
@@ -64,14 +61,6 @@ def certified_pays(device: torch.device) -> bool:
     products are AVX512-BF16 at best, where the bf16 product saves less than the bound and the
     recomputed rows cost (docs/design.md, "Certified bf16 top-1")."""
     return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-
-
-AUTO_CERTIFIED_ROWS = 64
-"""Positions from which a call takes the certified top-1 under `verify_precision = "auto"` (fewer
-take fp32's). The bf16 product's saving grows with the positions a call computes, while what the
-bound leaves to refine from fp32 logits does not shrink with them: on a CPU with AMX the certified
-top-1 pays from about 64 positions on every shipped model, and costs below that where many positions
-need their candidates' fp32 logits (docs/design.md, "Certified bf16 top-1")."""
 
 
 class OutputProjection:

@@ -1,0 +1,88 @@
+"""The slot loop's step run as a replayed CUDA graph constrains it, on any device (`SlotLoop(graphs="check")`).
+
+A replay runs the captured kernels on the buffers they were captured with, with no host between
+them: a step that reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`)
+would replay the value it read at capture, and a tensor the step allocates lives in the graph's pool,
+rewritten by the next replay, so state carried to a later step must be a buffer allocated before the
+step and updated in place. `checked` runs a step under both rules and raises `CaptureError` where it
+breaks one; the step's declared outputs are then read from buffers of their own, as a replay's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "_unique2",
+               "unique_dim", "unique_consecutive"}
+
+
+class CaptureError(RuntimeError):
+    """A step that a replayed CUDA graph would not run as it ran."""
+
+
+class _NoHostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            raise CaptureError(f"the step reads a tensor on the host ({func.__name__}): a replay would not")
+        return func(*args, **(kwargs or {}))
+
+
+class _NoSyncingOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = name in ("index", "index_put", "index_put_") and any(
+            t is not None and t.dtype == torch.bool for t in args[1])
+        if name in SYNCING_OPS or masks:
+            raise CaptureError(f"the step runs {func} (its output's size comes from the host): a replay would not")
+        return func(*args, **(kwargs or {}))
+
+
+def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor `obj` holds through objects of aggdec's classes (and their
+    subclasses), dataclasses, lists, tuples and dicts (not through modules: their weights are no
+    step's state)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, x in enumerate(obj):
+            yield from held(x, f"{path}[{i}]", seen)
+    elif isinstance(obj, dict):
+        for k, x in obj.items():
+            yield from held(x, f"{path}[{k!r}]", seen)
+    elif dataclasses.is_dataclass(obj) or any(c.__module__.startswith("aggdec.") for c in type(obj).__mro__):
+        for k, x in vars(obj).items():
+            yield from held(x, f"{path}.{k}", seen)
+
+
+def checked(step: Callable[[], object], owner: object, outputs: str) -> None:
+    """Run `step()` under the rules above; every tensor `owner` holds afterwards must have existed
+    before it, but for its attribute `outputs` (a tuple of tensors or None), which is copied into
+    buffers of its own (allocated at the first step of its shapes) as a replay's outputs are."""
+    before = {t.untyped_storage().data_ptr() for _, t in held(owner)}
+    with _NoHostReads(), _NoSyncingOps():
+        step()
+    out = getattr(owner, outputs)
+    setattr(owner, outputs, None)
+    for path, t in held(owner):
+        if t.numel() and t.untyped_storage().data_ptr() not in before:
+            raise CaptureError(f"the step left a tensor it allocated in {path.lstrip('.')}: a replay rewrites "
+                               "it; keep state in a buffer allocated before the step, updated in place")
+    if out is not None:
+        static = getattr(owner, "_static_" + outputs, {})
+        key = tuple(t.shape for t in out)
+        if key not in static:
+            static[key] = tuple(torch.empty_like(t) for t in out)
+        for dst, src in zip(static[key], out):
+            dst.copy_(src)
+        setattr(owner, "_static_" + outputs, static)
+        setattr(owner, outputs, static[key])

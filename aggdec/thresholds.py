@@ -1,0 +1,63 @@
+"""Every size threshold that picks which code path decodes, in one place (docs/design.md, "What runs
+where"). Each was measured on 2-core x86 CPUs (AVX-512 VNNI, AVX2); none changes an output: the
+paths on either side of a threshold compute the same tokens (beam search's chunked candidates up to
+the order of exactly equal values).
+"""
+
+ENCODE_AHEAD = 32
+"""Sentences a refill is encoded with at least, by default, at any batch size (fewer where they
+would exceed ENCODE_AHEAD_TOKENS): at batch 1 a sentence encoded alone streams all the encoder's
+weights from memory for its 20-odd tokens (gec-base: 12.6 MB), 32 sentences share one pass
+(docs/design.md, "Encode-ahead refills")."""
+
+ENCODE_AHEAD_TOKENS = 4096
+"""Source tokens (padded to the longest) that ENCODE_AHEAD's sentences may reach: what waits as
+cross K/V beyond the batch stays small for long sentences and large models."""
+
+HOST_MATCH_ROWS = 64
+"""Most rows whose suffix match runs on the host (`InputCopy.match_rows`), on the CPU: a few rows
+match in plain Python for less than the tensor `match` costs in operators; from about a hundred
+rows the tensor match is the cheaper."""
+
+MATCH_DEPTH = 16
+"""Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match_fixed`)."""
+
+TOP1_ROWS = 128
+"""Positions per product in the plain top-1: their (n, V) logits stay in the cache, where one product
+over every position of a large batch (1,300 positions x 8,000 tokens x 4 bytes: 42 MB) is written to
+fresh pages at every call (glibc maps allocations over 32 MB anew) and read again by the argmax."""
+
+AUTO_CERTIFIED_ROWS = 64
+"""Positions from which a call takes the certified top-1 under `verify_precision = "auto"` (fewer
+take fp32's). The bf16 product's saving grows with the positions a call computes, while what the
+bound leaves to refine from fp32 logits does not shrink with them: on a CPU with AMX the certified
+top-1 pays from about 64 positions on every shipped model, and costs below that where many positions
+need their candidates' fp32 logits (docs/design.md, "Certified bf16 top-1")."""
+
+MIN_MACS = 1 << 20
+"""Products with an unpacked weight and fewer multiply-adds (rows x in x out) stay on `F.linear`."""
+
+WIDE_ROW_MACS = 1 << 17
+"""A prepacked weight (`packed_for`) with at least this many multiply-adds per row (in x out: the
+256x768 fused q/k/v, 256x1024, 1024x256, the output projection) is used from 2 rows; any from
+`MIN_MACS` multiply-adds in all, as unpacked ones. Packing once removes the per-call reorder that made small
+products slower on oneDNN; a wide product then beats MKL from 2 rows, a 256x256 one only from about
+16 rows."""
+
+CPP_GEMM_SLOTS = 8
+"""Slots up to which a compiled fp32 step's products are TorchInductor's C++ GEMM template on weights
+packed once, inlined into the program (at a few rows it beats a library call); with more slots ATen's
+products, which freezing turns into oneDNN's on prepacked weights (faster than the template on wide
+products, the output projection first; docs/design.md, "Fixed slots: the slot loop"). One backend
+per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
+float64 (test) models always take ATen's."""
+
+RAGGED_SLOTS = 16
+"""Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
+which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
+step always takes it). With fewer rows the kernel's call through the dispatcher costs more than
+the padding it skips."""
+
+CHUNKED_FROM = 32768
+"""Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
+chunked search's five operators, whose fixed cost only a long row repays."""

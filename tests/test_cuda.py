@@ -1,0 +1,144 @@
+"""The decode engine on a CUDA device (marked `cuda`; skipped without one). On a lent GPU, all of it:
+
+    python -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider
+
+The captured engine (slot loop, steps as CUDA graphs) equals eager greedy on the device; every lossless
+method equals the same device's greedy at fp32 and bf16; a run whose shapes were seen captures
+nothing; an iteration synchronizes the host once; a DecodeWorker on `cuda` decodes with the captured
+engine."""
+
+import random
+import warnings
+
+import pyarrow as pa
+import pytest
+import torch
+from test_loop import RandomBudget, _requests
+from tiny_models import tiny_model
+
+from aggdec.decoding.blockwise import BlockwiseHeads
+from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.gad_head import DraftHeadDrafter
+from aggdec.decoding.iad import InputCopy
+from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.slot_loop import SlotLoop
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
+from aggdec.model.heads import ProposalHeads
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DRAFTERS = {"iad": lambda m, t: InputCopy(max_draft=4, substitution=True, nearest_match=True),
+            "iad-adaptive": lambda m, t: InputCopy(max_draft=4, adaptive=True, min_draft=1),
+            "gad": lambda m, t: DraftHeadDrafter(m, DraftHead(DraftHeadConfig(
+                d_model=m.cfg.d_model, heads=2, ffn=24, layers=1, block_size=3)).to(**t).eval()),
+            "blockwise": lambda m, t: BlockwiseHeads(m, ProposalHeads(m.cfg.d_model, 3, 32).to(**t).eval())}
+
+
+def _model(dtype: torch.dtype, kind: str = "prenorm-learned-separate"):
+    return tiny_model(kind, seed=3, vocab=9).to(device="cuda", dtype=dtype)
+
+
+def _tokens(loop, reqs) -> dict[int, list[int]]:
+    hyps = list(loop.run(reqs))
+    assert sorted(h.index for h in hyps) == sorted(r.index for r in reqs)
+    return {h.index: h.tokens for h in hyps}
+
+
+@pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like"])
+def test_captured_greedy_equals_eager_greedy_on_the_device(kind):
+    model = _model(torch.float32, kind)
+    reqs = _requests(random.Random(0), 24, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    eager = _tokens(DraftVerifyLoop(model, NoDraft(), max_batch_size=4), reqs)
+    loop = SlotLoop(model, NoDraft(), max_batch_size=4)
+    assert loop.graphs
+    assert _tokens(loop, reqs) == eager
+    assert loop._captured, "the steps ran as CUDA graphs"
+    assert _tokens(SlotLoop(model, NoDraft(), max_batch_size=4, graphs=False), reqs) == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", DRAFTERS)
+def test_every_lossless_method_equals_the_devices_greedy(method, dtype):
+    """At any batch composition and draft width (a random budget), captured and eager: the same
+    device's greedy at the same precision."""
+    model = _model(dtype)
+    reqs = _requests(random.Random(1), 24, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    greedy = _tokens(DraftVerifyLoop(model, NoDraft(), max_batch_size=1), reqs)
+    torch.manual_seed(1)
+    drafter = DRAFTERS[method](model, {"device": "cuda", "dtype": dtype})
+    for bs in (1, 3, 8):
+        budget = RandomBudget(bs, drafter.max_draft or 6)
+        assert _tokens(SlotLoop(model, drafter, max_batch_size=bs, budget=budget), reqs) == greedy, bs
+        assert _tokens(DraftVerifyLoop(model, drafter, max_batch_size=bs), reqs) == greedy, bs
+
+
+def test_a_run_of_seen_shapes_captures_nothing():
+    model = _model(torch.float32)
+    reqs = _requests(random.Random(2), 16, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    loop = SlotLoop(model, InputCopy(max_draft=4), max_batch_size=4)
+    first = _tokens(loop, reqs)
+    captured = dict(loop._captured)
+    assert _tokens(loop, reqs) == first
+    assert loop._captured == captured
+
+
+def test_one_host_synchronization_per_iteration(monkeypatch):
+    """Outside retiring finished rows and encoding refills, an iteration synchronizes once
+    (`torch.cuda.set_sync_debug_mode`: every synchronizing operation warns)."""
+    paused = [0]
+
+    def pausing(method):
+        def run(*args, **kwargs):
+            paused[0] += 1
+            try:
+                out = method(*args, **kwargs)
+                return list(out) if method.__name__ == "_retire" else out
+            finally:
+                paused[0] -= 1
+        return run
+
+    monkeypatch.setattr(SlotLoop, "_retire", pausing(SlotLoop._retire))
+    monkeypatch.setattr(SlotLoop, "_fill", pausing(SlotLoop._fill))
+    model = _model(torch.float32)
+    reqs = _requests(random.Random(3), 12, model.cfg.src_vocab, model.cfg.eos)
+    for drafter in (NoDraft(), InputCopy(max_draft=4, substitution=True)):
+        loop = SlotLoop(model, drafter, max_batch_size=4)
+        _tokens(loop, reqs)  # captures every shape of the run
+        loop.counters.calls = 0
+        syncs = [0]
+        showwarning = warnings.showwarning
+
+        def count(message, *args, syncs=syncs, **kwargs):
+            if "synchronizing" in str(message) and not paused[0]:
+                syncs[0] += 1
+
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = count
+                _tokens(loop, reqs)
+        finally:
+            warnings.showwarning = showwarning
+            torch.cuda.set_sync_debug_mode("default")
+        assert syncs[0] == loop.counters.calls
+
+
+def test_decode_worker_on_cuda_takes_the_captured_engine(tiny_model_dir):
+    from conftest import synthetic_sentences
+
+    from aggdec.api import decode_options
+    from cluster.actors import DecodeWorker
+    from jobs.stage import RowsTask
+
+    texts = synthetic_sentences(20, seed=4)
+    task = RowsTask(text_column="src", id_column=None)
+    opts = decode_options("iad", max_batch_size=8)
+    worker = DecodeWorker(str(tiny_model_dir), opts, task, device="cuda")
+    out = worker(pa.table({"src": texts}))
+    assert out.column("status").to_pylist() == ["ok"] * len(texts)
+    loops = list(worker.translator._slot_loops.values())
+    assert loops and loops[0]._captured, "the worker decoded with captured steps"
+    cpu = DecodeWorker(str(tiny_model_dir), opts, task, device="cpu")(pa.table({"src": texts}))
+    assert out.column("hyp").to_pylist() == cpu.column("hyp").to_pylist()
