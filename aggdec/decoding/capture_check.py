@@ -1,11 +1,9 @@
-"""The slot loop's step run as a replayed CUDA graph constrains it, on any device (`SlotLoop(graphs="check")`).
+"""The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`).
 
-A replay runs the captured kernels on the buffers they were captured with, with no host between
-them: a step that reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`)
-would replay the value it read at capture, and a tensor the step allocates lives in the graph's pool,
-rewritten by the next replay, so state carried to a later step must be a buffer allocated before the
-step and updated in place. `checked` runs a step under both rules and raises `CaptureError` where it
-breaks one; the step's declared outputs are then read from buffers of their own, as a replay's are.
+A replay runs the captured kernels on their captured buffers with no host between them: a step that
+reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`) would replay the
+value read at capture, and what the step allocates lives in the graph's pool, rewritten by the next
+replay: state carried to a later step must be a buffer allocated before it, updated in place.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "_unique2",
-               "unique_dim", "unique_consecutive"}
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "_unique2", "unique_dim"}
 
 
 class CaptureError(RuntimeError):

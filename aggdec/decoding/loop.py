@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores, constrain_logits, unpack
+from aggdec.decoding.acceptance import (
+    Acceptance,
+    ExactMatch,
+    VerifierScores,
+    constrain_logits,
+    unpack,
+)
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, NoDraft, Verified
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
@@ -70,7 +76,7 @@ class EncodeAhead:
     now together with the next pending requests of the queue, which then wait as cross K/V.
     `batch=None`: the loop's default, max_batch_size or `ahead_count`, whichever is more."""
 
-    def __init__(self, model: Transformer, batch: int | None, counters: "LoopCounters", max_batch_size: int):
+    def __init__(self, model: Transformer, batch: int | None, counters: LoopCounters, max_batch_size: int):
         self.model, self.counters = model, counters
         self.batch, self.default = (max_batch_size, True) if batch is None else (batch, False)
         self.reset()
@@ -129,7 +135,35 @@ class LoopCounters:
     encoded_rows: int = 0
 
 
-class DraftVerifyLoop:
+class LoopBase:
+    """What both loops (this one and `slot_loop.SlotLoop`) hold and how they admit requests: arguments
+    as `DraftVerifyLoop`'s."""
+
+    def __init__(self, model: Transformer, drafter: Drafter | None, max_batch_size: int, max_tokens: int | None,
+                 min_len: int, encode_batch: int | None, budget: DraftBudget | None, prompt: tuple[int, ...] | None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model, self.drafter = model, drafter or NoDraft()
+        self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
+        self.device = next(model.parameters()).device
+        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
+        self.counters = LoopCounters()
+        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
+
+    def _queue(self, requests: Iterable[Request]) -> list[Request]:
+        """The requests in admission order (pop() takes the longest); ValueError naming a request whose
+        source or length limit the model cannot take."""
+        cfg = self.model.cfg
+        queue = sorted(requests, key=lambda r: len(r.src))
+        for r in queue:
+            if not 1 <= r.max_len < cfg.max_target_positions:
+                raise ValueError(f"request {r.index}: max_len={r.max_len} outside [1, {cfg.max_target_positions - 1}]")
+            if not 1 <= len(r.src) <= cfg.max_source_positions:
+                raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
+        return queue
+
+
+class DraftVerifyLoop(LoopBase):
     """Decode requests with `model` as verifier, `drafter` proposing and `acceptance` deciding.
 
     `max_batch_size` bounds the active rows; `max_tokens`, if set, bounds the sum of active source
@@ -137,12 +171,8 @@ class DraftVerifyLoop:
     the whole batch to finish before admitting more (static batching, for comparison).
     `projection` computes the verifier's top-1 and logits (default: plain fp32); one built with
     `certify=True` gives the certified bf16 top-1, which leaves every output unchanged.
-    `encode_batch`: refills are encoded at least this many at a time (default: max_batch_size, or
-    ENCODE_AHEAD sentences where their tokens allow, whichever is more): when a slot frees up, the
-    next pending sentences are encoded with it and wait, as cross-attention K/V, for their own
-    slots. Rows finish a few at a time, and a batch of 1-3 sentences costs the encoder several times
-    more per sentence than a full one (docs/design.md). Admission order is unchanged; 0 or 1
-    encodes each refill alone.
+    `encode_batch`: refills are encoded at least this many at a time (`EncodeAhead`; 0 or 1 encodes
+    each refill alone).
     `budget`: chooses each call's draft length from measured costs and acceptance (DraftBudget);
     None verifies every drafted token.
     `prompt`: (decoder start token, forced first output tokens...), aggdec.conventions.Framing.prompt;
@@ -154,40 +184,22 @@ class DraftVerifyLoop:
                  *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
                  projection: OutputProjection | None = None, encode_batch: int | None = None,
                  budget: DraftBudget | None = None, prompt: tuple[int, ...] | None = None):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = model
-        self.drafter = drafter or NoDraft()
+        super().__init__(model, drafter, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.acceptance = acceptance or ExactMatch()
-        self.max_batch_size = max_batch_size
-        self.max_tokens = max_tokens
         self.refill = refill
-        self.min_len = min_len
         self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
                                                          int8=model.output_int8)
-        self.device = next(model.parameters()).device
-        self.counters = LoopCounters()
-        self.budget = budget
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
         self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
-        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         if self.stride > 1 and self.forced.numel():
             raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
-        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (a first build: 20 s)
             decode_attention.load()
 
     # -- admission -------------------------------------------------------------------------------
-
-    def _check(self, req: Request) -> None:
-        cfg = self.model.cfg
-        if not 1 <= req.max_len < cfg.max_target_positions:
-            raise ValueError(f"request {req.index}: max_len={req.max_len} outside [1, {cfg.max_target_positions - 1}]")
-        if not 1 <= len(req.src) <= cfg.max_source_positions:
-            raise ValueError(f"request {req.index}: source must have 1..{cfg.max_source_positions} tokens")
 
     def _take(self, queue: list[Request], free_slots: int, used_tokens: int) -> list[Request]:
         return take(queue, free_slots, used_tokens, self.max_tokens)
@@ -240,9 +252,7 @@ class DraftVerifyLoop:
         """
         cfg = self.model.cfg
         s = self.stride
-        queue = sorted(requests, key=lambda r: len(r.src))  # pop() takes the longest
-        for r in queue:
-            self._check(r)
+        queue = self._queue(requests)
         self._refills.reset()
         THREADS.start()
         state: DecodeState | None = None

@@ -20,21 +20,14 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   which slots finished, the output lengths (for the next span) and the call's token counts (for the
   draft budget). Rows that finished are then read once, when they retire.
 - **Captured steps.** On a GPU each (slots, width, span, source width) step is captured once as a CUDA
-  graph and replayed (`graphs=True`, the default there). On a CPU, `compile=True` runs the step as a
-  TorchInductor program with symbolic shapes: weights frozen into it, products as C++ GEMMs
-  inlined into it (up to `CPP_GEMM_SLOTS` slots) or oneDNN's on prepacked weights,
-  attention as two batched products and a softmax (`MultiheadAttention.core`, `math`) or, from
-  `RAGGED_SLOTS` slots, the kernel that reads each row's own keys (`aggdec.model.decode_attention`,
-  which the eager step takes at any slot count), a C++ wrapper;
-  a process compiles it once (again for widths 0 and 1, which TorchInductor specializes);
-  elsewhere it runs eagerly.
+  graph and replayed (`graphs=True`, the default there; `graphs="check"` runs it eagerly under a
+  replay's rules, `capture_check`). On a CPU, `compile=True` runs it as a TorchInductor program with
+  symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
+  products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
-Scope: single-token verifiers, exact top-1 acceptance (greedy and the lossless methods) and drafters
-that draft as tensor programs: greedy's empty draft; IAD, whose drafting and re-alignment run inside
-the step (`propose` at the call's width, `observe`); the draft head (GAD) and proposal heads (blockwise),
-which draft from each call's verifier states once the draft budget has picked the next call's length,
-after the step and only where that call drafts (`from_states` drafters' `observe`: the step keeps its
-states and accepted counts; eager, also where the step is a CUDA graph or compiled). The other
+Scope: single-token verifiers and exact top-1 acceptance; drafters draft at the call's width inside
+the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's states after it,
+once the draft budget has picked the next call's length and only where that call drafts. The other
 methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
 """
 
@@ -52,8 +45,8 @@ import torch
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import checked
-from aggdec.decoding.drafters import NoDraft, Verified
-from aggdec.decoding.loop import EncodeAhead, LoopCounters, pad_batch, take
+from aggdec.decoding.drafters import Verified
+from aggdec.decoding.loop import LoopBase, pad_batch, take
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
 from aggdec.model import decode_attention
@@ -94,7 +87,7 @@ def supports(model: Transformer, drafter, acceptance) -> bool:
     return isinstance(acceptance, ExactMatch) and not model.cfg.double_token
 
 
-class SlotLoop:
+class SlotLoop(LoopBase):
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
@@ -103,15 +96,9 @@ class SlotLoop:
     def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
                  min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if model.cfg.double_token:
             raise ValueError("the slot loop takes single-token verifiers")
-        self.model = model
-        self.drafter = drafter or NoDraft()
-        self.max_batch_size, self.max_tokens, self.min_len = max_batch_size, max_tokens, min_len
-        self.budget = budget
-        self.device = next(model.parameters()).device
+        super().__init__(model, drafter, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.dtype = next(model.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -121,11 +108,7 @@ class SlotLoop:
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
         self._compiled = self._compile(slots) if compile else None
-        cfg = model.cfg
-        self.start = prompt[0] if prompt else cfg.eos
-        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
-        self.counters = LoopCounters()
-        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
+        self.start = prompt[0] if prompt else model.cfg.eos
         self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
         self._after = self.drafter.from_states
@@ -402,13 +385,7 @@ class SlotLoop:
     def run(self, requests: Iterable[Request]) -> Iterator[Hypothesis]:
         """Yield one Hypothesis per request, in completion order (use `.index` to restore order);
         pending requests are admitted longest first."""
-        cfg = self.model.cfg
-        queue = sorted(requests, key=lambda r: len(r.src))
-        for r in queue:
-            if not 1 <= r.max_len < cfg.max_target_positions:
-                raise ValueError(f"request {r.index}: max_len={r.max_len} outside [1, {cfg.max_target_positions - 1}]")
-            if not 1 <= len(r.src) <= cfg.max_source_positions:
-                raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
+        queue = self._queue(requests)
         if not queue:
             return
         self._allocate(queue)
