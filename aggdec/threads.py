@@ -19,6 +19,8 @@ far as the model's own arithmetic does (as for two greedy runs at different coun
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -54,9 +56,31 @@ class ThreadGovernor:
         self._since = 0.0  # when the thread count last changed
         self._wall = 0.0
         self._waited: float | None = None
+        self._one_thread = False  # decoding streams run: every loop on one thread, nothing to govern
+
+    def own_threads(self) -> int:
+        """The process's own thread count: torch's, or where that is this governor's choice, the count
+        it replaced."""
+        threads = torch.get_num_threads()
+        return self.wanted if threads == self.chosen and self.wanted else threads
+
+    @contextmanager
+    def one_thread(self) -> Iterator[None]:
+        """torch's intra-op threads at 1 for the block (decoding streams, aggdec.decoding.streams), and
+        the count it had after; loops that start meanwhile are not governed."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self._one_thread = True
+        try:
+            yield
+        finally:
+            self._one_thread = False
+            torch.set_num_threads(threads)
 
     def start(self) -> None:
         """A run starts: measure from here."""
+        if self._one_thread:
+            return
         threads = torch.get_num_threads()
         if threads != self.chosen:  # set by the process itself: its count
             self.wanted = self.chosen = threads
@@ -67,7 +91,7 @@ class ThreadGovernor:
         """After a verifier call: at the end of a window, the thread count for the next one."""
         wall = time.perf_counter()
         elapsed = wall - self._wall
-        if elapsed < WINDOW_S or self._waited is None or self.wanted < 2:
+        if elapsed < WINDOW_S or self._waited is None or self.wanted < 2 or self._one_thread:
             return
         waited = run_queue_seconds()
         share = (waited - self._waited) / elapsed
