@@ -1,7 +1,11 @@
-"""Decoding streams: a wide CPU call split over loops of one thread each gives the outputs of one
-loop (greedy, and IAD equal to it), with torch's thread count restored after."""
+"""Decoding streams: a wide CPU call on busy cores is split over loops of one thread each, and gives
+the outputs of one loop (greedy, and IAD equal to it); torch's thread count is restored after."""
 
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -44,7 +48,14 @@ def test_a_call_in_streams_gives_the_outputs_of_one_loop(method, monkeypatch):
         torch.set_num_threads(3)
         one = METHODS["greedy"].decode(decode_options("greedy", max_batch_size=3), reqs, ctx)
         assert seen == []  # 3 rows: one loop
-        split = METHODS[method].decode(decode_options(method, max_batch_size=12), reqs, ctx)
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+        try:
+            time.sleep(0.2)
+            split = METHODS[method].decode(decode_options(method, max_batch_size=12), reqs, ctx)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
         assert seen == [1, 1, 1] and THREADS.own_threads() == 3
         assert sorted((h.index, h.tokens) for h in split) == sorted((h.index, h.tokens) for h in one)
     finally:

@@ -116,13 +116,16 @@ class Method:
                                prompt=context.prompt)
 
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
-        """Hypotheses of `requests`, in completion order: on a CPU's eager path in several streams where
-        the batch is wide enough (aggdec.decoding.streams), else one loop."""
+        """Hypotheses of `requests`, in completion order: on a CPU's eager path, where other processes
+        hold the cores and the batch is wide enough, in several streams (aggdec.decoding.streams),
+        else one loop."""
         if self.drafter is None:
             return self.run(opts, context.model, requests, context.prompt)
         loop = self.loop(opts, context, self.drafter(opts, context))
-        n = 1 if isinstance(loop, SlotLoop) or loop.device.type != "cpu" else stream_count(
-            THREADS.own_threads(), opts.max_batch_size, len(requests))
+        cpu = not isinstance(loop, SlotLoop) and loop.device.type == "cpu"
+        n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
+        if n > 1 and not THREADS.cores_busy():
+            n = 1
         if n == 1:
             return list(loop.run(requests))
         part = dataclasses.replace(opts, max_batch_size=opts.max_batch_size // n,
