@@ -80,7 +80,7 @@ class Translator:
         self._drafters: dict[tuple[str, torch.dtype], object] = {}
         self._models: dict[str, Transformer] = {"fp32": bundle.model}
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
-        self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by options, kept across calls
+        self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
         self._slot_loops: dict = {}  # the last slot loop (aggdec.decoding.slot_loop), with its captured steps
 
     def verifier(self, precision: str = "fp32") -> Transformer:

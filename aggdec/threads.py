@@ -12,13 +12,18 @@ Where it waited more than `BUSY_WAIT` of the window, other threads want the core
 one thread; it goes back to the count the process set (`torch.set_num_threads`) once a window shows
 at most `FREE_WAIT`, and waits twice as long before the next return each time a return finds the
 cores still busy. On a machine of its own its thread never waits and nothing changes; where the
-kernel does not report run-queue time it does nothing. Outputs depend on the thread count only as
+kernel does not report run-queue time it does nothing. Where a call starts on busy cores
+(`cores_busy`), the eager CPU path decodes it in streams of one thread each instead
+(aggdec.decoding.streams), which take one thread's share of the cores each. Outputs depend on the thread count only as
 far as the model's own arithmetic does (as for two greedy runs at different counts).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -31,6 +36,9 @@ FREE_WAIT = 0.05
 LONGEST_WAIT_S = 8.0
 """The longest wait before trying the process's thread count again."""
 SCHEDSTAT = "/proc/thread-self/schedstat"
+PROBES = 3
+"""Reads of the machine's runnable threads (`/proc/stat`'s procs_running) a `cores_busy` takes, 1 ms
+apart; the fewest counts (a thread that ran for a moment is no load)."""
 
 
 def run_queue_seconds() -> float | None:
@@ -40,6 +48,21 @@ def run_queue_seconds() -> float | None:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
+
+
+def others_running() -> int | None:
+    """Runnable threads on the machine besides the calling one (the fewest of PROBES reads); None
+    where the kernel does not say."""
+    counts = []
+    for k in range(PROBES):
+        if k:
+            time.sleep(0.001)
+        try:
+            with open("/proc/stat") as f:
+                counts.extend(int(line.split()[1]) - 1 for line in f if line.startswith("procs_running"))
+        except (OSError, ValueError, IndexError):
+            return None
+    return min(counts) if counts else None
 
 
 class ThreadGovernor:
@@ -54,9 +77,40 @@ class ThreadGovernor:
         self._since = 0.0  # when the thread count last changed
         self._wall = 0.0
         self._waited: float | None = None
+        self._one_thread = False  # decoding streams run: every loop on one thread, nothing to govern
+
+    def own_threads(self) -> int:
+        """The process's own thread count: torch's, or where that is this governor's choice, the count
+        it replaced."""
+        threads = torch.get_num_threads()
+        return self.wanted if threads == self.chosen and self.wanted else threads
+
+    def cores_busy(self) -> bool:
+        """Whether other threads hold cores the process's own threads would need: the last window of a
+        run found them busy (one thread runs), or more threads want to run now than the process's
+        cores leave free."""
+        if self.chosen < self.wanted:
+            return True
+        others = others_running()
+        return others is not None and others + self.own_threads() > len(os.sched_getaffinity(0))
+
+    @contextmanager
+    def one_thread(self) -> Iterator[None]:
+        """torch's intra-op threads at 1 for the block (decoding streams, aggdec.decoding.streams), and
+        the count it had after; loops that start meanwhile are not governed."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self._one_thread = True
+        try:
+            yield
+        finally:
+            self._one_thread = False
+            torch.set_num_threads(threads)
 
     def start(self) -> None:
         """A run starts: measure from here."""
+        if self._one_thread:
+            return
         threads = torch.get_num_threads()
         if threads != self.chosen:  # set by the process itself: its count
             self.wanted = self.chosen = threads
@@ -67,7 +121,7 @@ class ThreadGovernor:
         """After a verifier call: at the end of a window, the thread count for the next one."""
         wall = time.perf_counter()
         elapsed = wall - self._wall
-        if elapsed < WINDOW_S or self._waited is None or self.wanted < 2:
+        if elapsed < WINDOW_S or self._waited is None or self.wanted < 2 or self._one_thread:
             return
         waited = run_queue_seconds()
         share = (waited - self._waited) / elapsed

@@ -7,6 +7,7 @@
     trees       aggdec's methods from this tree and another (a worktree of main): identity, speed
     gpu         the decode engine on a GPU: identity, captures, throughput, transformers, DecodeWorker
     jobs        corpus jobs on Ray against in-process decoding
+    hash        a job's input check: units' slices hashed as decode actors hash them, against a decode rate
     table       a results file as the markdown table docs/benchmarks.md shows
 
 Every subcommand writes one results format (bench/record.py) with `--out`. Not a test: the tests
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("jobs", help="corpus jobs on Ray against in-process decoding")
     pipeline.add_arguments(p)
     p.set_defaults(func=pipeline.main)
+    p = sub.add_parser("hash", help="the input check's hashing against a decode rate")
+    pipeline.add_hash_arguments(p)
+    p.set_defaults(func=pipeline.hash_inputs)
     p = sub.add_parser("table", help="a results file as a markdown table, or the marked tables of documents")
     p.add_argument("file", type=Path, nargs="?", help="a results file: print its table")
     p.add_argument("--systems", default=None, help="only these systems, in this order")

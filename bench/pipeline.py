@@ -193,3 +193,53 @@ def main(a: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r.get("identical", 1) == 1 for r in results.runs) else 1
+
+
+def hash_inputs(a: argparse.Namespace) -> int:
+    """The cost of a job's input check: each unit's slice hashed as a decode actor hashes it
+    (`jobs.units.open_slice`), over every unit of `--input`'s Parquet files (or a file of `--from-tsv`'s
+    column repeated `--copies` times), against the decode rate `--decode-rate` rows/s."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.inputs import Shard, read_footer
+    from jobs.units import open_slice, plan_units
+
+    results = Results(a.out, "hash", {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()
+                                      if k != "func"})
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.from_tsv:
+            import pyarrow.csv as pcsv
+
+            table = pcsv.read_csv(a.from_tsv, parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False))
+            files = [Path(tmp) / "input.parquet"]
+            pq.write_table(pa.table({"src": pa.concat_arrays([table.column(a.tsv_column).combine_chunks()] * a.copies)}),
+                           files[0], row_group_size=a.row_group_size)
+        else:
+            files = sorted(a.input.glob("*.parquet"))
+        for path in files:
+            schema, rows, groups, identity = read_footer(str(path))
+            shard = Shard(path=str(path), stem=path.stem, rows=rows, schema=schema, passthrough=(),
+                          row_groups=groups, identity=identity)
+            units = plan_units([shard], a.rows_per_task)
+            hashed, seconds = 0, 0.0
+            for unit in units:
+                with open_slice(unit) as s:
+                    hashed += s.bytes
+                    seconds += s.seconds
+            results.add({"file": path.name, "mb": round(path.stat().st_size / 1e6, 1), "rows": rows,
+                         "units": len(units), "hashed_mb": round(hashed / 1e6, 1),
+                         "mb_per_s": round(hashed / 1e6 / seconds, 1), "rows_per_s": round(rows / seconds),
+                         "percent_of_decode": round(100 * a.decode_rate / (rows / seconds), 3)})
+    return 0
+
+
+def add_hash_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--input", type=Path, default=None, help="a folder of Parquet files")
+    ap.add_argument("--from-tsv", type=Path, default=None, help="one file of this TSV's column instead")
+    ap.add_argument("--tsv-column", default="noisy")
+    ap.add_argument("--copies", type=int, default=20, help="--from-tsv: the column repeated this many times")
+    ap.add_argument("--row-group-size", type=int, default=65536)
+    ap.add_argument("--rows-per-task", type=int, default=4096, help="rows of a unit (a job's default)")
+    ap.add_argument("--decode-rate", type=float, required=True, help="the job's decode rate, rows/s")
+    ap.add_argument("--out", type=Path, default=None)

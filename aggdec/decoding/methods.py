@@ -11,6 +11,7 @@ Adding a drafter is one module (the drafter), its options class and one `registe
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,9 +37,11 @@ from aggdec.decoding.method_options import (
 )
 from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.slot_loop import SlotLoop
+from aggdec.decoding.streams import decode_in_streams, stream_count
 from aggdec.decoding.slot_loop import supports as slots_support
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
+from aggdec.threads import THREADS
 
 
 KEPT_BUDGETS = 16
@@ -84,13 +87,16 @@ class Method:
         """Greedy's output token for token: a draft -> verify method with exact top-1 acceptance."""
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
-    def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter) -> DraftVerifyLoop | SlotLoop:
+    def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter,
+             stream: int = 0) -> DraftVerifyLoop | SlotLoop:
         """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
-        for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted)."""
+        for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted);
+        `stream`: which of a call's decoding streams it runs (each keeps a budget of its own)."""
         budget = None
         if wants_budget(opts, drafter):
-            budget = context.budgets.pop(opts, None) or new_budget(drafter)
-            context.budgets[opts] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
+            key = (opts, stream)
+            budget = context.budgets.pop(key, None) or new_budget(drafter)
+            context.budgets[key] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
@@ -110,9 +116,22 @@ class Method:
                                prompt=context.prompt)
 
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
+        """Hypotheses of `requests`, in completion order: on a CPU's eager path, where other processes
+        hold the cores and the batch is wide enough, in several streams (aggdec.decoding.streams),
+        else one loop."""
         if self.drafter is None:
             return self.run(opts, context.model, requests, context.prompt)
-        return list(self.loop(opts, context, self.drafter(opts, context)).run(requests))
+        loop = self.loop(opts, context, self.drafter(opts, context))
+        cpu = not isinstance(loop, SlotLoop) and loop.device.type == "cpu"
+        n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
+        if n > 1 and not THREADS.cores_busy():
+            n = 1
+        if n == 1:
+            return list(loop.run(requests))
+        part = dataclasses.replace(opts, max_batch_size=opts.max_batch_size // n,
+                                   max_tokens=opts.max_tokens and max(1, opts.max_tokens // n))
+        loops = [self.loop(part, context, self.drafter(part, context), k).run for k in range(n)]
+        return decode_in_streams(loops, requests)
 
 
 def wants_budget(opts: DecodeOptions, drafter: Drafter) -> bool:
