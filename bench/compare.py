@@ -189,6 +189,26 @@ class Model:
         return out
 
 
+def aggdec_options(a: argparse.Namespace, system: System) -> dict[str, Any]:
+    """The decode options of aggdec's `system` under the run's arguments (drafters, beam, `--set`)."""
+    options: dict[str, Any] = {"method": system.method, "precision": system.precision}
+    if system.compile:
+        options["compile"] = True
+    if system.method in ("gad", "gad++"):
+        options["drafter"] = str(Path(a.drafter).resolve())
+    elif system.method == "blockwise":
+        options["drafter"] = str(Path(a.heads).resolve())
+    elif system.method == "beam":
+        options["beam"] = a.beam
+    for item in a.set:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
 class Matrix:
     """The systems of a run, their models and their processes."""
 
@@ -236,22 +256,7 @@ class Matrix:
         job = {"kind": system.kind, "threads": a.threads, "device": a.device, "work": str(self.work),
                "model": str(m.path), "beam": beam}
         if system.kind == "aggdec":
-            options: dict[str, Any] = {"method": system.method, "precision": system.precision,
-                                       "max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
-            if system.compile:
-                options["compile"] = True
-            if system.method in ("gad", "gad++"):
-                options["drafter"] = str(Path(a.drafter).resolve())
-            elif system.method == "blockwise":
-                options["drafter"] = str(Path(a.heads).resolve())
-            elif system.method == "beam":
-                options["beam"] = a.beam
-            for item in a.set:
-                key, _, value = item.partition("=")
-                try:
-                    options[key] = json.loads(value)
-                except ValueError:
-                    options[key] = value
+            options = aggdec_options(a, system) | {"max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
             return {**job, "options": options, "inputs": self.sources}
         if system.kind == "ct2":
             return {**job, "ct2_model": str(m.ct2_model()), "compute": system.precision, "inputs": m.pieces,

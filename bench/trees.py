@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.compare import aggdec_options
 from bench.record import REPO
 from bench.systems import Process, System
 
@@ -39,22 +40,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def job(a: argparse.Namespace, system: System, sources: list[str]) -> dict[str, Any]:
     """What both trees' processes of `system` run (bench/systems.py, `aggdec_runner`)."""
-    options: dict[str, Any] = {"method": system.method, "precision": system.precision}
-    if system.compile:
-        options["compile"] = True
-    if system.method in ("gad", "gad++"):
-        options["drafter"] = str(Path(a.drafter).resolve())
-    elif system.method == "blockwise":
-        options["drafter"] = str(Path(a.heads).resolve())
-    elif system.method == "beam":
-        options["beam"] = a.beam
-    for item in a.set:
-        key, _, value = item.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return {"kind": "aggdec", "threads": a.threads, "device": a.device, "beam": 1, "options": options,
+    return {"kind": "aggdec", "threads": a.threads, "device": a.device, "beam": 1, "options": aggdec_options(a, system),
             "model": str(Path(system.model or a.model).resolve()), "inputs": sources}
 
 

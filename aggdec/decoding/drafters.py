@@ -48,10 +48,9 @@ class Drafter(Protocol):
 
     def observe(self, state: DecodeState, draft: DraftBatch, accepted: torch.Tensor,
                 verified: Verified | None) -> None:
-        """After the call's commit: `draft` as verified (its lengths cut by the loop), `accepted` (B,)
-        the draft tokens kept (rows not yet removed), `verified` the verifier's side of the call
-        (None where the call drafted nothing and the drafter does not draft from states). Updates
-        the drafter's row tensors in place (their storage stays put for captured steps)."""
+        """After the call's commit: `draft` as verified (lengths cut by the loop; None after a step run as
+        one program, for `from_states` drafters), `accepted` (B,) the draft tokens kept, `verified` the
+        verifier's side of the call (None inside such a step). Row tensors are updated in place."""
 
 
 @dataclass
