@@ -92,6 +92,9 @@ class Translator:
                 slow = cpu_warning(precision, cpu_isa())
                 if slow:
                     warnings.warn(slow, stacklevel=2)
+            elif precision == "int8":
+                raise ValueError("precision: int8 decodes on CPUs only (CUDA's int8 product refuses calls of "
+                                 "fewer than 17 rows); on a GPU use fp32 or bf16")
             self._models[precision] = with_precision(self.model, precision)
         return self._models[precision]
 
@@ -180,6 +183,7 @@ class Translator:
         opts = options or decode_options(**kwargs)
         method = get_method(opts.method)
         framing = self.framing(opts)
+        self.verifier(opts.precision)  # a precision the device refuses is a configuration error: raise now
         if method.drafter is not None:
             method.drafter(opts, self._context(opts))  # a bad drafter is a configuration error: raise now
         results: list[TranslationResult] = []

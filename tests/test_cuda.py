@@ -5,7 +5,7 @@
 The captured engine (slot loop, steps as CUDA graphs) equals eager greedy on the device; every lossless
 method equals the same device's greedy at fp32 and bf16; a run whose shapes were seen captures
 nothing; an iteration synchronizes the host once; a DecodeWorker on `cuda` decodes with the captured
-engine."""
+engine; int8 is refused in one line."""
 
 import random
 import warnings
@@ -142,3 +142,12 @@ def test_decode_worker_on_cuda_takes_the_captured_engine(tiny_model_dir):
     assert loops and loops[0]._captured, "the worker decoded with captured steps"
     cpu = DecodeWorker(str(tiny_model_dir), opts, task, device="cpu")(pa.table({"src": texts}))
     assert out.column("hyp").to_pylist() == cpu.column("hyp").to_pylist()
+
+
+def test_int8_is_refused_on_cuda_before_decoding(tiny_model_dir):
+    from aggdec.api import Translator
+
+    tr = Translator.load(tiny_model_dir, device="cuda")
+    for method in ("greedy", "beam"):
+        with pytest.raises(ValueError, match="precision: int8 decodes on CPUs only"):
+            tr.translate_batch(["the cat runs ."], method=method, precision="int8")

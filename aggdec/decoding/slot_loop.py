@@ -235,20 +235,24 @@ class SlotLoop(LoopBase):
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
     def _capture(self, key: tuple[int, int, int, int]) -> torch.cuda.CUDAGraph:
-        """Capture the step for `key` after one warm-up run whose effects are undone."""
+        """Capture the step for `key`, on the model's device, after one warm-up run whose effects are
+        undone, also where the warm-up or the capture raises (an eager retry then runs the step once)."""
         mutable = [self.state.out, self.state.out_len, *(getattr(self, name) for name in self._whole_rows),
                    *self._drafter_tensors()]
         saved = [t.clone() for t in mutable]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step(*key[1:])
-        torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(mutable, saved):
-            t.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step(*key[1:])
+        with torch.cuda.device(self.device):
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._step(*key[1:])
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._step(*key[1:])
+            finally:
+                for t, s in zip(mutable, saved):
+                    t.copy_(s)
         self._pool = graph.pool()
         self._captured[key] = graph
         if self._after:
