@@ -56,9 +56,12 @@ class System:
     def parse(cls, name: str) -> "System":
         """The system `name` names; ValueError naming what is wrong."""
         spec, _, model = name.partition(":")
-        spec, plus, flag = spec.partition("+")
-        if plus and flag != "compile":
-            raise ValueError(f"system {name!r}: unknown flag +{flag} (known: +compile)")
+        head, plus, flag = spec.rpartition("+")
+        if plus and flag:  # a flag after the last "+" ("gad++" ends in no flag)
+            if flag != "compile":
+                raise ValueError(f"system {name!r}: unknown flag +{flag} (known: +compile)")
+            spec = head
+        plus = plus if flag else ""
         base, _, precision = spec.partition("@")
         peer, _, beam = base.partition("-")
         if peer in PEERS:
