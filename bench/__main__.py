@@ -5,6 +5,7 @@
     contention  the same systems quiet and beside N competing compute processes
     host        host work per decoder call on a tiny model: the row loop against the slot loop
     trees       aggdec's methods from this tree and another (a worktree of main): identity, speed
+    ops         aten operators a verifier call dispatches, this tree against another
     gpu         the decode engine on a GPU: identity, captures, throughput, transformers, DecodeWorker
     jobs        corpus jobs on Ray against in-process decoding
     hash        a job's input check: units' slices hashed as decode actors hash them, against a decode rate
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    from bench import compare, gpu, host, pipeline, trees
+    from bench import compare, gpu, host, ops, pipeline, trees
 
     p = sub.add_parser("compare", help="systems x models x batch sizes")
     compare.add_arguments(p, "greedy,iad,ct2")
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("trees", help="aggdec's methods from two source trees")
     trees.add_arguments(p)
     p.set_defaults(func=trees.main)
+    p = sub.add_parser("ops", help="operators per verifier call, two source trees")
+    ops.add_arguments(p)
+    p.set_defaults(func=ops.main)
     p = sub.add_parser("gpu", help="the decode engine on a GPU")
     gpu.add_arguments(p)
     p.set_defaults(func=gpu.main)
