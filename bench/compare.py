@@ -253,7 +253,7 @@ class Matrix:
         """What a system's process needs (bench/systems.py's runners)."""
         a, m = self.a, self.model(system)
         beam = a.beam if system.method == "beam" else 1
-        job = {"kind": system.kind, "threads": a.threads, "device": a.device, "work": str(self.work),
+        job = {"kind": system.kind, "threads": system.threads or a.threads, "device": a.device, "work": str(self.work),
                "model": str(m.path), "beam": beam}
         if system.kind == "aggdec":
             options = aggdec_options(a, system) | {"max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
@@ -279,7 +279,8 @@ class Matrix:
                 self.errors.update({(system.name, bs): f"preparing {system.name}: {why[0]}"[:500] for bs in self.sizes})
                 continue
             (self.work / f"job-{i}.json").write_text(json.dumps(job))
-            self.processes[system.name] = Process(system, self.work / f"job-{i}.json", self.a.threads, REPO)
+            self.processes[system.name] = Process(system, self.work / f"job-{i}.json", system.threads or self.a.threads,
+                                                  REPO)
 
     def close(self) -> None:
         for p in self.processes.values():

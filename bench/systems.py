@@ -2,12 +2,14 @@
 
 A system is named on the command line as
 
-    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [:MODEL]   aggdec
-    ct2 | ct2-beam [@COMPUTE] [:MODEL]          CTranslate2 (COMPUTE: float32, the default, int8, ...)
-    transformers | transformers-beam [:MODEL]   transformers `generate` (Hugging Face directories)
-    fairseq | fairseq-beam [:MODEL]             fairseq-generate (aggdec's models, exported)
+    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [/THREADS] [:MODEL]   aggdec
+    ct2 | ct2-beam [@COMPUTE] [/THREADS] [:MODEL]          CTranslate2 (COMPUTE: float32, the default, int8, ...)
+    transformers | transformers-beam [/THREADS] [:MODEL]   transformers `generate` (Hugging Face directories)
+    fairseq | fairseq-beam [/THREADS] [:MODEL]             fairseq-generate (aggdec's models, exported)
 
-`:MODEL` runs the system on another model than the benchmark's default one.
+`/THREADS` runs the system on that many threads instead of the benchmark's `--threads` (a peer's
+best setting can be another than aggdec's: CTranslate2 at batch 1, on some CPUs, is several times
+faster on one thread than on two); `:MODEL` runs it on another model than the benchmark's default.
 
 Every system runs in a process of its own, started once and kept while the benchmark runs: the
 parent sends it one request per batch size and repeat, in turn with the other systems, so repeats
@@ -51,11 +53,16 @@ class System:
     precision: str = "fp32"  # aggdec: the verifier's precision; CTranslate2: its compute type
     compile: bool = False
     model: str | None = None  # None: the benchmark's default model
+    threads: int | None = None  # None: the benchmark's --threads
 
     @classmethod
     def parse(cls, name: str) -> "System":
         """The system `name` names; ValueError naming what is wrong."""
         spec, _, model = name.partition(":")
+        spec, slash, count = spec.partition("/")
+        if slash and not (count.isdigit() and int(count) > 0):
+            raise ValueError(f"system {name!r}: /{count} is not a thread count")
+        threads = int(count) if slash else None
         head, plus, flag = spec.rpartition("+")
         if plus and flag:  # a flag after the last "+" ("gad++" ends in no flag)
             if flag != "compile":
@@ -69,13 +76,13 @@ class System:
                 raise ValueError(f"system {name!r}: {peer}-{beam} is not a system ({peer} or {peer}-beam)")
             if plus or (precision and peer != "ct2"):
                 raise ValueError(f"system {name!r}: {peer} takes no {'+compile' if plus else '@precision'}")
-            return cls(name, peer, "beam" if beam else "greedy", precision or "float32", False, model or None)
+            return cls(name, peer, "beam" if beam else "greedy", precision or "float32", False, model or None, threads)
         if base not in METHODS:
             raise ValueError(f"system {name!r}: unknown method {base!r} (aggdec: {', '.join(METHODS)}; "
                              f"peers: {', '.join(PEERS)})")
         if precision and precision not in PRECISIONS:
             raise ValueError(f"system {name!r}: unknown precision {precision!r} ({', '.join(PRECISIONS)})")
-        return cls(name, "aggdec", base, precision or "fp32", bool(plus), model or None)
+        return cls(name, "aggdec", base, precision or "fp32", bool(plus), model or None, threads)
 
 
 def check_clean(system: System, modules: list[str]) -> None:

@@ -40,7 +40,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def job(a: argparse.Namespace, system: System, sources: list[str]) -> dict[str, Any]:
     """What both trees' processes of `system` run (bench/systems.py, `aggdec_runner`)."""
-    return {"kind": "aggdec", "threads": a.threads, "device": a.device, "beam": 1, "options": aggdec_options(a, system),
+    return {"kind": "aggdec", "threads": system.threads or a.threads, "device": a.device, "beam": 1,
+            "options": aggdec_options(a, system),
             "model": str(Path(system.model or a.model).resolve()), "inputs": sources}
 
 
@@ -63,7 +64,7 @@ def main(a: argparse.Namespace) -> int:
             path = work / f"job-{i}.json"
             path.write_text(json.dumps(job(a, system, sources)))
             trees = {"this": REPO, "other": other}
-            procs = {name: Process(system, path, a.threads, tree) for name, tree in trees.items()}
+            procs = {name: Process(system, path, system.threads or a.threads, tree) for name, tree in trees.items()}
             try:
                 for bs in sizes:
                     replies: dict[str, list[dict]] = {name: [] for name in trees}

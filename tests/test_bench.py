@@ -22,8 +22,14 @@ def test_system_names():
                                                              True, "models/x")
     assert System.parse("ct2-beam@int8") == System("ct2-beam@int8", "ct2", "beam", "int8")
     assert System.parse("transformers").method == "greedy"
+    assert System.parse("ct2@int8/1:models/x") == System("ct2@int8/1:models/x", "ct2", "greedy", "int8", False,
+                                                         "models/x", 1)
+    assert System.parse("greedy/4").threads == 4 and System.parse("greedy").threads is None
+    assert System.parse("gad++") == System("gad++", "aggdec", "gad++", "fp32")  # its "+" is no flag
+    assert System.parse("gad+++compile").compile and System.parse("gad+++compile").method == "gad++"
     for bad, why in (("nope", "unknown method"), ("iad@fp16", "unknown precision"), ("ct2-fast", "not a system"),
-                     ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag")):
+                     ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag"),
+                     ("ct2/0", "not a thread count"), ("ct2/x", "not a thread count")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)
 
