@@ -36,21 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--competitors", type=int, default=1, help="how many competing processes")
     p.add_argument("--competitor-threads", type=int, default=2, help="threads of each competing process")
     p.set_defaults(func=compare.contention)
-    p = sub.add_parser("host", help="host work per decoder call (tiny model)")
-    host.add_arguments(p)
-    p.set_defaults(func=host.main)
-    p = sub.add_parser("trees", help="aggdec's methods from two source trees")
-    trees.add_arguments(p)
-    p.set_defaults(func=trees.main)
-    p = sub.add_parser("ops", help="operators per verifier call, two source trees")
-    ops.add_arguments(p)
-    p.set_defaults(func=ops.main)
-    p = sub.add_parser("gpu", help="the decode engine on a GPU")
-    gpu.add_arguments(p)
-    p.set_defaults(func=gpu.main)
-    p = sub.add_parser("jobs", help="corpus jobs on Ray against in-process decoding")
-    pipeline.add_arguments(p)
-    p.set_defaults(func=pipeline.main)
+    for name, module, about in (("host", host, "host work per decoder call (tiny model)"),
+                                ("trees", trees, "aggdec's methods from two source trees"),
+                                ("ops", ops, "operators per verifier call, two source trees"),
+                                ("gpu", gpu, "the decode engine on a GPU"),
+                                ("jobs", pipeline, "corpus jobs on Ray against in-process decoding")):
+        p = sub.add_parser(name, help=about)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
     p = sub.add_parser("hash", help="the input check's hashing against a decode rate")
     pipeline.add_hash_arguments(p)
     p.set_defaults(func=pipeline.hash_inputs)
