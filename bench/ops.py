@@ -1,7 +1,8 @@
 """`ops`: aten operators dispatched per verifier call, this tree against another (`--other`), each in a
 process of its own: a measure of the eager CPU step's host work that other processes on the machine do
 not disturb. Each option set (JSON, `decode_options`' fields) decodes the same sentences once to warm
-up, then once counted (encoder included; calls are `Transformer.decode_hidden` and `decode_slots` calls).
+up, then once counted (encoder included; calls are the loop's `Transformer.decode_hidden` and
+`decode_slots` calls).
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ torch.set_num_threads(1)
 model, data, column, n, configs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 sources = [s for s in read_tsv(data, column, column)[0] if s.strip()][:n]
 tr = Translator.load(model)
-calls = [0]
+calls, depth = [0], [0]
 for name in ("decode_hidden", "decode_slots"):
     def counted(self, *a, _fn=getattr(Transformer, name), **k):
-        calls[0] += 1
-        return _fn(self, *a, **k)
+        calls[0] += depth[0] == 0  # decode_hidden calls itself where nothing is packed
+        depth[0] += 1
+        try:
+            return _fn(self, *a, **k)
+        finally:
+            depth[0] -= 1
     setattr(Transformer, name, counted)
 
 class Count(TorchDispatchMode):
