@@ -4,7 +4,12 @@ competing processes.
 Each system runs in a process of its own (bench/systems.py) kept for the whole run; the repeats go
 round every batch size and system in turn, and each figure is the median of a system's repeats.
 Outputs are token ids, and each run's identical share is taken against the reference system
-(`--reference`, one of the systems) on the same model at the same batch size, in the same run.
+(`--reference`, one of the systems) on the same model at the same batch size, in the same run, over
+each sentence's first `limit` tokens: aggdec's length rule (`--max-new` N, or the decode options'
+max_len_a * src_len + max_len_b) stops an output after `limit` tokens, while transformers' `generate`
+runs to `max_new_tokens` = the batch's largest limit + 1 (as many decoder steps as aggdec's, whose
+last one can only give eos), so an output that reaches its limit is compared on those tokens, and
+one that ends earlier must end at the same token on both sides.
 The parent prepares what the peers need, outside any timing: token pieces for CTranslate2 and
 fairseq, the CTranslate2 conversion, the fairseq export and its binarized inputs, made once per
 model under `--work`.
@@ -248,6 +253,8 @@ class Matrix:
                 options["beam"] = a.beam
             for item in a.set:
                 key, _, value = item.partition("=")
+                if key in ("max_len_a", "max_len_b"):
+                    raise ValueError(f"--set {key}: the peers would not follow it; give --max-new")
                 try:
                     options[key] = json.loads(value)
                 except ValueError:
@@ -365,14 +372,19 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
                        tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
             ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
-                cut = a.max_new or None
-                run["identical"] = round(sum(x[:cut] == y[:cut] for x, y in zip(outs, ref)) / n, 4)
+                run["identical"] = identical_share(outs, ref, model.limits)
             if a.ref_column:
                 hyps = tuple(model.text(o) for o in outs)
                 if hyps not in scores:
                     scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
                 run.update(scores[hyps])
             yield run
+
+
+def identical_share(outs: list[list[int]], ref: list[list[int]], limits: list[int]) -> float:
+    """The share of outputs equal to the reference's over their first `limits[i]` tokens (module
+    docstring): the same length rule on both sides, whichever decoding step limit each peer took."""
+    return round(sum(x[:cut] == y[:cut] for x, y, cut in zip(outs, ref, limits)) / len(outs), 4)
 
 
 def compare(a: argparse.Namespace) -> int:

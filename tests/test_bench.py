@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
+from bench.compare import identical_share  # noqa: E402
 from bench.systems import Process, System, check_clean  # noqa: E402
 
 
@@ -26,6 +27,16 @@ def test_system_names():
                      ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)
+
+
+def test_identity_is_taken_under_each_sentences_length_limit():
+    """An output cut at its limit equals a peer's that ran one step further; one that ended earlier
+    must end at the same token; a difference inside the limit counts."""
+    aggdec = [[5, 6, 7], [5, 6], [5, 6, 7], [5]]
+    peer = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 8, 8], [5]]
+    assert identical_share(aggdec, peer, [3, 3, 3, 4]) == 0.5
+    assert identical_share(aggdec, peer, [2, 3, 2, 4]) == 0.75  # a shorter limit: [5, 6] == [5, 6] in row 3
+    assert identical_share(aggdec[:1], peer[:1], [3, 3]) == 1.0  # the first n of the limits
 
 
 def test_a_peer_that_loaded_torch_or_aggdec_is_refused():
