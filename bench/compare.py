@@ -59,6 +59,8 @@ def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     ap.add_argument("--prefix", default="", help="text put before every source (a task prefix, as T5 models take)")
     ap.add_argument("--systems", default=systems, help="comma-separated systems (bench/systems.py)")
     ap.add_argument("--reference", default="greedy", help="the system whose outputs the others are compared with")
+    ap.add_argument("--also-identical", default="", metavar="SYSTEMS",
+                    help="comma-separated systems every run is also compared with (identical_to_SYSTEM)")
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
     ap.add_argument("--bs1-limit", type=int, default=200, help="first N sentences at batch size 1")
@@ -205,8 +207,11 @@ class Matrix:
         names = [s.name for s in self.systems]
         if len(set(names)) != len(names):
             raise ValueError("--systems: a system is named twice")
-        if a.reference not in names:
-            raise ValueError(f"--reference {a.reference}: not one of --systems")
+        also = [n for n in a.also_identical.split(",") if n]
+        for option, name in [("--reference", a.reference)] + [("--also-identical", n) for n in also]:
+            if name not in names:
+                raise ValueError(f"{option} {name}: not one of --systems")
+        self.also = [s for s in self.systems if s.name in also]
         self.sizes = [int(b) for b in a.batch_sizes.split(",")]
         sources, refs = read_tsv(a.data, a.column, a.ref_column or a.column)
         keep = [i for i, s in enumerate(sources) if s.strip()][: a.limit]
@@ -266,7 +271,7 @@ class Matrix:
         if system.kind == "transformers":
             if not m.hf:
                 raise ValueError(f"{system.name}: transformers runs Hugging Face model directories, not {m.path}")
-            return {**job, "inputs": self.sources, "limits": m.limits}
+            return {**job, "inputs": self.sources, "limits": m.limits, "precision": system.precision}
         return {**job, "checkpoint": str(m.fairseq_export() / "checkpoint.pt"), "max_len_a": m.max_len_a,
                 "max_len_b": m.max_len_b, "bin": m.fairseq_inputs(sorted({self.count(bs) for bs in self.sizes}))}
 
@@ -373,6 +378,10 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
             ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
                 run["identical"] = identical_share(outs, ref, model.limits)
+            for other in matrix.also:
+                theirs = outputs.get((other.name, bs))
+                if other is not system and theirs is not None and matrix.model(other) is model:
+                    run[f"identical_to_{other.name}"] = identical_share(outs, theirs, model.limits)
             if a.ref_column:
                 hyps = tuple(model.text(o) for o in outs)
                 if hyps not in scores:

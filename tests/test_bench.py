@@ -22,9 +22,12 @@ def test_system_names():
     assert System.parse("greedy+compile:models/x") == System("greedy+compile:models/x", "aggdec", "greedy", "fp32",
                                                              True, "models/x")
     assert System.parse("ct2-beam@int8") == System("ct2-beam@int8", "ct2", "beam", "int8")
-    assert System.parse("transformers").method == "greedy"
+    assert System.parse("transformers") == System("transformers", "transformers", "greedy", "fp32")
+    assert System.parse("transformers@bf16:m") == System("transformers@bf16:m", "transformers", "greedy", "bf16",
+                                                         False, "m")
     for bad, why in (("nope", "unknown method"), ("iad@fp16", "unknown precision"), ("ct2-fast", "not a system"),
-                     ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag")):
+                     ("transformers@int8", "unknown precision 'int8' for transformers"),
+                     ("fairseq@bf16", "takes no @precision"), ("greedy+fast", "unknown flag")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)
 
