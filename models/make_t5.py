@@ -82,11 +82,12 @@ def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: 
 
 
 def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, lr: float, max_tokens: int,
-          seed: int) -> dict:
+          seed: int, checkpoint=None, every: float = 0.0) -> dict:
     """Teacher-forced AdamW updates on (prefix + noisy -> clean) for `minutes` of this process's CPU
     time (a paused or crowded run trains as long): pairs of at most `max_tokens` tokens a side, in
     batches of similar source length, the learning rate warmed up over WARMUP updates and then
-    decayed linearly to a tenth at the end of the budget."""
+    decayed linearly to a tenth at the end of the budget. `checkpoint(summary)` is called (in eval
+    mode, its CPU time not counted) every `every` CPU minutes of training when given."""
     import torch
 
     rng = random.Random(seed)
@@ -97,8 +98,20 @@ def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, 
     batches = [order[i: i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    budget, start, step, losses = 60 * minutes, time.process_time(), 0, []
+    budget, start, step, losses, saved = 60 * minutes, time.process_time(), 0, [], 0.0
+
+    def summary() -> dict:
+        return {"updates": step, "pairs": len(keep), "cpu_minutes": round((time.process_time() - start) / 60, 2),
+                "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
+
     while (used := time.process_time() - start) < budget:
+        if checkpoint and every and used - saved >= 60 * every:
+            paused = time.process_time()
+            model.eval()
+            checkpoint(summary())
+            model.train()
+            start += time.process_time() - paused  # not counted as training
+            saved = used
         idx = rng.choice(batches)
         ws, wt = max(len(src[i]) for i in idx), max(len(tgt[i]) for i in idx)
         s = torch.tensor([src[i] + [0] * (ws - len(src[i])) for i in idx])
@@ -116,8 +129,7 @@ def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, 
             print(f"update {step} | loss {sum(losses[-50:]) / 50:.3f} | lr {opt.param_groups[0]['lr']:.2e} | "
                   f"{used / 60:.1f} cpu min", file=sys.stderr, flush=True)
     model.eval()
-    return {"updates": step, "pairs": len(keep), "cpu_minutes": round((time.process_time() - start) / 60, 2),
-            "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
+    return summary()
 
 
 def copies(model, tok, pairs: list[tuple[str, str]], batch: int = 50) -> dict:
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="gec: peak learning rate")
     ap.add_argument("--max-tokens", type=int, default=64, help="gec: longest source and target trained on")
     ap.add_argument("--valid", default=None, help="gec: a GEC TSV whose first 200 rows measure copying at the end")
+    ap.add_argument("--save-every", type=float, default=0.0, help="gec: save (and measure) every N CPU minutes")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -159,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     tok, model = build(a.kind, pairs, out, a.vocab or (32000 if a.kind == "random" else 4000), a.seed)
     summary = {"kind": a.kind, "pieces": len(tok) - EXTRA_IDS, "embedding_rows": model.config.vocab_size,
                "parameters": sum(p.numel() for p in model.parameters())}
-    if a.kind == "gec":
-        summary |= train(model, tok, pairs, a.minutes, a.batch, a.lr, a.max_tokens, a.seed)
-        if a.valid:
-            summary |= copies(model, tok, read_pairs(Path(a.valid))[:200])
-    model.save_pretrained(str(out))
-    (out / "make_t5.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(summary))
+    valid = read_pairs(Path(a.valid))[:200] if a.valid else []
+
+    def save(progress: dict) -> None:
+        done = summary | progress | (copies(model, tok, valid) if valid else {})
+        model.save_pretrained(str(out))
+        (out / "make_t5.json").write_text(json.dumps(done, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(done), flush=True)
+
+    save(train(model, tok, pairs, a.minutes, a.batch, a.lr, a.max_tokens, a.seed, save, a.save_every)
+         if a.kind == "gec" else {})
     return 0
 
 
