@@ -30,7 +30,7 @@ EXTRA_IDS = 100
 SHAPES = {  # T5Config fields
     "random": dict(d_model=512, num_heads=8, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8,
                    feed_forward_proj="gated-gelu", vocab_size=32128),
-    "gec": dict(d_model=256, num_heads=4, d_kv=64, d_ff=768, num_layers=3, num_decoder_layers=3,
+    "gec": dict(d_model=256, num_heads=4, d_kv=64, d_ff=768, num_layers=2, num_decoder_layers=2,
                 feed_forward_proj="gated-gelu"),
 }
 WARMUP = 100  # updates
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0, help="gec: training time, CPU minutes of this process")
     ap.add_argument("--batch", type=int, default=32, help="gec: pairs per update")
     ap.add_argument("--lr", type=float, default=1e-3, help="gec: peak learning rate")
-    ap.add_argument("--max-tokens", type=int, default=64, help="gec: longest source and target trained on")
+    ap.add_argument("--max-tokens", type=int, default=48, help="gec: longest source and target trained on")
     ap.add_argument("--valid", default=None, help="gec: a GEC TSV whose first 200 rows measure copying at the end")
     ap.add_argument("--save-every", type=float, default=0.0, help="gec: save (and measure) every N CPU minutes")
     ap.add_argument("--threads", type=int, default=1)
