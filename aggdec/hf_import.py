@@ -1,7 +1,7 @@
 """Hugging Face encoder-decoders as verifiers: a local model directory read without `transformers`.
 
 Families (config.json's `model_type`): marian (OPUS-MT), bart, mbart, m2m_100 (M2M100 and NLLB), t5
-(T5 v1.0 and v1.1, Flan-T5, CoEdIT, MADLAD-400) and mt5. The first four carry fairseq's names under
+(T5 v1.0 and v1.1, Flan-T5, CoEdIT, MADLAD-400), mt5 and umt5. The first four carry fairseq's names under
 `model.`, so the weights map onto aggdec's Transformer; they differ in switches that are ModelConfig
 fields (pre/post-norm, `layernorm_embedding`, embedding scale, learned positions with BART's offset 2
 or a sinusoidal table in fairseq's or Marian's layout, activation, Marian/BART's
@@ -11,7 +11,8 @@ buckets, RMS norms before every block and at the end of each stack, no biases, u
 over heads of `d_kv`, a ReLU or gated GELU-tanh FFN (`feed_forward_proj`), one embedding for both
 stacks, the output projection tied to it (decoder states rescaled by d_model ** -0.5 first, as
 transformers does where `scale_decoder_outputs` or `tie_word_embeddings` says so; mT5: never) or a
-separate `lm_head`; the source is the text + </s>, and the decoder starts from
+separate `lm_head`; umT5 is T5 with a bias table in every self-attention layer
+(`relative_per_layer`); the source is the text + </s>, and the decoder starts from
 `decoder_start_token_id` (pad). A T5 has no position limit; aggdec takes `n_positions` (default 512)
 as its source and output limit. Tokenizers come from the directory's own files
 (aggdec.tokenizers.hf). Greedy decoding of an imported model is token-identical to
@@ -37,8 +38,8 @@ from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers.hf import hf_tokenizers
 
-SUPPORTED = ("marian", "bart", "mbart", "m2m_100", "t5", "mt5")
-T5_FAMILIES = ("t5", "mt5")
+SUPPORTED = ("marian", "bart", "mbart", "m2m_100", "t5", "mt5", "umt5")
+T5_FAMILIES = ("t5", "mt5", "umt5")
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh"}
 T5_POSITIONS = 512
@@ -129,7 +130,7 @@ def model_config(d: Path, hf: dict, weights: dict[str, torch.Tensor]) -> ModelCo
 
 
 def t5_config(d: Path, hf: dict, weights: dict[str, torch.Tensor], kind: str) -> ModelConfig:
-    """The ModelConfig of a T5 or mT5 config.json (module docstring)."""
+    """The ModelConfig of a T5, mT5 or umT5 config.json (module docstring)."""
     where = d / "config.json"
     need = _needs(d, hf)
     proj = hf.get("feed_forward_proj", "relu" if kind == "t5" else "gated-gelu")
@@ -158,7 +159,7 @@ def t5_config(d: Path, hf: dict, weights: dict[str, torch.Tensor], kind: str) ->
         norm_eps=hf.get("layer_norm_epsilon", 1e-6), head_dim=need("d_kv"), attention_scale=False,
         relative_buckets=hf.get("relative_attention_num_buckets", 32),
         relative_max_distance=hf.get("relative_attention_max_distance", 128),
-        output_scale=d_model**-0.5 if scale else 1.0, dropout=0.0,
+        relative_per_layer=kind == "umt5", output_scale=d_model**-0.5 if scale else 1.0, dropout=0.0,
         max_source_positions=positions, max_target_positions=positions,
         bos=eos, pad=pad, eos=eos, unk=_added_tokens(d).get("<unk>", 2),
     )

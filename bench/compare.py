@@ -4,7 +4,12 @@ competing processes.
 Each system runs in a process of its own (bench/systems.py) kept for the whole run; the repeats go
 round every batch size and system in turn, and each figure is the median of a system's repeats.
 Outputs are token ids, and each run's identical share is taken against the reference system
-(`--reference`, one of the systems) on the same model at the same batch size, in the same run.
+(`--reference`, one of the systems) on the same model at the same batch size, in the same run, over
+each sentence's first `limit` tokens: aggdec's length rule (`--max-new` N, or the decode options'
+max_len_a * src_len + max_len_b) stops an output after `limit` tokens, while transformers' `generate`
+runs to `max_new_tokens` = the batch's largest limit + 1 (as many decoder steps as aggdec's, whose
+last one can only give eos), so an output that reaches its limit is compared on those tokens, and
+one that ends earlier must end at the same token on both sides.
 The parent prepares what the peers need, outside any timing: token pieces for CTranslate2 and
 fairseq, the CTranslate2 conversion, the fairseq export and its binarized inputs, made once per
 model under `--work`.
@@ -54,6 +59,8 @@ def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     ap.add_argument("--prefix", default="", help="text put before every source (a task prefix, as T5 models take)")
     ap.add_argument("--systems", default=systems, help="comma-separated systems (bench/systems.py)")
     ap.add_argument("--reference", default="greedy", help="the system whose outputs the others are compared with")
+    ap.add_argument("--also-identical", default="", metavar="SYSTEMS",
+                    help="comma-separated systems every run is also compared with (identical_to_SYSTEM)")
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
     ap.add_argument("--bs1-limit", type=int, default=200, help="first N sentences at batch size 1")
@@ -220,8 +227,11 @@ class Matrix:
         names = [s.name for s in self.systems]
         if len(set(names)) != len(names):
             raise ValueError("--systems: a system is named twice")
-        if a.reference not in names:
-            raise ValueError(f"--reference {a.reference}: not one of --systems")
+        also = [n for n in a.also_identical.split(",") if n]
+        for option, name in [("--reference", a.reference)] + [("--also-identical", n) for n in also]:
+            if name not in names:
+                raise ValueError(f"{option} {name}: not one of --systems")
+        self.also = [s for s in self.systems if s.name in also]
         self.sizes = [int(b) for b in a.batch_sizes.split(",")]
         sources, refs = read_tsv(a.data, a.column, a.ref_column or a.column)
         keep = [i for i, s in enumerate(sources) if s.strip()][: a.limit]
@@ -256,6 +266,9 @@ class Matrix:
         job = {"kind": system.kind, "threads": system.threads or a.threads, "device": a.device, "work": str(self.work),
                "model": str(m.path), "beam": beam}
         if system.kind == "aggdec":
+            for item in a.set:
+                if item.partition("=")[0] in ("max_len_a", "max_len_b"):
+                    raise ValueError(f"--set {item.partition('=')[0]}: the peers would not follow it; give --max-new")
             options = aggdec_options(a, system) | {"max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
             return {**job, "options": options, "inputs": self.sources}
         if system.kind == "ct2":
@@ -264,7 +277,7 @@ class Matrix:
         if system.kind == "transformers":
             if not m.hf:
                 raise ValueError(f"{system.name}: transformers runs Hugging Face model directories, not {m.path}")
-            return {**job, "inputs": self.sources, "limits": m.limits}
+            return {**job, "inputs": self.sources, "limits": m.limits, "precision": system.precision}
         return {**job, "checkpoint": str(m.fairseq_export() / "checkpoint.pt"), "max_len_a": m.max_len_a,
                 "max_len_b": m.max_len_b, "bin": m.fairseq_inputs(sorted({self.count(bs) for bs in self.sizes}))}
 
@@ -371,14 +384,23 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
                        tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
             ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
-                cut = a.max_new or None
-                run["identical"] = round(sum(x[:cut] == y[:cut] for x, y in zip(outs, ref)) / n, 4)
+                run["identical"] = identical_share(outs, ref, model.limits)
+            for other in matrix.also:
+                theirs = outputs.get((other.name, bs))
+                if other is not system and theirs is not None and matrix.model(other) is model:
+                    run[f"identical_to_{other.name}"] = identical_share(outs, theirs, model.limits)
             if a.ref_column:
                 hyps = tuple(model.text(o) for o in outs)
                 if hyps not in scores:
                     scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
                 run.update(scores[hyps])
             yield run
+
+
+def identical_share(outs: list[list[int]], ref: list[list[int]], limits: list[int]) -> float:
+    """The share of outputs equal to the reference's over their first `limits[i]` tokens (module
+    docstring): the same length rule on both sides, whichever decoding step limit each peer took."""
+    return round(sum(x[:cut] == y[:cut] for x, y, cut in zip(outs, ref, limits)) / len(outs), 4)
 
 
 def compare(a: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ A system is named on the command line as
 
     greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [/THREADS] [:MODEL]   aggdec
     ct2 | ct2-beam [@COMPUTE] [/THREADS] [:MODEL]          CTranslate2 (COMPUTE: float32, the default, int8, ...)
-    transformers | transformers-beam [/THREADS] [:MODEL]   transformers `generate` (Hugging Face directories)
+    transformers | transformers-beam [@fp32|@bf16] [/THREADS] [:MODEL]   transformers `generate` (Hugging Face
+                                                           directories; @bf16: the model loaded in bfloat16)
     fairseq | fairseq-beam [/THREADS] [:MODEL]             fairseq-generate (aggdec's models, exported)
 
 `/THREADS` runs the system on that many threads instead of the benchmark's `--threads` (a peer's
@@ -38,6 +39,7 @@ from pathlib import Path
 METHODS = ("greedy", "iad", "gad", "gad++", "blockwise", "beam")
 PEERS = ("ct2", "transformers", "fairseq")
 PRECISIONS = ("fp32", "bf16", "int8")
+TRANSFORMERS_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # @precision -> torch dtype of the model
 WATCHED = ("aggdec", "jobs", "cluster", "torch")  # modules whose presence in a process is checked
 FORBIDDEN = {"ct2": {"aggdec", "jobs", "cluster", "torch"}, "transformers": {"aggdec", "jobs", "cluster"},
              "fairseq": {"aggdec", "jobs", "cluster"}}
@@ -74,8 +76,13 @@ class System:
         if peer in PEERS:
             if beam not in ("", "beam"):
                 raise ValueError(f"system {name!r}: {peer}-{beam} is not a system ({peer} or {peer}-beam)")
-            if plus or (precision and peer != "ct2"):
+            if plus or (precision and peer == "fairseq"):
                 raise ValueError(f"system {name!r}: {peer} takes no {'+compile' if plus else '@precision'}")
+            if peer == "transformers":
+                if precision not in ("", *TRANSFORMERS_DTYPES):
+                    raise ValueError(f"system {name!r}: unknown precision {precision!r} for transformers "
+                                     f"({', '.join(TRANSFORMERS_DTYPES)})")
+                precision = precision or "fp32"
             return cls(name, peer, "beam" if beam else "greedy", precision or "float32", False, model or None, threads)
         if base not in METHODS:
             raise ValueError(f"system {name!r}: unknown method {base!r} (aggdec: {', '.join(METHODS)}; "
@@ -209,7 +216,8 @@ def transformers_runner(job: dict) -> Decode:
 
     torch.set_num_threads(job["threads"])
     tok = AutoTokenizer.from_pretrained(job["model"])
-    model = AutoModelForSeq2SeqLM.from_pretrained(job["model"]).to(job["device"]).eval()
+    dtype = getattr(torch, TRANSFORMERS_DTYPES[job.get("precision", "fp32")])
+    model = AutoModelForSeq2SeqLM.from_pretrained(job["model"], dtype=dtype).to(job["device"]).eval()
     ids = [tok(s).input_ids for s in job["inputs"]]
     limits = job["limits"]
     warmed: set[int] = set()

@@ -30,9 +30,10 @@ EXTRA_IDS = 100
 SHAPES = {  # T5Config fields
     "random": dict(d_model=512, num_heads=8, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8,
                    feed_forward_proj="gated-gelu", vocab_size=32128),
-    "gec": dict(d_model=256, num_heads=4, d_kv=64, d_ff=1024, num_layers=4, num_decoder_layers=4,
+    "gec": dict(d_model=256, num_heads=4, d_kv=64, d_ff=768, num_layers=2, num_decoder_layers=2,
                 feed_forward_proj="gated-gelu"),
 }
+WARMUP = 100  # updates
 
 
 def read_pairs(path: Path) -> list[tuple[str, str]]:
@@ -72,8 +73,7 @@ def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: 
     fields.setdefault("vocab_size", len(tok) + (-len(tok)) % 128)  # padded as T5's 32,128 rows
     if fields["vocab_size"] < len(tok):
         raise SystemExit(f"the tokenizer has {len(tok)} entries, more than the model's {fields['vocab_size']} rows")
-    cfg = transformers.T5Config(**fields, dropout_rate=0.0 if kind == "random" else 0.1, decoder_start_token_id=0,
-                                tie_word_embeddings=False)
+    cfg = transformers.T5Config(**fields, dropout_rate=0.0, decoder_start_token_id=0, tie_word_embeddings=False)
     model = transformers.T5ForConditionalGeneration(cfg)
     model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))  # untied, as Flan-T5's
     with torch.no_grad():  # logits of about unit scale from the start (random: not flat, not one-hot)
@@ -81,25 +81,43 @@ def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: 
     return tok, model
 
 
-def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, lr: float, seed: int) -> dict:
-    """Teacher-forced AdamW updates on (prefix + noisy -> clean) until `minutes` pass."""
+def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, lr: float, max_tokens: int,
+          seed: int, checkpoint=None, every: float = 0.0) -> dict:
+    """Teacher-forced AdamW updates on (prefix + noisy -> clean) for `minutes` of this process's CPU
+    time (a paused or crowded run trains as long): pairs of at most `max_tokens` tokens a side, in
+    batches of similar source length, the learning rate warmed up over WARMUP updates and then
+    decayed linearly to a tenth at the end of the budget. `checkpoint(summary)` is called (in eval
+    mode, its CPU time not counted) every `every` CPU minutes of training when given."""
     import torch
 
     rng = random.Random(seed)
-    src = tok([TASK_PREFIX + n for n, _ in pairs], truncation=True, max_length=128).input_ids
-    tgt = tok([c for _, c in pairs], truncation=True, max_length=128).input_ids
-    order = sorted(range(len(pairs)), key=lambda i: len(src[i]))
+    src = tok([TASK_PREFIX + n for n, _ in pairs]).input_ids
+    tgt = tok([c for _, c in pairs]).input_ids
+    keep = [i for i in range(len(pairs)) if len(src[i]) <= max_tokens and len(tgt[i]) <= max_tokens]
+    order = sorted(keep, key=lambda i: len(src[i]))
     batches = [order[i: i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    deadline, start, step, losses = time.time() + 60 * minutes, time.time(), 0, []
-    while time.time() < deadline:
+    budget, start, step, losses, saved = 60 * minutes, time.process_time(), 0, [], 0.0
+
+    def summary() -> dict:
+        return {"updates": step, "pairs": len(keep), "cpu_minutes": round((time.process_time() - start) / 60, 2),
+                "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
+
+    while (used := time.process_time() - start) < budget:
+        if checkpoint and every and used - saved >= 60 * every:
+            paused = time.process_time()
+            model.eval()
+            checkpoint(summary())
+            model.train()
+            start += time.process_time() - paused  # not counted as training
+            saved = used
         idx = rng.choice(batches)
         ws, wt = max(len(src[i]) for i in idx), max(len(tgt[i]) for i in idx)
         s = torch.tensor([src[i] + [0] * (ws - len(src[i])) for i in idx])
         labels = torch.tensor([tgt[i] + [-100] * (wt - len(tgt[i])) for i in idx])
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 50)
+            g["lr"] = lr * min((step + 1) / WARMUP, 1.0 - 0.9 * used / budget)
         loss = model(input_ids=s, attention_mask=s.ne(0), labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -108,11 +126,27 @@ def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, 
         losses.append(loss.item())
         step += 1
         if step % 50 == 0:
-            print(f"update {step} | loss {sum(losses[-50:]) / 50:.3f} | {(time.time() - start) / 60:.1f} min",
-                  file=sys.stderr, flush=True)
+            print(f"update {step} | loss {sum(losses[-50:]) / 50:.3f} | lr {opt.param_groups[0]['lr']:.2e} | "
+                  f"{used / 60:.1f} cpu min", file=sys.stderr, flush=True)
     model.eval()
-    return {"updates": step, "minutes": round((time.time() - start) / 60, 2),
-            "last_50_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4)}
+    return summary()
+
+
+def copies(model, tok, pairs: list[tuple[str, str]], batch: int = 50) -> dict:
+    """Greedy outputs (transformers' `generate`) of prefixed sources: the share equal to the
+    reference, and the share of unchanged sentences (noisy == clean) given back exactly."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for i in range(0, len(pairs), batch):
+            enc = tok([TASK_PREFIX + n for n, _ in pairs[i: i + batch]], return_tensors="pt", padding=True)
+            gen = model.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=128)
+            outs += tok.batch_decode(gen, skip_special_tokens=True)
+    same = [o == c for o, (_, c) in zip(outs, pairs)]
+    unchanged = [ok for ok, (n, c) in zip(same, pairs) if n == c]
+    return {"valid_sentences": len(pairs), "valid_exact": round(sum(same) / len(same), 4),
+            "valid_unchanged_copied": round(sum(unchanged) / max(1, len(unchanged)), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("kind", choices=sorted(SHAPES))
     ap.add_argument("--data", required=True, help="GEC TSV (columns noisy, clean): ../shared/data/gec/train.tsv")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--vocab", type=int, default=None, help="sentencepiece pieces (default: 32000 random, 8000 gec)")
-    ap.add_argument("--minutes", type=float, default=10.0, help="gec: training time")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=None, help="sentencepiece pieces (default: 32000 random, 4000 gec)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="gec: training time, CPU minutes of this process")
+    ap.add_argument("--batch", type=int, default=32, help="gec: pairs per update")
+    ap.add_argument("--lr", type=float, default=1e-3, help="gec: peak learning rate")
+    ap.add_argument("--max-tokens", type=int, default=48, help="gec: longest source and target trained on")
+    ap.add_argument("--valid", default=None, help="gec: a GEC TSV whose first 200 rows measure copying at the end")
+    ap.add_argument("--save-every", type=float, default=0.0, help="gec: save (and measure) every N CPU minutes")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     import torch
@@ -132,14 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     pairs = read_pairs(Path(a.data))
-    tok, model = build(a.kind, pairs, out, a.vocab or (32000 if a.kind == "random" else 8000), a.seed)
+    tok, model = build(a.kind, pairs, out, a.vocab or (32000 if a.kind == "random" else 4000), a.seed)
     summary = {"kind": a.kind, "pieces": len(tok) - EXTRA_IDS, "embedding_rows": model.config.vocab_size,
                "parameters": sum(p.numel() for p in model.parameters())}
-    if a.kind == "gec":
-        summary |= train(model, tok, pairs, a.minutes, a.batch, a.lr, a.seed)
-    model.save_pretrained(str(out))
-    (out / "make_t5.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(summary))
+    valid = read_pairs(Path(a.valid))[:200] if a.valid else []
+
+    def save(progress: dict) -> None:
+        done = summary | progress | (copies(model, tok, valid) if valid else {})
+        model.save_pretrained(str(out))
+        (out / "make_t5.json").write_text(json.dumps(done, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(done), flush=True)
+
+    save(train(model, tok, pairs, a.minutes, a.batch, a.lr, a.max_tokens, a.seed, save, a.save_every)
+         if a.kind == "gec" else {})
     return 0
 
 

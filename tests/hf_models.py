@@ -211,6 +211,9 @@ T5_LAYOUTS = {  # (transformers class, its config fields): every one with d_kv *
     # the encoder wrongly, so the layers are as many: tests/tiny_models.py has a deeper decoder)
     "t5-v1.1": ("T5", dict(feed_forward_proj="gated-gelu", d_kv=6, num_heads=4)),
     "mt5": ("MT5", dict(feed_forward_proj="gated-gelu", d_kv=12, num_heads=3)),  # mT5: gated, lm_head
+    # umT5: a bias table in every self-attention layer, short buckets as v1.0's
+    "umt5": ("UMT5", dict(feed_forward_proj="gated-gelu", d_kv=12, num_heads=3, relative_attention_num_buckets=8,
+                          relative_attention_max_distance=20)),
 }
 
 

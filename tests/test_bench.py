@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
+from bench.compare import identical_share  # noqa: E402
 from bench.systems import Process, System, check_clean  # noqa: E402
 
 
@@ -21,17 +22,30 @@ def test_system_names():
     assert System.parse("greedy+compile:models/x") == System("greedy+compile:models/x", "aggdec", "greedy", "fp32",
                                                              True, "models/x")
     assert System.parse("ct2-beam@int8") == System("ct2-beam@int8", "ct2", "beam", "int8")
-    assert System.parse("transformers").method == "greedy"
+    assert System.parse("transformers") == System("transformers", "transformers", "greedy", "fp32")
+    assert System.parse("transformers@bf16:m") == System("transformers@bf16:m", "transformers", "greedy", "bf16",
+                                                         False, "m")
     assert System.parse("ct2@int8/1:models/x") == System("ct2@int8/1:models/x", "ct2", "greedy", "int8", False,
                                                          "models/x", 1)
     assert System.parse("greedy/4").threads == 4 and System.parse("greedy").threads is None
     assert System.parse("gad++") == System("gad++", "aggdec", "gad++", "fp32")  # its "+" is no flag
     assert System.parse("gad+++compile").compile and System.parse("gad+++compile").method == "gad++"
     for bad, why in (("nope", "unknown method"), ("iad@fp16", "unknown precision"), ("ct2-fast", "not a system"),
-                     ("transformers@int8", "takes no @precision"), ("greedy+fast", "unknown flag"),
+                     ("transformers@int8", "unknown precision 'int8' for transformers"),
+                     ("fairseq@bf16", "takes no @precision"), ("greedy+fast", "unknown flag"),
                      ("ct2/0", "not a thread count"), ("ct2/x", "not a thread count")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)
+
+
+def test_identity_is_taken_under_each_sentences_length_limit():
+    """An output cut at its limit equals a peer's that ran one step further; one that ended earlier
+    must end at the same token; a difference inside the limit counts."""
+    aggdec = [[5, 6, 7], [5, 6], [5, 6, 7], [5]]
+    peer = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 8, 8], [5]]
+    assert identical_share(aggdec, peer, [3, 3, 3, 4]) == 0.5
+    assert identical_share(aggdec, peer, [2, 3, 2, 4]) == 0.75  # a shorter limit: [5, 6] == [5, 6] in row 3
+    assert identical_share(aggdec[:1], peer[:1], [3, 3]) == 1.0  # the first n of the limits
 
 
 def test_a_peer_that_loaded_torch_or_aggdec_is_refused():

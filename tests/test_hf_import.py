@@ -176,7 +176,7 @@ def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "model_type": "pegasus"}))
     with pytest.raises(ValueError, match=r"model_type 'pegasus' is not supported; supported: marian, bart, mbart, "
-                                         r"m2m_100, t5, mt5"):
+                                         r"m2m_100, t5, mt5, umt5"):
         checkpoint.load(d)
 
     d = _copy(hf_dirs["bart"], tmp_path / "mismatch")

@@ -31,7 +31,7 @@ from aggdec.decoding.state import DecodeState  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402
 from aggdec.model.heads import ProposalHeads  # noqa: E402
 
-LAYOUTS = tuple(hf_models.T5_LAYOUTS)
+LAYOUTS = ("t5", "t5-v1.1", "mt5")  # umt5 (mt5's code with per-layer tables): test_umt5_*
 LIMIT = 40  # transformers' max_new_tokens; aggdec's max_len_a = 0, max_len_b = LIMIT
 SOURCES = [TASK_PREFIX * (i % 2) + t for i, t in enumerate(synthetic_sentences(60, seed=7))]
 
@@ -85,6 +85,44 @@ def test_random_t5s_are_token_identical_under_aggdecs_rules(layout, tmp_path):
     aggdec's two rules (never pad, eos not first) gives aggdec's output."""
     d = hf_models.build_t5(tmp_path / layout, layout, steps=0, seed=1)
     _assert_identical(d, SOURCES[:12], suppress_tokens=[0], min_new_tokens=1)
+
+
+def _as_umt5(mt5: Path, out: Path) -> Path:
+    """The trained mT5 as a umT5 directory: its weights, and in every self-attention layer a table of
+    its own (the first layer's plus noise of half its spread, so that each layer attends otherwise)."""
+    model = transformers.MT5ForConditionalGeneration.from_pretrained(mt5)
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "architectures")}
+    fields["tie_word_embeddings"] = False  # as trained: no rescale before lm_head (mT5 never rescales)
+    umt5 = transformers.UMT5ForConditionalGeneration(transformers.UMT5Config(**fields))
+    umt5.lm_head.weight = torch.nn.Parameter(umt5.lm_head.weight.detach().clone())  # built tied; mT5's is not
+    state = model.state_dict()
+    torch.manual_seed(0)
+    for side in ("encoder", "decoder"):
+        first = state[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+        for i in range(1, len(getattr(umt5, side).block)):
+            state[f"{side}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"] = (
+                first + 0.5 * first.std() * torch.randn_like(first))
+    umt5.load_state_dict(state)
+    umt5.eval().save_pretrained(out)
+    for f in mt5.iterdir():
+        if f.name.startswith(("spiece", "tokenizer")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_umt5_reads_a_bias_table_per_layer_and_is_token_identical(t5_dirs, tmp_path):
+    """umT5 (the trained mT5 with a table per layer, and random weights under aggdec's two rules):
+    every self-attention layer's own table is loaded, greedy equals transformers' at batch sizes 1
+    and 8, and IAD equals greedy."""
+    d = _as_umt5(t5_dirs["mt5"], tmp_path / "trained")
+    tr = Translator.load(d)
+    tables = [t.weight for t in tr.model.decoder.relative_attention_bias]
+    assert tr.cfg.relative_per_layer and len(tables) == tr.cfg.dec_layers and not torch.equal(tables[0], tables[1])
+    greedy = [r.tokens for r in _assert_identical(d, SOURCES[:16])]
+    iad = tr.translate_batch(SOURCES[:16], method="iad", max_len_a=0, max_len_b=LIMIT, max_batch_size=7)
+    assert [r.tokens for r in iad] == greedy
+    random = hf_models.build_t5(tmp_path / "random", "umt5", steps=0, seed=1)
+    _assert_identical(random, SOURCES[:12], suppress_tokens=[0], min_new_tokens=1)
 
 
 def test_a_t5_without_tokenizer_json_reads_its_spiece_model(t5_dirs, tmp_path):
