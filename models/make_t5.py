@@ -6,7 +6,7 @@
     # (b) a small T5 trained on GEC pairs whose sources carry CoEdIT's task prefix
     #     "Fix grammatical errors in this sentence: ", so that it copies the rest of its input
     nice -n 19 python models/make_t5.py gec --data ../shared/data/gec/train.tsv --out runs/t5/gec-small \
-        --valid ../shared/data/gec/valid.tsv --minutes 25 --save-every 5
+        --valid ../shared/data/gec/valid.tsv --minutes 20 --save-every 5
 
 Each directory holds config.json, model.safetensors, spiece.model, tokenizer.json and
 tokenizer_config.json, as Hugging Face hub T5 directories do; `aggdec decode -m DIR` and
@@ -19,16 +19,16 @@ The GEC recipe (`build`, `neighbour_heads`, `train`), for a model that copies af
 CPU core: a T5 v1.1 block (gated GELU) of d_model 256, 4 heads of 64, FFN 768, 2 + 2 layers, 4,000
 pieces; the output projection tied to the embedding (T5 v1.0's layout, states rescaled by
 d_model ** -0.5), so that a token copied through attention arrives at its own logit; two encoder
-heads started on the previous and the next position (`neighbour_heads`: T5 has no positions in
-cross-attention, so the decoder finds the source token to copy by content, through its neighbour's
-token, and a model that must first discover those heads learns for thousands of updates as a
-language model of the targets before it copies); no dropout (less than one epoch is seen); AdamW at
-1e-3 after 100 warm-up updates, decayed linearly to a tenth over the budget, batches of 32 pairs of
-similar source length, pairs of at most 48 tokens a side. `--minutes` counts this process's CPU
-time (one thread), so a paused or crowded run trains as long; `--save-every` saves the model (and
-measures it) on the way. make_t5.json records the updates, the last 50 losses and, with `--valid`,
-the share of 200 validation sentences whose greedy output equals the reference and of the unchanged
-ones given back exactly.
+heads started on the previous and the next position and one decoder head on the previous output
+(`neighbour_heads`: T5 has no positions in cross-attention, so the decoder finds the source token to
+copy by content, through the neighbouring tokens, and a model that must first discover those heads
+learns for thousands of updates as a language model of the targets before it copies); no dropout
+(less than one epoch is seen); AdamW at 1e-3 after 100 warm-up updates, decayed linearly to a tenth
+over the budget, batches of 32 pairs of similar source length, pairs of at most 48 tokens a side.
+`--minutes` counts this process's CPU time (one thread), so a paused or crowded run trains as long;
+`--save-every` saves the model (and measures it) on the way. make_t5.json records the updates, the
+last 50 losses and, with `--valid`, the share of 200 validation sentences whose greedy output equals
+the reference and of the unchanged ones given back exactly.
 """
 
 from __future__ import annotations
@@ -102,18 +102,23 @@ def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: 
 
 
 def neighbour_heads(model, boost: float = 8.0) -> None:
-    """Start the encoder's heads 0 and 1 on the previous and the next position (their relative-bias
-    entries at -1 and +1 raised by `boost`): the neighbour's token in each state is what lets the
-    decoder find, by content, the source token after the one it just wrote."""
+    """Start three heads of the first layers on a neighbouring position (their relative-bias entries
+    raised by `boost`): in the encoder head 0 on the previous and head 1 on the next position, in the
+    decoder's self-attention head 0 on the previous output. T5's cross-attention has no positions, so
+    the decoder finds the source token to copy by content: the state of the source token matching
+    the two tokens it just wrote (its own and its previous, against the decoder's own and previous)
+    holds the next source token."""
     import torch
 
-    attention = model.encoder.block[0].layer[0].SelfAttention
-    buckets = attention._relative_position_bucket(torch.tensor([-1, 1]), bidirectional=True,
-                                                  num_buckets=attention.relative_attention_num_buckets,
-                                                  max_distance=attention.relative_attention_max_distance)
-    with torch.no_grad():
-        for head, bucket in enumerate(buckets.tolist()):
-            attention.relative_attention_bias.weight[bucket, head] += boost
+    for stack, offsets in ((model.encoder, (-1, 1)), (model.decoder, (-1,))):
+        attention = stack.block[0].layer[0].SelfAttention
+        buckets = attention._relative_position_bucket(
+            torch.tensor(offsets), bidirectional=not attention.is_decoder,
+            num_buckets=attention.relative_attention_num_buckets,
+            max_distance=attention.relative_attention_max_distance)
+        with torch.no_grad():
+            for head, bucket in enumerate(buckets.tolist()):
+                attention.relative_attention_bias.weight[bucket, head] += boost
 
 
 def train(model, tok, pairs: list[tuple[str, str]], minutes: float, batch: int, lr: float, max_tokens: int,
