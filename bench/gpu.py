@@ -62,8 +62,13 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def graphs(tr) -> int:
-    """CUDA graphs held by the translator's slot loops."""
-    return sum(len(loop._captured) for loop in tr._slot_loops.values())
+    """CUDA graphs the translator's slot loops captured (failed captures not counted)."""
+    return sum(loop.counters.captures for loop in tr._slot_loops.values())
+
+
+def capture_failures(tr) -> int:
+    """Captures that failed in the translator's slot loops (those steps ran eagerly)."""
+    return sum(loop.counters.capture_failures for loop in tr._slot_loops.values())
 
 
 def shipped(results: Results, a: argparse.Namespace, sizes: list[int]) -> None:
@@ -101,7 +106,8 @@ def shipped(results: Results, a: argparse.Namespace, sizes: list[int]) -> None:
                         greedy = tokens if method == "greedy" else greedy
                         run.update(sentences_per_s=round(n / seconds, 1),
                                    tokens_per_s=round(sum(len(t) + 1 for t in tokens) / seconds, 1),
-                                   graphs=graphs(tr), captures_after_warm_up=graphs(tr) - before)
+                                   graphs=graphs(tr), captures_after_warm_up=graphs(tr) - before,
+                                   capture_failures=capture_failures(tr))
                         if method != "beam" and greedy is not None:
                             run["identical_to_greedy"] = round(sum(x == y for x, y in zip(tokens, greedy)) / n, 4)
                         if cpu is not None and precision == "fp32" and method != "beam":

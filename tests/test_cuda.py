@@ -73,14 +73,25 @@ def test_every_lossless_method_equals_the_devices_greedy(method, dtype):
         assert _tokens(DraftVerifyLoop(model, drafter, max_batch_size=bs), reqs) == greedy, bs
 
 
-def test_a_run_of_seen_shapes_captures_nothing():
+def test_every_step_is_captured_when_a_run_starts_and_none_after(monkeypatch):
+    """The capture plan is captured when the run starts (a warm-up and a capture of each step, no
+    failure); then every step replays a graph (no eager step), and a second run over the same buffers
+    captures nothing."""
     model = _model(torch.float32)
     reqs = _requests(random.Random(2), 16, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     loop = SlotLoop(model, InputCopy(max_draft=4), max_batch_size=4)
+    step, calls = SlotLoop._step, [0]
+
+    def counted(self, *key):
+        calls[0] += 1
+        return step(self, *key)
+
+    monkeypatch.setattr(SlotLoop, "_step", counted)
     first = _tokens(loop, reqs)
-    captured = dict(loop._captured)
+    assert set(loop._captured) == set(loop._plan) and loop.counters.capture_failures == 0
+    assert loop.counters.captures == len(loop._plan) and calls[0] == 2 * len(loop._plan)
     assert _tokens(loop, reqs) == first
-    assert loop._captured == captured
+    assert loop.counters.captures == len(loop._plan) and calls[0] == 2 * len(loop._plan)
 
 
 def test_one_host_synchronization_per_iteration(monkeypatch):

@@ -126,13 +126,17 @@ def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
 
 @dataclass
 class LoopCounters:
-    """Verifier work over a run. fed: real tokens scored (last token + draft per row);
-    padded: tokens computed including padding to the longest draft (B * (K + 1) per call)."""
+    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
+    padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
+    captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
+    eagerly), by a captured slot loop."""
 
     calls: int = 0
     fed: int = 0
     padded: int = 0
     encoded_rows: int = 0
+    captures: int = 0
+    capture_failures: int = 0
 
 
 class LoopBase:

@@ -19,9 +19,11 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   time share) are batched tensor updates in place. After the step the host reads one small tensor:
   which slots finished, the output lengths (for the next span) and the call's token counts (for the
   draft budget). Rows that finished are then read once, when they retire.
-- **Captured steps.** On a GPU each (slots, width, span, source width) step is captured once as a CUDA
-  graph and replayed (`graphs=True`, the default there; `graphs="check"` runs it eagerly under a
-  replay's rules, `capture_check`). On a CPU, `compile=True` runs it as a TorchInductor program with
+- **Captured steps.** On a GPU every step a run can take is captured as a CUDA graph when the run
+  starts (`capture_plan`: each slot count the tail narrows to, each width of `GRAPH_WIDTHS`, each
+  span of `GRAPH_SPANS`, the whole source width; largest first) and replayed; nothing is captured
+  after that (`graphs=True`, the default there; `graphs="check"` runs each step eagerly under a
+  replay's rules, `capture_check`, and refuses a shape outside the plan). On a CPU, `compile=True` runs it as a TorchInductor program with
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
   products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
@@ -44,7 +46,7 @@ import torch
 
 from aggdec.decoding.acceptance import ExactMatch, constrained_top1
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.capture_check import checked
+from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import Verified
 from aggdec.decoding.loop import LoopBase, pad_batch, take
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
@@ -72,6 +74,14 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
 
 
+GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+"""Draft widths a captured run verifies (with 0 and the drafter's longest draft): the draft budget's
+length is rounded down to one of them, which verifies fewer draft tokens and changes no output."""
+
+GRAPH_SPANS = (32, 64, 128, 256, 512, 1024, 2048)
+"""Key spans a captured run reads (with the cache's whole length): a call reads the shortest that
+holds its longest row, at most twice that row's length."""
+
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
 
@@ -80,6 +90,19 @@ def slot_count(max_batch_size: int, requests: int) -> int:
     """Slots for a run: the power of two at or above min(max_batch_size, requests)."""
     n = max(1, min(max_batch_size, requests))
     return 1 << (n - 1).bit_length()
+
+
+def capture_plan(slots: int, length: int, src_width: int, max_draft: int) -> list[tuple[int, int, int, int]]:
+    """The (slots, width, span, source width) of every step a captured run over `slots` slots, a cache
+    of `length` positions and `src_width` source positions can take, largest first: the slot counts
+    the run's tail narrows to (halving down to 2), the widths 0, `max_draft` and the `GRAPH_WIDTHS`
+    below it, the `GRAPH_SPANS` below the cache's length and that length (its last position is
+    never read), the whole source width: 7 x 8 x 4 = 224 steps for 128 slots, IAD's 64-token drafts
+    and 256 positions."""
+    counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= 2]
+    widths = sorted({0, max_draft, *(w for w in GRAPH_WIDTHS if w < max_draft)}, reverse=True)
+    spans = sorted({length - 1, *(s for s in GRAPH_SPANS if s < length - 1)}, reverse=True)
+    return [(n, w, s, src_width - 1) for n in counts for w in widths for s in spans]
 
 
 def supports(model: Transformer, drafter, acceptance) -> bool:
@@ -198,30 +221,47 @@ class SlotLoop(LoopBase):
                 self._compiled = None
             finally:
                 inductor_config.freezing = frozen
+        key = (self.state.batch_size, width, span, src_width)
         if self.graphs == "check":
+            if key not in self._plan:
+                raise CaptureError(f"step {key} is not in the capture plan: a captured run would capture it")
             checked(lambda: self._step(width, span, src_width), self, "_states")
             return
-        if not self.graphs:
+        graph = self._captured.get(key) if self.graphs else None
+        if graph is None:  # eager; captured: a step whose capture failed (counted)
             self._step(width, span, src_width)
             return
-        key = (self.state.batch_size, width, span, src_width)
-        graph = self._captured.get(key)
-        if graph is None:
-            try:
-                graph = self._capture(key)
-            except RuntimeError as e:  # a capture that fails leaves the state as it was: run eagerly
-                warnings.warn(f"aggdec: CUDA graph capture failed, decoding without graphs: {e}", stacklevel=2)
-                self.graphs = False
-                self._step(width, span, src_width)
-                return
         graph.replay()
         if self._after:  # the replayed graph's own output buffers
             self._states = self._graph_states[key]
 
-    def _programs(self) -> tuple[int, int]:
+    def _capture_plan(self) -> None:
+        """Capture every step of `capture_plan` not captured yet (a run reusing the last one's buffers
+        reuses its graphs), largest first: each slot count's steps on the narrowed slots, then all
+        slots again. A step whose capture fails is counted (`LoopCounters.capture_failures`) and runs
+        eagerly; the state is as it was either way."""
+        whole = self._whole_state.batch_size
+        failed = []
+        for key in self._plan:
+            if key in self._captured:
+                continue
+            if self.state.batch_size != key[0]:
+                self._narrow(key[0])
+            try:
+                self._capture(key)
+            except RuntimeError as e:
+                self._captured[key] = None
+                failed.append(f"{key}: {e}")
+        self._narrow(whole)
+        self.counters.capture_failures += len(failed)
+        if failed:
+            warnings.warn(f"aggdec: {len(failed)} CUDA graph capture(s) failed, those steps run eagerly; first: "
+                          f"{failed[0]}", stacklevel=3)
+
+    def _programs(self) -> int:
         """How many step programs were built so far: frames TorchDynamo compiled (in any loop of the
-        process) and CUDA graphs this loop captured."""
-        return torch._dynamo.utils.counters["frames"]["total"], len(self._captured)
+        process)."""
+        return torch._dynamo.utils.counters["frames"]["total"]
 
     def _compile(self, slots: int):
         """`_step` compiled for this loop alone. TorchDynamo keeps compiled programs per code object, and
@@ -255,6 +295,7 @@ class SlotLoop(LoopBase):
                     t.copy_(s)
         self._pool = graph.pool()
         self._captured[key] = graph
+        self.counters.captures += 1
         if self._after:
             self._graph_states[key] = self._states
         return graph
@@ -298,6 +339,7 @@ class SlotLoop(LoopBase):
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._captured, self._pool, self._graph_states = {}, None, {}
+        self._plan = capture_plan(b, length, src_width, self.max_draft)
         self._reset()
 
     def _narrow(self, n: int) -> None:
@@ -393,6 +435,8 @@ class SlotLoop(LoopBase):
         if not queue:
             return
         self._allocate(queue)
+        if self.graphs is True:
+            self._capture_plan()
         self._refills.reset()
         THREADS.start()
         n = self.state.batch_size  # the slots the steps run on: all of them until the queue is empty
@@ -412,18 +456,23 @@ class SlotLoop(LoopBase):
                         src_len[s], out_len[s] = len(r.src), 1
             t0 = time.perf_counter()
             live = [s for s in range(n) if src_len[s]]
-            # buckets where each shape is a CUDA graph; elsewhere (eager, or compiled with symbolic
-            # shapes) the exact sizes, so that attention reads no padding past the longest row
-            exact = not self.graphs
-            src_width = bucket(max(src_len), self.cache.src_width - 1, exact)
-            width = min(length, src_width)  # no draft is longer than its source
-            span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact)
+            if self.graphs:  # the captured shapes (`capture_plan`)
+                src_width = self.cache.src_width - 1
+                width = max(w for _, w, _, _ in self._plan if w <= length)
+                reach = max(out_len[s] for s in live) + width
+                span = min((s for _, _, s, _ in self._plan if s >= reach), default=self.cache.length - 1)
+            else:  # eager, or compiled with symbolic shapes: the exact sizes, no padding read
+                src_width = bucket(max(src_len), self.cache.src_width - 1, exact=True)
+                width = min(length, src_width)  # no draft is longer than its source
+                span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact=True)
             built = self._programs()
             self._run_step(width, span, src_width)
-            built = self._programs() != built  # this call compiled or captured its program
+            built = self._programs() != built  # this call compiled its program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
+            if self.graphs and width < length:  # drafts cut at a captured width: longer ones are untried
+                offered = min(offered, width)
             seconds = time.perf_counter() - t0 + observed
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
