@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import ExactMatch, constrained_top1
+from aggdec.decoding.acceptance import Acceptance, FixedScores
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import checked
 from aggdec.decoding.drafters import Verified
@@ -82,9 +82,9 @@ def slot_count(max_batch_size: int, requests: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def supports(model: Transformer, drafter, acceptance) -> bool:
-    """Whether the slot loop runs this combination (see the module docstring's scope)."""
-    return isinstance(acceptance, ExactMatch) and not model.cfg.double_token
+def supports(model: Transformer) -> bool:
+    """Whether the slot loop runs this verifier (see the module docstring's scope)."""
+    return not model.cfg.double_token
 
 
 class SlotLoop(LoopBase):
@@ -93,12 +93,13 @@ class SlotLoop(LoopBase):
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
 
-    def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
-                 min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
+    def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
+                 max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
+                 encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
-        if model.cfg.double_token:
+        if not supports(model):
             raise ValueError("the slot loop takes single-token verifiers")
-        super().__init__(model, drafter, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
+        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.dtype = next(model.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -138,14 +139,12 @@ class SlotLoop(LoopBase):
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged)
-        logits = self.model.output_logits(hidden)  # (B, T, V)
         offs = torch.arange(t, device=self.device)[None]
-        pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
-                                self.min_len, self.forced)
-        # 3. Accept: the longest prefix of the draft equal to the verifier's top-1, then its bonus.
-        ok = (pred[:, :width] == tokens) & (offs[:, :width] < num[:, None])
-        accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
-        bonus = pred.gather(1, accepted[:, None])
+        scores = FixedScores(self.model.output_logits(hidden), st.generated[:, None] + offs, st.max_len[:, None],
+                             cfg.pad, cfg.eos, self.min_len, self.forced)
+        # 3. Accept: the acceptance rule at every position of every slot (no host reads).
+        accepted, bonus = self.acceptance.accept(tokens, num, scores, None)
+        bonus = bonus[:, None]
         # 4. Commit d_1..d_m + bonus; cut after an eos.
         new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad), bonus)
         is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
@@ -416,7 +415,8 @@ class SlotLoop(LoopBase):
             # shapes) the exact sizes, so that attention reads no padding past the longest row
             exact = not self.graphs
             src_width = bucket(max(src_len), self.cache.src_width - 1, exact)
-            width = min(length, src_width)  # no draft is longer than its source
+            # no draft copied from the source is longer than it (a head's drafts keep their length)
+            width = length if self._after else min(length, src_width)
             span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact)
             built = self._programs()
             self._run_step(width, span, src_width)
