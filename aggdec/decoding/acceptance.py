@@ -98,27 +98,31 @@ class VerifierScores:
     def top1(self) -> torch.Tensor:
         if "logits" in self.__dict__:  # already computed (GAD++): their argmax is free
             return self.logits.argmax(dim=-1)
-        return self._top1()
-
-    def _top1(self) -> torch.Tensor:
         return self.projection.top1(self.hidden, self.constrain)
 
 
-class FixedScores(VerifierScores):
-    """The verifier's scores at every position of every slot (the slot loop's step), with no host reads:
+class FixedScores:
+    """`VerifierScores` at every position of every slot (the slot loop's step), with no host reads:
     logits (B, T, V) as the model computed them, constrained in place on first use; top1 (B, T) by
     `constrained_top1` unless the logits were. `rules`: `constrain_logits`' arguments after the logits
-    (out_index, max_len broadcastable to (B, T); pad, eos, min_len, forced)."""
+    (out_index, max_len broadcastable to (B, T); pad, eos, min_len, forced). Memoized by hand: TorchDynamo
+    breaks a compiled step at `cached_property`'s lock."""
 
     def __init__(self, logits: torch.Tensor, *rules):
-        self.raw, self.rules = logits, rules
+        self.raw, self.rules, self._logits, self._top1 = logits, rules, None, None
 
-    @cached_property
+    @property
     def logits(self) -> torch.Tensor:
-        return constrain_logits(self.raw, *self.rules, fixed=True)
+        if self._logits is None:
+            self._logits = constrain_logits(self.raw, *self.rules, fixed=True)
+        return self._logits
 
-    def _top1(self) -> torch.Tensor:
-        return constrained_top1(self.raw, *self.rules)
+    @property
+    def top1(self) -> torch.Tensor:
+        if self._top1 is None:
+            self._top1 = (constrained_top1(self.raw, *self.rules) if self._logits is None
+                          else self._logits.argmax(dim=-1))
+        return self._top1
 
 
 class Acceptance(Protocol):
