@@ -468,6 +468,31 @@ def test_compiled_step_equals_greedy():
             "DraftVerifyLoop"
 
 
+@pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores
+def test_compiled_gad_plus_equals_the_row_loop():
+    """`compile = true` with method gad++ (top-beta/tau and a minimum block, at a fixed draft length)
+    runs on compiled slots, as one program with no graph break, and gives the row loop's output."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import DraftContext, get_method
+    from aggdec.model.projection import OutputProjection
+
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)
+    reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    torch.manual_seed(0)
+    head = _head_drafter("gad", model, 4).head
+    context = DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False), bf16=False,
+                           load=lambda path, bf16: head)
+    opts = decode_options("gad++", compile=True, max_batch_size=2, drafter="head", block_size=4, draft_length="max",
+                          top_beta=3, tau=1.0, min_block=1)
+    method = get_method("gad++")
+    loop = method.loop(opts, context, method.drafter(opts, context))
+    torch._dynamo.utils.counters.clear()
+    got = _run(loop, reqs)
+    assert loop._compiled is not None and not torch._dynamo.utils.counters["graph_break"]
+    ref = _decode(model, method.drafter(opts, context), reqs, acceptance=opts.acceptance(), max_batch_size=2)
+    assert {i: h.tokens for i, h in got.items()} == {i: h.tokens for i, h in ref.items()}
+
+
 CHECKED = {"greedy": lambda m: NoDraft(), "iad": lambda m: InputCopy(max_draft=4, substitution=True, nearest_match=True),
            "iad-adaptive": lambda m: InputCopy(max_draft=4, adaptive=True, min_draft=1, skip_prefix=True),
            "gad": lambda m: _head_drafter("gad", m, 3), "gad-vocab": lambda m: _head_drafter("gad", m, 3, vocab=4),
