@@ -25,10 +25,12 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
   products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
-Scope: single-token verifiers and exact top-1 acceptance; drafters draft at the call's width inside
-the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's states after it,
-once the draft budget has picked the next call's length and only where that call drafts. The other
-methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
+Scope: single-token verifiers, every acceptance rule (`aggdec.decoding.acceptance`: each decides on
+every position of every slot, `FixedScores`); drafters draft at the call's width inside the step
+(IAD: no wider than the widest live source), or (`from_states`: the draft head, proposal heads) from
+the step's states after it, once the draft budget has picked the next call's length and only where
+that call drafts. Double-token verifiers run in `aggdec.decoding.loop`. Outputs are the row loop's
+for the same drafts (greedy's under exact top-1).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def supports(model: Transformer) -> bool:
 
 
 class SlotLoop(LoopBase):
-    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
+    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s (any acceptance);
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
