@@ -115,7 +115,8 @@ def test_slot_head_drafters_equal_greedy(seed, kind, bs, k, vocab, budget, max_t
         assert pending is None or drafter.rows.pending.data_ptr() == pending.data_ptr()
 
 
-RULES = {"gad++": lambda beta, tau, n: TopKTolerance(beta, tau), "minblock": lambda beta, tau, n: MinBlock(ExactMatch(), n),
+RULES = {"gad++": lambda beta, tau, n: TopKTolerance(beta, tau),
+         "minblock": lambda beta, tau, n: MinBlock(ExactMatch(), n),
          "minblock-gad++": lambda beta, tau, n: MinBlock(TopKTolerance(beta, tau), n)}
 
 
@@ -496,7 +497,8 @@ def test_compiled_gad_plus_equals_the_row_loop():
 CHECKED = {"greedy": lambda m: NoDraft(), "iad": lambda m: InputCopy(max_draft=4, substitution=True, nearest_match=True),
            "iad-adaptive": lambda m: InputCopy(max_draft=4, adaptive=True, min_draft=1, skip_prefix=True),
            "gad": lambda m: _head_drafter("gad", m, 3), "gad-vocab": lambda m: _head_drafter("gad", m, 3, vocab=4),
-           "blockwise": lambda m: _head_drafter("blockwise", m, 3), "gad++ beta 1": lambda m: _head_drafter("gad", m, 3)}
+           "blockwise": lambda m: _head_drafter("blockwise", m, 3),
+           "gad++ beta 1": lambda m: _head_drafter("gad", m, 3)}
 
 
 @pytest.mark.parametrize("method", CHECKED)

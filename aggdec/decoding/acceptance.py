@@ -102,11 +102,9 @@ class VerifierScores:
 
 
 class FixedScores:
-    """`VerifierScores` at every position of every slot (the slot loop's step), with no host reads:
-    logits (B, T, V) as the model computed them, constrained in place on first use; top1 (B, T) by
-    `constrained_top1` unless the logits were. `rules`: `constrain_logits`' arguments after the logits
-    (out_index, max_len broadcastable to (B, T); pad, eos, min_len, forced). Memoized by hand: TorchDynamo
-    breaks a compiled step at `cached_property`'s lock."""
+    """`VerifierScores` at every position of every slot, with no host reads (the slot loop's step): logits
+    (B, T, V) constrained in place on first use; top1 (B, T) by `constrained_top1` unless they were. `rules`:
+    `constrain_logits`' arguments after the logits. Memoized by hand (TorchDynamo breaks at `cached_property`)."""
 
     def __init__(self, logits: torch.Tensor, *rules):
         self.raw, self.rules, self._logits, self._top1 = logits, rules, None, None

@@ -38,7 +38,6 @@ from aggdec.decoding.method_options import (
 from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.streams import decode_in_streams, stream_count
-from aggdec.decoding.slot_loop import supports as slots_support
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -146,11 +145,11 @@ def new_budget(drafter: Drafter) -> DraftBudget:
 
 
 def use_slots(context: DraftContext, opts: DecodeOptions) -> bool:
-    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop), any acceptance rule: where the
-    slot loop takes the verifier (single-token), on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
+    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop, any acceptance rule): for a single-token
+    verifier, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
     on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
     one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
-    supported = slots_support(context.model)
+    supported = not context.model.cfg.double_token
     device = next(context.model.parameters()).device
     if getattr(opts, "compile", False) and device.type == "cpu":
         if not supported:

@@ -25,12 +25,11 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
   products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
-Scope: single-token verifiers, every acceptance rule (`aggdec.decoding.acceptance`: each decides on
-every position of every slot, `FixedScores`); drafters draft at the call's width inside the step
-(IAD: no wider than the widest live source), or (`from_states`: the draft head, proposal heads) from
-the step's states after it, once the draft budget has picked the next call's length and only where
-that call drafts. Double-token verifiers run in `aggdec.decoding.loop`. Outputs are the row loop's
-for the same drafts (greedy's under exact top-1).
+Scope: single-token verifiers (double-token ones run in `aggdec.decoding.loop`), any acceptance rule
+(decided at every position of every slot, `acceptance.FixedScores`); drafters draft at the call's
+width inside the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's
+states after it, once the draft budget has picked the next call's length and only where that call
+drafts. Outputs are the row loop's for the same drafts (greedy's under exact top-1).
 """
 
 from __future__ import annotations
@@ -84,11 +83,6 @@ def slot_count(max_batch_size: int, requests: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def supports(model: Transformer) -> bool:
-    """Whether the slot loop runs this verifier (see the module docstring's scope)."""
-    return not model.cfg.double_token
-
-
 class SlotLoop(LoopBase):
     """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s (any acceptance);
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
@@ -99,7 +93,7 @@ class SlotLoop(LoopBase):
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
-        if not supports(model):
+        if model.cfg.double_token:
             raise ValueError("the slot loop takes single-token verifiers")
         super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.dtype = next(model.parameters()).dtype
@@ -146,9 +140,9 @@ class SlotLoop(LoopBase):
                              cfg.pad, cfg.eos, self.min_len, self.forced)
         # 3. Accept: the acceptance rule at every position of every slot (no host reads).
         accepted, bonus = self.acceptance.accept(tokens, num, scores, None)
-        bonus = bonus[:, None]
         # 4. Commit d_1..d_m + bonus; cut after an eos.
-        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad), bonus)
+        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad),
+                          bonus[:, None])
         is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
         ended = is_eos.any(dim=1)
         n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
