@@ -469,6 +469,34 @@ def test_compiled_step_equals_greedy():
             "DraftVerifyLoop"
 
 
+def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
+    """`compile = true` takes gad, gad++ (with a minimum block) and blockwise top-k to the slot loop with
+    the options' own acceptance rule; a double-token verifier is refused in one line naming `compile`."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import DraftContext, get_method
+    from aggdec.decoding.options import OptionError
+    from aggdec.model.projection import OutputProjection
+
+    def context(model, head):
+        return DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False),
+                            bf16=False, load=lambda path, bf16: head)
+
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)
+    for method, kind, extra in (("gad", "gad", {}), ("gad++", "gad", dict(top_beta=2, min_block=1)),
+                                ("blockwise", "blockwise", dict(top_k_accept=3))):
+        drafter = _head_drafter(kind, model, 3)
+        ctx = context(model, drafter.head if kind == "gad" else drafter.heads)
+        opts = decode_options(method, compile=True, drafter="d", block_size=3, **extra)
+        loop = get_method(method).loop(opts, ctx, get_method(method).drafter(opts, ctx))
+        assert isinstance(loop, SlotLoop) and loop._compiled is not None
+        assert loop.acceptance.describe() == opts.acceptance().describe()
+    pairs = tiny_model("double-token", seed=1, vocab=9)
+    opts = decode_options("gad++", compile=True, drafter="d", block_size=3)
+    ctx = context(pairs, _head_drafter("gad", pairs, 3).head)
+    with pytest.raises(OptionError, match="compile: needs a single-token verifier"):
+        get_method("gad++").loop(opts, ctx, get_method("gad++").drafter(opts, ctx))
+
+
 @pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores
 def test_compiled_gad_plus_equals_the_row_loop():
     """`compile = true` with method gad++ (top-beta/tau and a minimum block, at a fixed draft length)
