@@ -86,6 +86,18 @@ def test_fixed_layout_equals_packed(seed, bsz, k, vocab, beta, tau, min_block, f
         assert torch.equal(m, fixed[0]) and torch.equal(bonus, fixed[1])
 
 
+def test_topk_tolerance_never_accepts_a_token_the_rules_forbid():
+    """Where the constrained logits have fewer finite tokens than beta (a forced first token), top-k
+    with no gap limit (blockwise `top_k_accept`) still takes only the allowed token."""
+    logits = torch.randn(1, 2, 6, dtype=torch.float64)
+    constrain_logits(logits, torch.tensor([[0, 1]]), torch.tensor([[9, 9]]), pad=1, eos=2, forced=torch.tensor([4, 5]))
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    for d in range(6):
+        m, _ = TopKTolerance(3, math.inf).accept(torch.tensor([[d]]), torch.tensor([1]), VerifierScores.of(logits[0]),
+                                                 valid)
+        assert m.tolist() == [int(d == 4)]
+
+
 def test_topk_tolerance_reads_the_top1_alone_where_nothing_was_drafted():
     """A call without drafts (a greedy step under a draft budget) gets its bonus from the top-1, as
     ExactMatch does, without the full log-softmax; a call with a draft reads the full logits."""

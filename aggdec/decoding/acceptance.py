@@ -203,7 +203,7 @@ class TopKTolerance:
         nxt = nxt if valid is None else nxt[valid]
         in_top = (top.indices == nxt[..., None]).any(-1)
         gap = top.values[..., 0] - logp.gather(-1, nxt.clamp(min=0)[..., None])[..., 0]
-        ok = unpack(in_top & (gap <= self.tau), valid, False)[:, : draft.shape[1]]
+        ok = unpack(in_top & (gap <= self.tau) & gap.isfinite(), valid, False)[:, : draft.shape[1]]  # never a -inf
         pred = unpack(top.indices[..., 0], valid, -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
