@@ -6,7 +6,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggdec.decoding.acceptance import ExactMatch, TopKTolerance, VerifierScores, constrain_logits
+from aggdec.decoding.acceptance import (
+    ExactMatch,
+    FixedScores,
+    MinBlock,
+    TopKTolerance,
+    VerifierScores,
+    constrain_logits,
+)
 from aggdec.model.projection import OutputProjection
 
 
@@ -58,6 +65,37 @@ def test_topk_tolerance(seed, bsz, k, vocab, tau):
             ref += 1
         assert int(m[b]) == ref >= int(exact[0][b])
         assert int(bonus[b]) == int(logits[b, ref].argmax())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6), bsz=st.integers(1, 6), k=st.integers(0, 7), vocab=st.integers(4, 9),
+       beta=st.integers(1, 4), tau=st.floats(0, 5), min_block=st.integers(0, 3), forced=st.integers(0, 3))
+def test_fixed_layout_equals_packed(seed, bsz, k, vocab, beta, tau, min_block, forced):
+    """Each rule decides the same on every position of every row (valid None, `FixedScores`: the slot
+    loop's step, constrained there without host reads) as on the packed valid positions."""
+    draft, num, logits, valid = _case(seed, bsz, k, vocab)
+    g = torch.Generator().manual_seed(seed)
+    out_index = torch.randint(0, 4, (bsz, 1), generator=g) + torch.arange(k + 1)
+    max_len = torch.randint(1, k + 5, (bsz, 1), generator=g)
+    rules = (out_index, max_len, 1, 2, 1, torch.randint(3, vocab, (forced,), generator=g))
+    packed = constrain_logits(logits.clone(), out_index.expand_as(valid), max_len.expand_as(valid), *rules[2:])
+    for rule in (ExactMatch(), TopKTolerance(beta, tau)):
+        rule = MinBlock.around(rule, min_block)
+        m, bonus = rule.accept(draft, num, VerifierScores.of(packed[valid]), valid)
+        fixed = rule.accept(draft, num, FixedScores(logits.clone(), *rules), None)
+        assert torch.equal(m, fixed[0]) and torch.equal(bonus, fixed[1])
+
+
+def test_topk_tolerance_never_accepts_a_token_the_rules_forbid():
+    """Where the constrained logits have fewer finite tokens than beta (a forced first token), top-k
+    with no gap limit (blockwise `top_k_accept`) still takes only the allowed token."""
+    logits = torch.randn(1, 2, 6, dtype=torch.float64)
+    constrain_logits(logits, torch.tensor([[0, 1]]), torch.tensor([[9, 9]]), pad=1, eos=2, forced=torch.tensor([4, 5]))
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    for d in range(6):
+        m, _ = TopKTolerance(3, math.inf).accept(torch.tensor([[d]]), torch.tensor([1]), VerifierScores.of(logits[0]),
+                                                 valid)
+        assert m.tolist() == [int(d == 4)]
 
 
 def test_topk_tolerance_reads_the_top1_alone_where_nothing_was_drafted():

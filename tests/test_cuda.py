@@ -3,7 +3,8 @@
     python -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider
 
 The captured engine (slot loop, steps as CUDA graphs) equals eager greedy on the device; every lossless
-method equals the same device's greedy at fp32 and bf16; a run whose shapes were seen captures
+method equals the same device's greedy at fp32 and bf16; GAD++ and min-block captured equal the
+row loop; a run whose shapes were seen captures
 nothing; an iteration synchronizes the host once; a DecodeWorker on `cuda` decodes with the captured
 engine; int8 is refused in one line."""
 
@@ -16,6 +17,7 @@ import torch
 from test_loop import RandomBudget, _requests
 from tiny_models import tiny_model
 
+from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
@@ -71,6 +73,21 @@ def test_every_lossless_method_equals_the_devices_greedy(method, dtype):
         budget = RandomBudget(bs, drafter.max_draft or 6)
         assert _tokens(SlotLoop(model, drafter, max_batch_size=bs, budget=budget), reqs) == greedy, bs
         assert _tokens(DraftVerifyLoop(model, drafter, max_batch_size=bs), reqs) == greedy, bs
+
+
+@pytest.mark.parametrize("acceptance", [TopKTolerance(3, 1.0), MinBlock(ExactMatch(), 2),
+                                        MinBlock(TopKTolerance(2, 0.5), 2)], ids=lambda a: a.describe())
+def test_captured_lossy_acceptance_equals_the_row_loop(acceptance):
+    """GAD++ and min-block run in the captured step: the row loop's output on the same device, for the
+    same draft head at a fixed draft length (fp32)."""
+    model = _model(torch.float32)
+    reqs = _requests(random.Random(2), 24, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    torch.manual_seed(2)
+    drafter = DRAFTERS["gad"](model, {"device": "cuda", "dtype": torch.float32})
+    rows = _tokens(DraftVerifyLoop(model, drafter, acceptance, max_batch_size=4), reqs)
+    loop = SlotLoop(model, drafter, acceptance, max_batch_size=4)
+    assert _tokens(loop, reqs) == rows
+    assert loop._captured, "the steps ran as CUDA graphs"
 
 
 def test_every_step_is_captured_when_a_run_starts_and_none_after(monkeypatch):

@@ -1,17 +1,19 @@
 """The slot loop (fixed slots, device-side bookkeeping) is lossless and reads the host once per
 iteration: greedy, IAD, the draft head (GAD) and proposal heads (blockwise) give naive greedy's output
 on random float64 models, for any slot count, token budget, draft length, refill order and reuse of
-the loop across runs."""
+the loop across runs; every acceptance rule (GAD++, min-block) gives the row loop's output."""
 
+import math
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loop import RandomBudget, _requests
+from test_loop import RandomBudget, _decode, _requests
 from tiny_models import naive_greedy, tiny_model
 
+from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
@@ -111,6 +113,48 @@ def test_slot_head_drafters_equal_greedy(seed, kind, bs, k, vocab, budget, max_t
             assert st_.iterations == len(st_.accepted_per_iter) and st_.accepted_per_iter[0] == 0
             assert st_.accepted == sum(st_.accepted_per_iter) <= st_.drafted <= k * (st_.iterations - 1)
         assert pending is None or drafter.rows.pending.data_ptr() == pending.data_ptr()
+
+
+RULES = {"gad++": lambda beta, tau, n: TopKTolerance(beta, tau),
+         "minblock": lambda beta, tau, n: MinBlock(ExactMatch(), n),
+         "minblock-gad++": lambda beta, tau, n: MinBlock(TopKTolerance(beta, tau), n)}
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(["gad", "blockwise"]), rule=st.sampled_from(list(RULES)),
+       beta=st.integers(1, 4), tau=st.sampled_from([0.0, 0.3, 1.0, 4.0, math.inf]), min_block=st.integers(1, 4),
+       bs=st.integers(1, 9), k=st.integers(1, 6), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
+       forced=st.integers(0, 2))
+def test_slot_acceptance_rules_equal_the_row_loop(seed, kind, rule, beta, tau, min_block, bs, k, max_tokens, forced):
+    """Every acceptance rule runs on slots, eagerly and under a replay's rules (`graphs="check"`), and gives
+    the row loop's output for the same drafter at a fixed draft length (lossy rules included: GAD++
+    top-beta/tau, min-block around exact or GAD++), any slot count, refill order and forced prefix;
+    GAD++ with beta 1 is greedy's output. Drafts longer than a short source keep their length."""
+    model = tiny_model("shallow-decoder-tied-output", seed=seed % 5, vocab=9)
+    rng = random.Random(seed)
+    prompt = tuple(rng.randint(3, model.cfg.tgt_vocab - 1) for _ in range(1 + forced))
+    reqs = [r for r in _requests(rng, rng.randint(1, 12), model.cfg.src_vocab, model.cfg.eos, max_src=6, repeat=True)
+            if r.max_len > forced]
+    rng.shuffle(reqs)
+    acceptance = RULES[rule](beta, tau, min_block)
+    drafters = []
+    for _ in range(2):  # the same random weights for both loops
+        torch.manual_seed(seed)
+        drafters.append(_head_drafter(kind, model, k))
+    row = _decode(model, drafters[0], reqs, acceptance=acceptance, max_batch_size=bs, max_tokens=max_tokens,
+                  prompt=prompt)
+    ref = {i: h.tokens for i, h in row.items()}
+    if rule == "gad++" and beta == 1:
+        assert ref == {r.index: naive_greedy(model, r.src, r.max_len, prompt) for r in reqs}
+    for graphs in (False, "check"):
+        loop = SlotLoop(model, drafters[1], acceptance, max_batch_size=bs, max_tokens=max_tokens, prompt=prompt,
+                        graphs=graphs)
+        for _ in range(2):  # a second run reuses the slots
+            got = _run(loop, reqs)
+            assert {i: h.tokens for i, h in got.items()} == ref
+            stats = [(h.stats.iterations, h.stats.drafted, h.stats.accepted_per_iter) for i in ref
+                     for h in (got[i], row[i])]
+            assert stats[::2] == stats[1::2]
 
 
 def test_slots_are_reused_and_grown():
@@ -425,10 +469,64 @@ def test_compiled_step_equals_greedy():
             "DraftVerifyLoop"
 
 
+def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
+    """`compile = true` takes gad, gad++ (with a minimum block) and blockwise top-k to the slot loop with
+    the options' own acceptance rule; a double-token verifier is refused in one line naming `compile`."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import DraftContext, get_method
+    from aggdec.decoding.options import OptionError
+    from aggdec.model.projection import OutputProjection
+
+    def context(model, head):
+        return DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False),
+                            bf16=False, load=lambda path, bf16: head)
+
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)
+    for method, kind, extra in (("gad", "gad", {}), ("gad++", "gad", dict(top_beta=2, min_block=1)),
+                                ("blockwise", "blockwise", dict(top_k_accept=3))):
+        drafter = _head_drafter(kind, model, 3)
+        ctx = context(model, drafter.head if kind == "gad" else drafter.heads)
+        opts = decode_options(method, compile=True, drafter="d", block_size=3, **extra)
+        loop = get_method(method).loop(opts, ctx, get_method(method).drafter(opts, ctx))
+        assert isinstance(loop, SlotLoop) and loop._compiled is not None
+        assert loop.acceptance.describe() == opts.acceptance().describe()
+    pairs = tiny_model("double-token", seed=1, vocab=9)
+    opts = decode_options("gad++", compile=True, drafter="d", block_size=3)
+    ctx = context(pairs, _head_drafter("gad", pairs, 3).head)
+    with pytest.raises(OptionError, match="compile: needs a single-token verifier"):
+        get_method("gad++").loop(opts, ctx, get_method("gad++").drafter(opts, ctx))
+
+
+@pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores
+def test_compiled_gad_plus_equals_the_row_loop():
+    """`compile = true` with method gad++ (top-beta/tau and a minimum block, at a fixed draft length)
+    runs on compiled slots, as one program with no graph break, and gives the row loop's output."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import DraftContext, get_method
+    from aggdec.model.projection import OutputProjection
+
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9)
+    reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    torch.manual_seed(0)
+    head = _head_drafter("gad", model, 4).head
+    context = DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False), bf16=False,
+                           load=lambda path, bf16: head)
+    opts = decode_options("gad++", compile=True, max_batch_size=2, drafter="head", block_size=4, draft_length="max",
+                          top_beta=3, tau=1.0, min_block=1)
+    method = get_method("gad++")
+    loop = method.loop(opts, context, method.drafter(opts, context))
+    torch._dynamo.utils.counters.clear()
+    got = _run(loop, reqs)
+    assert loop._compiled is not None and not torch._dynamo.utils.counters["graph_break"]
+    ref = _decode(model, method.drafter(opts, context), reqs, acceptance=opts.acceptance(), max_batch_size=2)
+    assert {i: h.tokens for i, h in got.items()} == {i: h.tokens for i, h in ref.items()}
+
+
 CHECKED = {"greedy": lambda m: NoDraft(), "iad": lambda m: InputCopy(max_draft=4, substitution=True, nearest_match=True),
            "iad-adaptive": lambda m: InputCopy(max_draft=4, adaptive=True, min_draft=1, skip_prefix=True),
            "gad": lambda m: _head_drafter("gad", m, 3), "gad-vocab": lambda m: _head_drafter("gad", m, 3, vocab=4),
-           "blockwise": lambda m: _head_drafter("blockwise", m, 3)}
+           "blockwise": lambda m: _head_drafter("blockwise", m, 3),
+           "gad++ beta 1": lambda m: _head_drafter("gad", m, 3)}
 
 
 @pytest.mark.parametrize("method", CHECKED)
@@ -436,13 +534,14 @@ def test_every_slot_method_keeps_capture_discipline(method):
     """Every method of the captured path runs its steps as a replayed CUDA graph would (`graphs="check"`:
     no host read inside a step, no state left in a tensor the step allocated, outputs read from
     buffers of their own): naive greedy's output, with refills, a random draft budget (widths 0
-    included) and the tail narrowed, run after run."""
+    included) and the tail narrowed, run after run. GAD++ reads the full logits (top-1 at beta 1)."""
     model = tiny_model("prenorm-learned-separate", seed=4, vocab=9)
     reqs = _requests(random.Random(6), 20, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
     torch.manual_seed(6)
     drafter = CHECKED[method](model)
-    loop = SlotLoop(model, drafter, max_batch_size=4, graphs="check",
+    acceptance = TopKTolerance(1, 2.0) if method.startswith("gad++") else None
+    loop = SlotLoop(model, drafter, acceptance, max_batch_size=4, graphs="check",
                     budget=RandomBudget(6, drafter.max_draft or 6) if drafter.max_draft != 0 else None)
     for _ in range(2):
         assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref

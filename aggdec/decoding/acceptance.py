@@ -10,7 +10,9 @@ The row commits d_1 .. d_m, p_m: m + 1 tokens.
 
 `ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
 Criteria read the verifier through `VerifierScores`: top-1 only (cheap, possibly certified bf16)
-or full logits (computed in fp32 on first use).
+or full logits (computed in fp32 on first use). One definition of each rule serves both loops: the
+row loop's packed positions (`valid` a mask) and the slot loop's fixed-shape step (`valid` None:
+every position of every slot, `FixedScores`, no host reads).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 from aggdec.model.projection import Constrain, OutputProjection
 
 
-def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor,
-                     pad: int, eos: int, min_len: int = 1, forced: torch.Tensor | None = None) -> torch.Tensor:
+def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor, pad: int, eos: int,
+                     min_len: int = 1, forced: torch.Tensor | None = None, fixed: bool = False) -> torch.Tensor:
     """Apply fairseq-generate's per-step rules, in place, to verifier logits.
 
     logits (..., V); out_index (...) int64 is the output index each position predicts (0 = first
@@ -33,20 +35,21 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
     eos is forbidden before `min_len` tokens; at index max_len only eos is allowed. forced (F,)
     int64, optional: the token at output index i < F is forced[i] (a model's forced first tokens,
     aggdec.conventions), with logit 0 and every other token -inf, as Hugging Face's forced-token
-    logits processors.
+    logits processors. fixed: no host reads (every rule applied without asking whether a position
+    needs it: the slot loop's step).
     """
     neg = -math.inf
     logits[..., pad] = neg
     if min_len > 0:
         logits[..., eos].masked_fill_(out_index < min_len, neg)
     force = out_index >= max_len  # (...)
-    if bool(force.any()):
+    if fixed or bool(force.any()):
         eos_col = logits[..., eos].clone()
         logits.masked_fill_(force[..., None], neg)
         logits[..., eos] = torch.where(force, eos_col, logits[..., eos])
     if forced is not None and forced.numel():
         at = out_index < forced.numel()
-        if bool(at.any()):
+        if fixed or bool(at.any()):
             token = forced[out_index.clamp(max=forced.numel() - 1)]  # (...)
             logits.masked_fill_(at[..., None], neg)
             logits.scatter_(-1, token[..., None], torch.where(at, 0.0, logits.gather(-1, token[..., None])[..., 0])[..., None])
@@ -98,6 +101,28 @@ class VerifierScores:
         return self.projection.top1(self.hidden, self.constrain)
 
 
+class FixedScores:
+    """`VerifierScores` at every position of every slot, with no host reads (the slot loop's step): logits
+    (B, T, V) constrained in place on first use; top1 (B, T) by `constrained_top1` unless they were. `rules`:
+    `constrain_logits`' arguments after the logits. Memoized by hand (TorchDynamo breaks at `cached_property`)."""
+
+    def __init__(self, logits: torch.Tensor, *rules):
+        self.raw, self.rules, self._logits, self._top1 = logits, rules, None, None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = constrain_logits(self.raw, *self.rules, fixed=True)
+        return self._logits
+
+    @property
+    def top1(self) -> torch.Tensor:
+        if self._top1 is None:
+            self._top1 = (constrained_top1(self.raw, *self.rules) if self._logits is None
+                          else self._logits.argmax(dim=-1))
+        return self._top1
+
+
 class Acceptance(Protocol):
     def describe(self) -> str:
         """The rule and its parameters, for output signatures."""
@@ -110,12 +135,16 @@ class Acceptance(Protocol):
         S being the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair
         at positions m, m + 1); scores: the verifier at the valid positions in row-major order
         (N = valid.sum()); position t predicts the token after draft token t (t = 0: after the last).
+        valid None: scores at every position (B, K+1), S = 1, and no host reads (`FixedScores`).
         Returns (accepted (B,) int64, bonus (B,) int64).
         """
 
 
-def unpack(values: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
-    """Scatter packed per-position values (N, ...) back to valid's layout (B, K+S, ...), `fill` elsewhere."""
+def unpack(values: torch.Tensor, valid: torch.Tensor | None, fill) -> torch.Tensor:
+    """Scatter packed per-position values (N, ...) back to valid's layout (B, K+S, ...), `fill` elsewhere
+    (valid None: values already in that layout, returned as they are)."""
+    if valid is None:
+        return values
     out = values.new_full((*valid.shape, *values.shape[1:]), fill)
     out[valid] = values
     return out
@@ -163,16 +192,19 @@ class TopKTolerance:
         return f"top{self.beta}-tau{self.tau}"
 
     def accept(self, draft, num_draft, scores, valid):
-        if not bool((num_draft > 0).any()):  # nothing to check (a plain greedy step): top-1 without full logits
+        # nothing to check (a plain greedy step): top-1 without full logits
+        if draft.shape[1] == 0 or (valid is not None and not bool((num_draft > 0).any())):
             return ExactMatch().accept(draft, num_draft, scores, valid)
-        logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
-        top = logp.topk(self.beta, dim=-1)  # (N, beta)
-        # the token each valid position would be checked against: the next draft token (or none)
-        nxt = torch.cat([draft, draft.new_full((draft.shape[0], valid.shape[1] - draft.shape[1]), -1)], dim=1)[valid]
-        in_top = (top.indices == nxt[:, None]).any(-1)
-        gap = top.values[:, 0] - logp.gather(1, nxt.clamp(min=0)[:, None]).squeeze(1)
-        ok = unpack(in_top & (gap <= self.tau), valid, False)[:, : draft.shape[1]]
-        pred = unpack(top.indices[:, 0], valid, -1)
+        logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V) or (B, K+1, V)
+        top = logp.topk(self.beta, dim=-1)
+        # the token each position would be checked against: the next draft token (or none)
+        s = 1 if valid is None else valid.shape[1] - draft.shape[1]
+        nxt = torch.nn.functional.pad(draft, (0, s), value=-1)
+        nxt = nxt if valid is None else nxt[valid]
+        in_top = (top.indices == nxt[..., None]).any(-1)
+        gap = top.values[..., 0] - logp.gather(-1, nxt.clamp(min=0)[..., None])[..., 0]
+        ok = unpack(in_top & (gap <= self.tau) & gap.isfinite(), valid, False)[:, : draft.shape[1]]  # never a -inf
+        pred = unpack(top.indices[..., 0], valid, -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -198,9 +230,6 @@ class MinBlock:
 
     def accept(self, draft, num_draft, scores, valid):
         m, bonus = self.inner.accept(draft, num_draft, scores, valid)
-        forced = torch.minimum(num_draft, torch.full_like(num_draft, self.min_block))
-        if bool((forced > m).any()):
-            pred = unpack(scores.top1, valid, -1)
-            m = torch.maximum(m, forced)
-            bonus = pred.gather(1, m[:, None]).squeeze(1)
-        return m, bonus
+        forced = num_draft.clamp(max=self.min_block)
+        after = unpack(scores.top1, valid, -1).gather(1, forced[:, None])[:, 0]  # the top-1 after the forced prefix
+        return torch.maximum(m, forced), torch.where(forced > m, after, bonus)

@@ -143,11 +143,12 @@ class LoopBase:
     """What both loops (this one and `slot_loop.SlotLoop`) hold and how they admit requests: arguments
     as `DraftVerifyLoop`'s."""
 
-    def __init__(self, model: Transformer, drafter: Drafter | None, max_batch_size: int, max_tokens: int | None,
-                 min_len: int, encode_batch: int | None, budget: DraftBudget | None, prompt: tuple[int, ...] | None):
+    def __init__(self, model: Transformer, drafter: Drafter | None, acceptance: Acceptance | None, max_batch_size: int,
+                 max_tokens: int | None, min_len: int, encode_batch: int | None, budget: DraftBudget | None,
+                 prompt: tuple[int, ...] | None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model, self.drafter = model, drafter or NoDraft()
+        self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
         self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
         self.device = next(model.parameters()).device
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
@@ -188,8 +189,7 @@ class DraftVerifyLoop(LoopBase):
                  *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
                  projection: OutputProjection | None = None, encode_batch: int | None = None,
                  budget: DraftBudget | None = None, prompt: tuple[int, ...] | None = None):
-        super().__init__(model, drafter, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
-        self.acceptance = acceptance or ExactMatch()
+        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.refill = refill
         self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
                                                          int8=model.output_int8)

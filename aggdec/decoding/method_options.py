@@ -66,7 +66,7 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GADOptions(Drafting, DraftModel, DecodeOptions):
+class GADOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     """GAD (SpecDec, aggdec.decoding.gad_head): a draft head proposes `block_size` tokens, exact top-1
     verification (lossless unless min_block > 0)."""
 
@@ -94,7 +94,7 @@ class GADPlusOptions(GADOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class BlockwiseOptions(Drafting, DraftModel, DecodeOptions):
+class BlockwiseOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     """Blockwise parallel decoding (aggdec.decoding.blockwise): `drafter` is a proposal-heads directory;
     lossless with top_k_accept 1 and min_block 0."""
 

@@ -38,7 +38,6 @@ from aggdec.decoding.method_options import (
 from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.streams import decode_in_streams, stream_count
-from aggdec.decoding.slot_loop import supports as slots_support
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -100,11 +99,11 @@ class Method:
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
-        if use_slots(context, drafter, acceptance, opts):  # kept across runs: its buffers and captured steps
+        if use_slots(context, opts):  # kept across runs: its buffers and captured steps
             loop = context.slot_loops.get(opts)
             if loop is None:
                 cpu = next(context.model.parameters()).device.type == "cpu"
-                loop = SlotLoop(context.model, drafter, max_batch_size=opts.max_batch_size,
+                loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                                 max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
                                 compile=cpu and getattr(opts, "compile", False))
                 context.slot_loops.clear()  # one at a time: each holds a cache of max_batch_size rows
@@ -145,12 +144,12 @@ def new_budget(drafter: Drafter) -> DraftBudget:
     return DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
 
 
-def use_slots(context: DraftContext, drafter: Drafter, acceptance, opts: DecodeOptions) -> bool:
-    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop): where the slot loop takes the
-    method, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
+def use_slots(context: DraftContext, opts: DecodeOptions) -> bool:
+    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop, any acceptance rule): for a single-token
+    verifier, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
     on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
     one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
-    supported = slots_support(context.model, drafter, acceptance)
+    supported = not context.model.cfg.double_token
     device = next(context.model.parameters()).device
     if getattr(opts, "compile", False) and device.type == "cpu":
         if not supported:

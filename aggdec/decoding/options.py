@@ -135,7 +135,8 @@ class CompiledStep:
                                   "batch slots (aggdec.decoding.slot_loop) instead of eager operators, the weights "
                                   "frozen into it. greedy: 2.8-3.2x eager decoding at batch size 1, about 1.1x "
                                   "at 64; iad: 1.3x at batch size 1, and from batch size 3, where it measured "
-                                  "slower, decoding stays eager (one warning; docs/benchmarks.md). Compiling takes "
+                                  "slower, decoding stays eager (one warning; docs/benchmarks.md); gad, gad++, "
+                                  "blockwise: not measured. Compiling takes "
                                   "20-60 s once per process. fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 

@@ -27,10 +27,11 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
   products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
-Scope: single-token verifiers and exact top-1 acceptance; drafters draft at the call's width inside
-the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's states after it,
-once the draft budget has picked the next call's length and only where that call drafts. The other
-methods run in `aggdec.decoding.loop`. Outputs are the verifier's greedy output, as there.
+Scope: single-token verifiers (double-token ones run in `aggdec.decoding.loop`), any acceptance rule
+(decided at every position of every slot, `acceptance.FixedScores`); drafters draft at the call's
+width inside the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's
+states after it, once the draft budget has picked the next call's length and only where that call
+drafts. Outputs are the row loop's for the same drafts (greedy's under exact top-1).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import ExactMatch, constrained_top1
+from aggdec.decoding.acceptance import Acceptance, FixedScores
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import Verified
@@ -105,23 +106,19 @@ def capture_plan(slots: int, length: int, src_width: int, max_draft: int) -> lis
     return [(n, w, s, src_width - 1) for n in counts for w in widths for s in spans]
 
 
-def supports(model: Transformer, drafter, acceptance) -> bool:
-    """Whether the slot loop runs this combination (see the module docstring's scope)."""
-    return isinstance(acceptance, ExactMatch) and not model.cfg.double_token
-
-
 class SlotLoop(LoopBase):
-    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s;
+    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s (any acceptance);
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
 
-    def __init__(self, model: Transformer, drafter=None, *, max_batch_size: int = 32, max_tokens: int | None = None,
-                 min_len: int = 1, encode_batch: int | None = None, budget: DraftBudget | None = None,
+    def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
+                 max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
+                 encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
         if model.cfg.double_token:
             raise ValueError("the slot loop takes single-token verifiers")
-        super().__init__(model, drafter, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
+        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
         self.dtype = next(model.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -161,16 +158,14 @@ class SlotLoop(LoopBase):
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         t = block.shape[1]
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged)
-        logits = self.model.output_logits(hidden)  # (B, T, V)
         offs = torch.arange(t, device=self.device)[None]
-        pred = constrained_top1(logits, st.generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
-                                self.min_len, self.forced)
-        # 3. Accept: the longest prefix of the draft equal to the verifier's top-1, then its bonus.
-        ok = (pred[:, :width] == tokens) & (offs[:, :width] < num[:, None])
-        accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
-        bonus = pred.gather(1, accepted[:, None])
+        scores = FixedScores(self.model.output_logits(hidden), st.generated[:, None] + offs, st.max_len[:, None],
+                             cfg.pad, cfg.eos, self.min_len, self.forced)
+        # 3. Accept: the acceptance rule at every position of every slot (no host reads).
+        accepted, bonus = self.acceptance.accept(tokens, num, scores, None)
         # 4. Commit d_1..d_m + bonus; cut after an eos.
-        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad), bonus)
+        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad),
+                          bonus[:, None])
         is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
         ended = is_eos.any(dim=1)
         n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
@@ -463,7 +458,8 @@ class SlotLoop(LoopBase):
                 span = min((s for _, _, s, _ in self._plan if s >= reach), default=self.cache.length - 1)
             else:  # eager, or compiled with symbolic shapes: the exact sizes, no padding read
                 src_width = bucket(max(src_len), self.cache.src_width - 1, exact=True)
-                width = min(length, src_width)  # no draft is longer than its source
+                # no draft copied from the source is longer than it (a head's drafts keep their length)
+                width = length if self._after else min(length, src_width)
                 span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact=True)
             built = self._programs()
             self._run_step(width, span, src_width)
