@@ -443,7 +443,7 @@ def test_compiled_step_equals_greedy():
     context = DraftContext(model=model, projection=OutputProjection(model.output_weight, certify=False), bf16=False,
                            load=None)
     method = get_method("greedy")
-    loop = method.loop(opts, context, method.drafter(opts, context))
+    loop = greedy = method.loop(opts, context, method.drafter(opts, context))
     assert loop._compiled is not None
     for n, run in enumerate((reqs[:2], reqs, reqs[3:])):
         # one program for every span, width and number of slots (2 slots, then 4 narrowing to 2)
@@ -463,6 +463,12 @@ def test_compiled_step_equals_greedy():
     # trial of drafting that paid its compile lost, and greedy stayed chosen)
     built = torch._dynamo.utils.counters["frames"]["total"] - frames
     assert built > 0 and len(heard) == loop.counters.calls - built
+    # options used in turn keep their compiled steps: back to greedy's (its buffers released while
+    # IAD's loop held its own, then allocated anew), nothing compiles
+    assert greedy.cache is None and method.loop(opts, context, method.drafter(opts, context)) is greedy
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    assert {i: h.tokens for i, h in _run(greedy, reqs).items()} == ref
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames
     wide = decode_options("iad", compile=True, max_batch_size=3)
     with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
         assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \

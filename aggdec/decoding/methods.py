@@ -45,6 +45,10 @@ from aggdec.threads import THREADS
 
 KEPT_BUDGETS = 16
 """Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
+KEPT_LOOPS = 8
+"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
+their compiled steps: options used in turn compile once each, not at every switch. Only the last
+used holds its buffers."""
 
 
 @dataclass
@@ -60,7 +64,7 @@ class DraftContext:
     load: Callable[[str, bool], Any]
     budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
     prompt: tuple[int, ...] | None = None
-    slot_loops: dict = field(default_factory=dict)  # the last SlotLoop, by options, kept across runs
+    slot_loops: dict = field(default_factory=dict)  # SlotLoops by options, kept across runs (KEPT_LOOPS)
 
     def drafter_model(self, path: str) -> Any:
         return self.load(path, self.bf16)
@@ -99,15 +103,18 @@ class Method:
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
-        if use_slots(context, opts):  # kept across runs: its buffers and captured steps
-            loop = context.slot_loops.get(opts)
+        if use_slots(context, opts):  # kept across runs: its compiled step, buffers and captured steps
+            loop = context.slot_loops.pop(opts, None)
             if loop is None:
                 cpu = next(context.model.parameters()).device.type == "cpu"
                 loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                                 max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
                                 compile=cpu and getattr(opts, "compile", False))
-                context.slot_loops.clear()  # one at a time: each holds a cache of max_batch_size rows
-                context.slot_loops[opts] = loop
+            for other in context.slot_loops.values():  # one holds buffers at a time (max_batch_size rows)
+                other.release()
+            context.slot_loops[opts] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
+            while len(context.slot_loops) > KEPT_LOOPS:
+                context.slot_loops.pop(next(iter(context.slot_loops)))
             loop.budget = budget
             return loop
         return DraftVerifyLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,

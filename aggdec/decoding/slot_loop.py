@@ -337,6 +337,12 @@ class SlotLoop(LoopBase):
         self._plan = capture_plan(b, length, src_width, self.max_draft)
         self._reset()
 
+    def release(self) -> None:
+        """Free the run buffers and the CUDA graphs captured on them; a compiled step stays. The next run
+        allocates anew (and captures anew)."""
+        self.cache = self.state = self._whole_cache = self._whole_state = None
+        self._whole_rows, self._whole_drafter, self._captured, self._graph_states, self._pool = {}, {}, {}, {}, None
+
     def _narrow(self, n: int) -> None:
         """Run the next steps on the first `n` slots: every per-slot tensor (the state's, the cache's, the
         statistics', the drafter's) becomes its first n rows (`slots.leading`, sharing its storage)."""
