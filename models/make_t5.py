@@ -6,7 +6,7 @@
     # (b) a small T5 trained on GEC pairs whose sources carry CoEdIT's task prefix
     #     "Fix grammatical errors in this sentence: ", so that it copies the rest of its input
     nice -n 19 python models/make_t5.py gec --data ../shared/data/gec/train.tsv --out runs/t5/gec-small \
-        --valid ../shared/data/gec/valid.tsv --minutes 20 --save-every 5
+        --valid ../shared/data/gec/valid.tsv --minutes 30 --save-every 10
 
 Each directory holds config.json, model.safetensors, spiece.model, tokenizer.json and
 tokenizer_config.json, as Hugging Face hub T5 directories do; `aggdec decode -m DIR` and
