@@ -52,6 +52,11 @@ products, the output projection first; docs/design.md, "Fixed slots: the slot lo
 per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
 float64 (test) models always take ATen's."""
 
+GRAPH_MIN_SLOTS = 32
+"""Slots a captured run's tail narrows to at least (`slot_loop.capture_plan`): on a GPU a step over
+fewer rows is bound by its kernel launches, not its rows, so narrowing further would save nothing and
+add graphs to capture at start (a CUDA device's figure: not measured yet, the GPU check's to confirm)."""
+
 RAGGED_SLOTS = 16
 """Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
 which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager

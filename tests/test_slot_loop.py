@@ -21,7 +21,7 @@ from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
-from aggdec.decoding.slot_loop import SlotLoop, slot_count
+from aggdec.decoding.slot_loop import SlotLoop, capture_plan, slot_count
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 
@@ -551,6 +551,18 @@ def test_every_slot_method_keeps_capture_discipline(method):
                     budget=RandomBudget(6, drafter.max_draft or 6) if drafter.max_draft != 0 else None)
     for _ in range(2):
         assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+
+
+def test_the_capture_plan_is_bounded_and_largest_first():
+    """Slot counts halving down to `fewest`, widths 0, the longest draft and the powers of two below it,
+    spans the powers of two from 32 below the cache's last position and that position, the whole source
+    width; the largest step first, each once."""
+    plan = capture_plan(128, 257, 65, 64, fewest=32)
+    assert len(plan) == len(set(plan)) == 3 * 8 * 4 and plan == sorted(plan, reverse=True)
+    assert plan[0] == (128, 64, 256, 64)
+    assert {k[0] for k in plan} == {128, 64, 32} and {k[1] for k in plan} == {0, 1, 2, 4, 8, 16, 32, 64}
+    assert {k[2] for k in plan} == {32, 64, 128, 256} and {k[3] for k in plan} == {64}
+    assert capture_plan(4, 17, 9, 3) == [(n, w, 16, 8) for n in (4, 2) for w in (3, 2, 1, 0)]
 
 
 def test_capture_discipline_finds_host_reads_and_state_allocated_in_a_step():

@@ -56,7 +56,7 @@ from aggdec.model import decode_attention
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-from aggdec.thresholds import CPP_GEMM_SLOTS, RAGGED_SLOTS
+from aggdec.thresholds import CPP_GEMM_SLOTS, GRAPH_MIN_SLOTS, RAGGED_SLOTS
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
@@ -93,14 +93,15 @@ def slot_count(max_batch_size: int, requests: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def capture_plan(slots: int, length: int, src_width: int, max_draft: int) -> list[tuple[int, int, int, int]]:
+def capture_plan(slots: int, length: int, src_width: int, max_draft: int,
+                 fewest: int = 2) -> list[tuple[int, int, int, int]]:
     """The (slots, width, span, source width) of every step a captured run over `slots` slots, a cache
     of `length` positions and `src_width` source positions can take, largest first: the slot counts
-    the run's tail narrows to (halving down to 2), the widths 0, `max_draft` and the `GRAPH_WIDTHS`
-    below it, the `GRAPH_SPANS` below the cache's length and that length (its last position is
-    never read), the whole source width: 7 x 8 x 4 = 224 steps for 128 slots, IAD's 64-token drafts
-    and 256 positions."""
-    counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= 2]
+    the run's tail narrows to (halving down to `fewest`), the widths 0, `max_draft` and the
+    `GRAPH_WIDTHS` below it, the `GRAPH_SPANS` below the cache's length and that length (its last
+    position is never read), the whole source width: 3 x 8 x 4 = 96 steps for 128 slots narrowing
+    to 32 (`GRAPH_MIN_SLOTS`), IAD's 64-token drafts and 256 positions."""
+    counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= max(2, fewest)]
     widths = sorted({0, max_draft, *(w for w in GRAPH_WIDTHS if w < max_draft)}, reverse=True)
     spans = sorted({length - 1, *(s for s in GRAPH_SPANS if s < length - 1)}, reverse=True)
     return [(n, w, s, src_width - 1) for n in counts for w in widths for s in spans]
@@ -130,6 +131,7 @@ class SlotLoop(LoopBase):
         self._compiled = self._compile(slots) if compile else None
         self.start = prompt[0] if prompt else model.cfg.eos
         self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
+        self._fewest = GRAPH_MIN_SLOTS if self.graphs is True else 2  # slots a run's tail narrows to at least
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
         self._after = self.drafter.from_states
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
@@ -334,7 +336,7 @@ class SlotLoop(LoopBase):
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._captured, self._pool, self._graph_states = {}, None, {}
-        self._plan = capture_plan(b, length, src_width, self.max_draft)
+        self._plan = capture_plan(b, length, src_width, self.max_draft, self._fewest)
         self._reset()
 
     def release(self) -> None:
@@ -356,11 +358,9 @@ class SlotLoop(LoopBase):
             setattr(self.drafter.rows, name, leading(t, n))
         self._summary = leading(self._whole_summary, 2 * n + 3)
 
-    def _compact(self, live: list[int]) -> list[int]:
-        """Move the rows of the `live` slots into the first slots and narrow to the power of two (at
-        least 2: a compiled step specializes a batch of 1) that holds them, so that a run's tail
-        computes no empty slots past it; returns each live row's slot, in `live`'s order."""
-        n = max(2, 1 << (len(live) - 1).bit_length())
+    def _compact(self, live: list[int], n: int) -> list[int]:
+        """Move the rows of the `live` slots into the first `n` slots and narrow to them, so that a run's
+        tail computes no empty slots past them; returns each live row's slot, in `live`'s order."""
         taken = set(live)
         movers = [s for s in live if s >= n]
         holes = [s for s in range(n) if s not in taken][: len(movers)]
@@ -496,9 +496,12 @@ class SlotLoop(LoopBase):
                 for s in finished:
                     src_len[s] = 0
                 free = sorted(free + finished)
-                if not queue and 2 < n and 0 < 2 * (n - len(free)) <= n:  # the tail: half the slots or more empty
-                    live = [s for s in range(n) if src_len[s]]
-                    placed = self._compact(live)
+                live = [s for s in range(n) if src_len[s]]
+                # the tail, half the slots or more empty: the power of two that holds the live rows, at least
+                # 2 (a compiled step specializes a batch of 1), on CUDA graphs GRAPH_MIN_SLOTS
+                fewer = max(self._fewest, 1 << (len(live) - 1).bit_length()) if live else n
+                if not queue and fewer < n:
+                    placed = self._compact(live, fewer)
                     n = self.state.batch_size
                     moved_src, moved_out = [0] * n, [1] * n
                     for old, new in zip(live, placed):
