@@ -81,7 +81,7 @@ class Translator:
         self._models: dict[str, Transformer] = {"fp32": bundle.model}
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
-        self._slot_loops: dict = {}  # the last slot loop (aggdec.decoding.slot_loop), with its captured steps
+        self._slot_loops: dict = {}  # slot loops by options (methods.KEPT_LOOPS), with their compiled steps
 
     def verifier(self, precision: str = "fp32") -> Transformer:
         """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once; on a
