@@ -13,7 +13,8 @@ quarter less or a quarter more, at least one token; from none, first the last le
 it, since one token often costs more than it gains where a longer draft pays), and its rate is
 compared with the mean rate of the best-length blocks just before and just after it. A cold budget
 starts on the plain path (none), its first challenger the longest draft, shortened to `COLD_TOKENS`
-over the batch's rows: where drafting pays (batch 1) it takes over after one comparison; where it
+over the batch's rows, and a quarter as long at each later trial from none after it lost (short
+drafts can pay where long ones do not): where drafting pays (batch 1) it takes over after one comparison; where it
 does not (wide batches on a CPU, where a call at 64 tokens a row over 256 rows costs tens of greedy
 calls), starting there paid for those calls until greedy won a comparison back. Lengths not yet
 compared with the current best are tried first, none before the others, so that a start where
@@ -183,6 +184,8 @@ class DraftBudget:
         self.score[challenger] = s
         if s < math.log(0.95):  # lost: try it again later, much later if it lost by far
             self._gap = min((4 if s < math.log(0.8) else 2) * self._gap, self.max_gap)
+            if self.choice == 0 and challenger == self._drafting:  # the next drafting trial: a quarter as long
+                self._drafting = max(1, challenger // 4)
         else:
             self._gap = 1
         return False
@@ -190,7 +193,8 @@ class DraftBudget:
     def _challengers(self) -> list[int]:
         """None, a step less and a step more; the step is a quarter of the current length, at least one
         token; from none, first the last length that drafted (`_close` sizes it by `COLD_TOKENS` while
-        cold). Not those set aside as drafting alike (`_close`)."""
+        cold; `_judge` quarters it each time it loses to none, so that short drafts are tried where long
+        ones do not pay). Not those set aside as drafting alike (`_close`)."""
         c = self.choice
         step = max(1, c // 4)
         back = (self._drafting,) if c == 0 else ()
