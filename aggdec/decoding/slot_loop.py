@@ -337,6 +337,7 @@ class SlotLoop(LoopBase):
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._captured, self._pool, self._graph_states = {}, None, {}
         self._plan = capture_plan(b, length, src_width, self.max_draft, self._fewest)
+        self._widths, self._spans = (sorted({key[i] for key in self._plan}) for i in (1, 2))  # once, not per call
         self._reset()
 
     def release(self) -> None:
@@ -459,9 +460,9 @@ class SlotLoop(LoopBase):
             live = [s for s in range(n) if src_len[s]]
             if self.graphs:  # the captured shapes (`capture_plan`)
                 src_width = self.cache.src_width - 1
-                width = max(w for _, w, _, _ in self._plan if w <= length)
+                width = max(w for w in self._widths if w <= length)
                 reach = max(out_len[s] for s in live) + width
-                span = min((s for _, _, s, _ in self._plan if s >= reach), default=self.cache.length - 1)
+                span = next((s for s in self._spans if s >= reach), self.cache.length - 1)
             else:  # eager, or compiled with symbolic shapes: the exact sizes, no padding read
                 src_width = bucket(max(src_len), self.cache.src_width - 1, exact=True)
                 # no draft copied from the source is longer than it (a head's drafts keep their length)
