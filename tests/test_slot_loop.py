@@ -227,7 +227,7 @@ def test_one_host_read_per_iteration(monkeypatch):
     model = tiny_model()
     reqs = _requests(random.Random(3), 12, model.cfg.src_vocab, model.cfg.eos)
     for drafter in (NoDraft(), InputCopy(max_draft=4, substitution=True, nearest_match=True)):
-        loop = SlotLoop(model, drafter, max_batch_size=4)
+        loop = SlotLoop(model, drafter, max_batch_size=4, graphs="check")  # the fixed-shape step
         Reads.n = 0
         with Reads():
             list(loop.run(reqs))

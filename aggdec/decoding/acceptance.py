@@ -75,11 +75,13 @@ class VerifierScores:
 
     top1 (N,) int64: the argmax of the constrained fp32 logits, exactly (certified bf16 or fp32,
     as `projection` decides). logits (N, V) fp32: the constrained logits, computed on first use.
+    `shape` (B, T), where N = B * T: both in that layout, as `FixedScores`' (every position of every row).
     """
 
     def __init__(self, projection: OutputProjection | None, hidden: torch.Tensor | None,
-                 constrain: Constrain | None, logits: torch.Tensor | None = None):
-        self.projection, self.hidden, self.constrain = projection, hidden, constrain
+                 constrain: Constrain | None, logits: torch.Tensor | None = None,
+                 shape: tuple[int, int] | None = None):
+        self.projection, self.hidden, self.constrain, self.shape = projection, hidden, constrain, shape
         if logits is not None:
             self.logits = logits  # fills the cached property
 
@@ -92,13 +94,14 @@ class VerifierScores:
     def logits(self) -> torch.Tensor:
         z = self.projection.logits(self.hidden)
         self.constrain(z, None)
-        return z
+        return z if self.shape is None else z.view(*self.shape, -1)
 
     @cached_property
     def top1(self) -> torch.Tensor:
         if "logits" in self.__dict__:  # already computed (GAD++): their argmax is free
             return self.logits.argmax(dim=-1)
-        return self.projection.top1(self.hidden, self.constrain)
+        top1 = self.projection.top1(self.hidden, self.constrain)
+        return top1 if self.shape is None else top1.view(self.shape)
 
 
 class FixedScores:

@@ -145,7 +145,7 @@ class LoopBase:
 
     def __init__(self, model: Transformer, drafter: Drafter | None, acceptance: Acceptance | None, max_batch_size: int,
                  max_tokens: int | None, min_len: int, encode_batch: int | None, budget: DraftBudget | None,
-                 prompt: tuple[int, ...] | None):
+                 prompt: tuple[int, ...] | None, projection: OutputProjection | None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
@@ -154,6 +154,8 @@ class LoopBase:
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
+        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
+                                                         int8=model.output_int8)
 
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
@@ -166,6 +168,16 @@ class LoopBase:
             if not 1 <= len(r.src) <= cfg.max_source_positions:
                 raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
         return queue
+
+    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor) -> Constrain:
+        """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
+        as `VerifierScores` takes them: on all of them, or on the positions `at`."""
+        cfg = self.model.cfg
+
+        def constrain(z: torch.Tensor, at: torch.Tensor | None) -> None:
+            idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+            constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
+        return constrain
 
 
 class DraftVerifyLoop(LoopBase):
@@ -189,10 +201,9 @@ class DraftVerifyLoop(LoopBase):
                  *, max_batch_size: int = 32, max_tokens: int | None = None, refill: bool = True, min_len: int = 1,
                  projection: OutputProjection | None = None, encode_batch: int | None = None,
                  budget: DraftBudget | None = None, prompt: tuple[int, ...] | None = None):
-        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
+        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
+                         projection)
         self.refill = refill
-        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
-                                                         int8=model.output_int8)
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
         self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
@@ -359,16 +370,6 @@ class DraftVerifyLoop(LoopBase):
         state.out_len = state.out_len + s
         state.cache.commit(s)
         return hidden[::s], (step == self.model.cfg.eos).any(dim=1)
-
-    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor) -> Constrain:
-        """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
-        as `VerifierScores` takes them: on all of them, or on the positions `at`."""
-        cfg = self.model.cfg
-
-        def constrain(z: torch.Tensor, at: torch.Tensor | None) -> None:
-            idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-            constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
-        return constrain
 
     def _record(self, state: DecodeState, nd: list[int], acc: list[int], seconds: float) -> None:
         """Each row's statistics after a call that offered it nd[b] draft tokens, acc[b] of them kept."""

@@ -109,7 +109,7 @@ class Method:
                 cpu = next(context.model.parameters()).device.type == "cpu"
                 loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                                 max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
-                                compile=cpu and getattr(opts, "compile", False))
+                                compile=cpu and getattr(opts, "compile", False), projection=context.projection)
             for other in context.slot_loops.values():  # one holds buffers at a time (max_batch_size rows)
                 other.release()
             context.slot_loops[opts] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go

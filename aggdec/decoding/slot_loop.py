@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, FixedScores
+from aggdec.decoding.acceptance import Acceptance, FixedScores, VerifierScores
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import Verified
@@ -53,6 +53,7 @@ from aggdec.decoding.loop import LoopBase, pad_batch, take
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
 from aggdec.model import decode_attention
+from aggdec.model.projection import OutputProjection
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -116,10 +117,12 @@ class SlotLoop(LoopBase):
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
-                 prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False):
+                 prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False,
+                 projection: OutputProjection | None = None):
         if model.cfg.double_token:
             raise ValueError("the slot loop takes single-token verifiers")
-        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt)
+        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
+                         projection)
         self.dtype = next(model.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -129,6 +132,8 @@ class SlotLoop(LoopBase):
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
         self._compiled = self._compile(slots) if compile else None
+        # eager steps may read the host: they compute only each slot's real positions, with `projection`
+        self.packed = not compile and self.graphs is False
         self.start = prompt[0] if prompt else model.cfg.eos
         self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         self._fewest = GRAPH_MIN_SLOTS if self.graphs is True else 2  # slots a run's tail narrows to at least
@@ -156,49 +161,65 @@ class SlotLoop(LoopBase):
             tokens = st.out.new_zeros(st.out.shape[0], 0)
             num = torch.zeros_like(st.out_len)
             offered = torch.zeros_like(st.out_len[0])
-        # 2. Verify [last token ; draft] for every slot.
+        # 2. Verify [last token ; draft] for every slot; eagerly (`packed`), at its real positions only.
         block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
-        t = block.shape[1]
-        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged)
+        b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
-        scores = FixedScores(self.model.output_logits(hidden), st.generated[:, None] + offs, st.max_len[:, None],
-                             cfg.pad, cfg.eos, self.min_len, self.forced)
-        # 3. Accept: the acceptance rule at every position of every slot (no host reads).
-        accepted, bonus = self.acceptance.accept(tokens, num, scores, None)
-        # 4. Commit d_1..d_m + bonus; cut after an eos.
-        new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad),
-                          bonus[:, None])
-        is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
-        ended = is_eos.any(dim=1)
-        n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
+        index = st.generated[:, None] + offs
+        valid = offs <= num[:, None] if self.packed and width else None
+        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged, valid)
+        if self.packed:
+            limit = st.max_len[:, None].expand(b, t)
+            index, limit = (index.flatten(), limit.flatten()) if valid is None else (index[valid], limit[valid])
+            scores = VerifierScores(self.projection, hidden.flatten(0, -2), self._constrain(index, limit),
+                                    shape=None if width else (b, t))
+        else:
+            scores = FixedScores(self.model.output_logits(hidden), index, st.max_len[:, None], cfg.pad, cfg.eos,
+                                 self.min_len, self.forced)
+        # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after an eos.
+        if width:
+            accepted, bonus = self.acceptance.accept(tokens, num, scores, valid)
+            new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad),
+                              bonus[:, None])
+            is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
+            ended = is_eos.any(dim=1)
+            n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
+        else:
+            accepted, new = torch.zeros_like(num), scores.top1
+            ended, n_new = new[:, 0] == cfg.eos, active.long()
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
         st.out.index_put_((rows[:, None], at), new)  # an empty slot's writes are never read: a refill resets its row
         st.out_len.add_(n_new)
-        # Statistics: drafts accepted past an accepted eos are not counted.
-        kept = torch.minimum(accepted, n_new)
+        # Statistics (a refill zeroes its row's; no draft adds none): drafts accepted past an accepted eos
+        # are not counted.
         fed = (num + 1) * active
         self.ms.add_(self.fed_before * self.ms_per_fed)
         self.fed_before.copy_(fed)
-        self.hist.index_put_((rows, self.iterations.clamp(max=self.hist.shape[1] - 1)), kept.int())
+        if width:
+            kept = torch.minimum(accepted, n_new)
+            self.hist.index_put_((rows, self.iterations.clamp(max=self.hist.shape[1] - 1)), kept.int())
+            self.drafted.add_(num)
+            self.accepted.add_(kept)
         self.iterations.add_(active.long())
-        self.drafted.add_(num)
-        self.accepted.add_(kept)
         done = ended & active
         active &= ~done
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
         if width and not self._after:
             self.drafter.observe(st, DraftBatch(tokens, num), accepted, None)
-        if self._after:
-            self._states = (hidden, accepted)
+        if self._after:  # each slot's state behind its bonus token
+            if valid is None:
+                behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+            else:  # packed: num + 1 positions a slot
+                behind = hidden[(num + 1).cumsum(0) - num - 1 + accepted]
+            self._states = (behind, accepted)
         self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None], offered[None]]))
 
     def _observe_states(self, span: int, src_width: int) -> None:
         """A `from_states` drafter drafts the next call from the last step's states at each slot's last
         verified position, once the loop knows the next call drafts (eager, whatever runs the step)."""
-        hidden, accepted = self._states
-        behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+        behind, accepted = self._states
         keys = functools.partial(self.cache.layer_keys, lengths=self.state.generated, span=span, src_width=src_width)
         self.drafter.observe(self.state, None, accepted, Verified(behind, keys))
 
@@ -406,7 +427,7 @@ class SlotLoop(LoopBase):
         st.max_len[idx] = torch.tensor([r.max_len for r in reqs], device=dev)
         st.out[idx, 1:] = cfg.pad
         st.out_len[idx] = 1
-        for t in (self.iterations, self.drafted, self.accepted, self.ms, self.fed_before):
+        for t in (self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
             t[idx] = 0
         self.active[idx] = True
         if self.max_draft:

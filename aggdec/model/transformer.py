@@ -8,6 +8,7 @@ T new target tokens in this call, L visible target prefix, D model dim, H heads,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -310,6 +311,21 @@ class Stack(nn.Module):
         return biases if len(biases) > 1 else biases * len(self.layers)
 
 
+def packing(valid: torch.Tensor | None) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                 Callable[[torch.Tensor], torch.Tensor]]:
+    """(pack, unpack) for a decoder call that computes only the `valid` (B,T) positions: pack (B,T,...)
+    -> (N,...), their row-major order; unpack (N,D) -> (B,T,D), zeros elsewhere. Both the identity
+    where `valid` is None."""
+    if valid is None:
+        return (lambda y: y), (lambda y: y)
+
+    def unpack(y: torch.Tensor) -> torch.Tensor:
+        full = y.new_zeros(*valid.shape, y.shape[-1])
+        full[valid] = y
+        return full
+    return (lambda y: y[valid]), unpack
+
+
 class Transformer(nn.Module):
     """fairseq-compatible encoder-decoder. See module docstring for shape letters.
 
@@ -482,16 +498,7 @@ class Transformer(nn.Module):
             where = (rows, pos[valid])
             tokens, pos = tokens[valid], pos[valid]
         x = self.decoder.embed(tokens, pos)
-
-        def unpack(y: torch.Tensor) -> torch.Tensor:
-            if valid is None:
-                return y
-            full = y.new_zeros(bsz, t, y.shape[-1])
-            full[valid] = y
-            return full
-
-        def pack(y: torch.Tensor) -> torch.Tensor:
-            return y if valid is None else y[valid]
+        pack, unpack = packing(valid)
 
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
@@ -512,7 +519,7 @@ class Transformer(nn.Module):
         return self._final(x)
 
     def decode_slots(self, tokens: torch.Tensor, cache: SlotCache, start: torch.Tensor, span: int,
-                     width: int, ragged: bool = False) -> torch.Tensor:
+                     width: int, ragged: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Score a block of T tokens per slot on top of each slot's prefix: a fixed-shape program.
 
         tokens (B,T) int64 go to positions start[b] + t of slot b (start (B,) int64); they are written
@@ -523,15 +530,21 @@ class Transformer(nn.Module):
         states (B,T,D). Nothing here reads a tensor to the host, and the shapes depend only on
         (B, T, span, width). `ragged` where the CPU kernel is loaded (`decode_attention.usable`):
         attention reads each row's visible keys only; else masked products over the `span` and
-        `width` prefixes.
+        `width` prefixes. `valid` (B,T) bool, optional (eager decoding, which may read the host): the
+        positions that matter, a prefix of each row's block; then only they are computed (linear
+        layers, norms and FFN on N = valid.sum() tokens, attention on the padded layout) and
+        written, and the result is (N,D) in row-major order.
         """
         bsz, t = tokens.shape
         pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
-        x = self.decoder.embed(tokens, pos)
         biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
         # a compiled scatter_ into an input copies the whole buffer)
         at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
+        pack, unpack = packing(valid)
+        if valid is not None:
+            at, tokens = (at[0][valid], at[1][valid]), tokens[valid]
+        x = self.decoder.embed(tokens, pack(pos))
         math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
         attend, self_sees, cross_sees = self._attention(
             self._default_limit(pos), span, cache.src_count.clamp(max=width), cache.src_keep[:, None, None, :width],
@@ -543,11 +556,12 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
-                return sa.out_proj(attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], self_sees, bias=bias))
+                return sa.out_proj(pack(attend(sa, unpack(q), cache.k[i][:, :span], cache.v[i][:, :span], self_sees,
+                                               bias=bias)))
 
             def cross_attn(h, i=i, ca=ca):
-                return ca.out_proj(attend(ca, ca.q_proj(h), cache.cross_k[i][:, :width], cache.cross_v[i][:, :width],
-                                          cross_sees))
+                return ca.out_proj(pack(attend(ca, unpack(ca.q_proj(h)), cache.cross_k[i][:, :width],
+                                               cache.cross_v[i][:, :width], cross_sees)))
 
             x = layer(x, self_attn, cross_attn)
         return self._final(x)
