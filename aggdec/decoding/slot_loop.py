@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, FixedScores, VerifierScores
+from aggdec.decoding.acceptance import Acceptance, FixedScores, VerifierScores, unpack
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import Verified
@@ -156,23 +156,23 @@ class SlotLoop(LoopBase):
             tokens = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0, max=width)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
-            offered = torch.where(active, draft.num_draft, 0).max()
+            offered = torch.where(active, draft.num_draft, 0).max()[None]
+            block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         else:
-            tokens = st.out.new_zeros(st.out.shape[0], 0)
-            num = torch.zeros_like(st.out_len)
-            offered = torch.zeros_like(st.out_len[0])
-        # 2. Verify [last token ; draft] for every slot; eagerly (`packed`), at its real positions only.
-        block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
+            block = st.last_step()
+        # 2. Verify [last token ; draft] for every slot; eagerly (`packed`), at the live slots' real positions
+        # only (None: at every position, where each is)
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
         index = st.generated[:, None] + offs
-        valid = offs <= num[:, None] if self.packed and width else None
+        valid = (None if not self.packed or not width and self._full
+                 else (offs <= num[:, None]) & active[:, None] if width else active[:, None])
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged, valid)
         if self.packed:
             limit = st.max_len[:, None].expand(b, t)
             index, limit = (index.flatten(), limit.flatten()) if valid is None else (index[valid], limit[valid])
             scores = VerifierScores(self.projection, hidden.flatten(0, -2), self._constrain(index, limit),
-                                    shape=None if width else (b, t))
+                                    shape=None if valid is not None else (b, t))
         else:
             scores = FixedScores(self.model.output_logits(hidden), index, st.max_len[:, None], cfg.pad, cfg.eos,
                                  self.min_len, self.forced)
@@ -185,7 +185,7 @@ class SlotLoop(LoopBase):
             ended = is_eos.any(dim=1)
             n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
         else:
-            accepted, new = torch.zeros_like(num), scores.top1
+            accepted, new = torch.zeros_like(st.out_len), unpack(scores.top1, valid, cfg.pad)
             ended, n_new = new[:, 0] == cfg.eos, active.long()
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
@@ -194,7 +194,7 @@ class SlotLoop(LoopBase):
         st.out_len.add_(n_new)
         # Statistics (a refill zeroes its row's; no draft adds none): drafts accepted past an accepted eos
         # are not counted.
-        fed = (num + 1) * active
+        fed = (num + 1) * active if width else n_new
         self.ms.add_(self.fed_before * self.ms_per_fed)
         self.fed_before.copy_(fed)
         if width:
@@ -211,10 +211,12 @@ class SlotLoop(LoopBase):
         if self._after:  # each slot's state behind its bonus token
             if valid is None:
                 behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-            else:  # packed: num + 1 positions a slot
-                behind = hidden[(num + 1).cumsum(0) - num - 1 + accepted]
+            else:  # packed: `fed` positions a slot (an empty slot's index is any)
+                behind = hidden[(fed.cumsum(0) - fed + accepted).clamp(max=hidden.shape[0] - 1)]
             self._states = (behind, accepted)
-        self._summary.copy_(torch.cat([done.long(), st.out_len, n_new.sum()[None], fed.sum()[None], offered[None]]))
+        total = n_new.sum()[None]
+        self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum()[None] if width else total,
+                                       offered if width else self._zero]))
 
     def _observe_states(self, span: int, src_width: int) -> None:
         """A `from_states` drafter drafts the next call from the last step's states at each slot's last
@@ -354,6 +356,7 @@ class SlotLoop(LoopBase):
                             "hist": torch.zeros(b, length, dtype=torch.int32, device=dev),
                             "ms": torch.zeros(b, dtype=torch.float64, device=dev), "fed_before": torch.zeros_like(count)}
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
+        self._zero = torch.zeros(1, dtype=torch.long, device=dev)
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._captured, self._pool, self._graph_states = {}, None, {}
@@ -489,9 +492,10 @@ class SlotLoop(LoopBase):
                 # no draft copied from the source is longer than it (a head's drafts keep their length)
                 width = length if self._after else min(length, src_width)
                 span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact=True)
-            built = self._programs()
+            built = self._programs() if self._compiled is not None else 0
+            self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
-            built = self._programs() != built  # this call compiled its program
+            built = self._compiled is not None and self._programs() != built  # this call compiled its program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
