@@ -35,9 +35,11 @@ class LookupDrafter:
     output, propose the `width` tokens that followed them (the most recent occurrence)."""
 
     name = "lookup"
+    from_states = False  # drafts from the output, not from the verifier's states
 
     def __init__(self, ngram: int, width: int):
         self.ngram, self.width = ngram, width
+        self.max_draft = width
         self.rows = RowState()
 
     @classmethod
@@ -50,14 +52,14 @@ class LookupDrafter:
     def select(self, rows):
         self.rows.select(rows)
 
-    def propose(self, state):
+    def propose(self, state, width):  # reads the host: the eager loop takes it
         drafts = []
         for b in range(state.batch_size):
             out = state.out[b, : int(state.out_len[b])].tolist()
             key, found = out[-self.ngram:], []
             for start in range(len(out) - self.ngram - 1, -1, -1):
                 if out[start: start + self.ngram] == key:
-                    found = out[start + self.ngram: start + self.ngram + self.width]
+                    found = out[start + self.ngram: start + self.ngram + min(self.width, width)]
                     break
             drafts.append(found)
         k = max(map(len, drafts), default=0)

@@ -103,23 +103,24 @@ class Method:
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
-        if use_slots(context, opts):  # kept across runs: its compiled step, buffers and captured steps
-            loop = context.slot_loops.pop(opts, None)
-            if loop is None:
-                cpu = next(context.model.parameters()).device.type == "cpu"
-                loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                                max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
-                                compile=cpu and getattr(opts, "compile", False), projection=context.projection)
-            for other in context.slot_loops.values():  # one holds buffers at a time (max_batch_size rows)
-                other.release()
-            context.slot_loops[opts] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
-            while len(context.slot_loops) > KEPT_LOOPS:
-                context.slot_loops.pop(next(iter(context.slot_loops)))
-            loop.budget = budget
-            return loop
-        return DraftVerifyLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                               max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
-                               prompt=context.prompt)
+        if context.model.cfg.double_token:
+            return DraftVerifyLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
+                                   max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
+                                   prompt=context.prompt)
+        key = (opts, stream)  # kept across runs: its compiled step, buffers and captured steps
+        loop = context.slot_loops.pop(key, None)
+        if loop is None:
+            loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
+                            max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
+                            compile=compiles(context, opts), projection=context.projection)
+        for other, kept in context.slot_loops.items():  # one call's loops hold buffers (max_batch_size rows)
+            if other[0] != opts:
+                kept.release()
+        context.slot_loops[key] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
+        while len(context.slot_loops) > KEPT_LOOPS:
+            context.slot_loops.pop(next(iter(context.slot_loops)))
+        loop.budget = budget
+        return loop
 
     def decode(self, opts: DecodeOptions, requests: list[Request], context: DraftContext) -> list[Hypothesis]:
         """Hypotheses of `requests`, in completion order: on a CPU's eager path, where other processes
@@ -128,7 +129,7 @@ class Method:
         if self.drafter is None:
             return self.run(opts, context.model, requests, context.prompt)
         loop = self.loop(opts, context, self.drafter(opts, context))
-        cpu = not isinstance(loop, SlotLoop) and loop.device.type == "cpu"
+        cpu = loop.device.type == "cpu" and getattr(loop, "packed", True)
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n > 1 and not THREADS.cores_busy():
             n = 1
@@ -151,24 +152,20 @@ def new_budget(drafter: Drafter) -> DraftBudget:
     return DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
 
 
-def use_slots(context: DraftContext, opts: DecodeOptions) -> bool:
-    """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop, any acceptance rule): for a single-token
-    verifier, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
-    on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
-    one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
-    supported = not context.model.cfg.double_token
-    device = next(context.model.parameters()).device
-    if getattr(opts, "compile", False) and device.type == "cpu":
-        if not supported:
-            raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
-        pays_below = opts.compile_pays_below
-        if pays_below is not None and opts.max_batch_size >= pays_below:
-            warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "
-                          f"size {pays_below} (docs/benchmarks.md), so max_batch_size={opts.max_batch_size} "
-                          "decodes eagerly", stacklevel=3)
-            return False
-        return True
-    return device.type == "cuda" and not context.projection.certify and supported
+def compiles(context: DraftContext, opts: DecodeOptions) -> bool:
+    """Whether a loop compiles its step (a CPU's option `compile`) at a batch size where that pays (else
+    one warning, and eager steps); OptionError where the verifier is a double-token model."""
+    if not getattr(opts, "compile", False) or next(context.model.parameters()).device.type != "cpu":
+        return False
+    if context.model.cfg.double_token:
+        raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
+    pays_below = opts.compile_pays_below
+    if pays_below is not None and opts.max_batch_size >= pays_below:
+        warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "
+                      f"size {pays_below} (docs/benchmarks.md), so max_batch_size={opts.max_batch_size} "
+                      "decodes eagerly", stacklevel=3)
+        return False
+    return True
 
 
 METHODS: dict[str, Method] = {}

@@ -118,12 +118,12 @@ class SlotLoop(LoopBase):
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False,
-                 projection: OutputProjection | None = None):
+                 projection: OutputProjection | None = None, refill: bool = True):
         if model.cfg.double_token:
             raise ValueError("the slot loop takes single-token verifiers")
         super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
                          projection)
-        self.dtype = next(model.parameters()).dtype
+        self.dtype, self.refill = next(model.parameters()).dtype, refill
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
@@ -473,7 +473,7 @@ class SlotLoop(LoopBase):
                                                 else self.budget.next_length(1, self.max_draft))
         observed = 0.0  # seconds of the last call's drafting from states: drafting for this call
         while queue or len(free) < n:
-            if free and queue:
+            if free and queue and (self.refill or len(free) == n):
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
                 if reqs:
                     slots, free = free[: len(reqs)], free[len(reqs):]
