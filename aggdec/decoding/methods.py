@@ -153,14 +153,11 @@ def new_budget(drafter: Drafter) -> DraftBudget:
 
 def use_slots(context: DraftContext, opts: DecodeOptions) -> bool:
     """Whether a loop runs on fixed slots (aggdec.decoding.slot_loop, any acceptance rule): for a single-token
-    verifier, on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
-    on a CPU where the options ask for a compiled step (`compile`) at a batch size where it pays (else
-    one warning, and the eager row loop); OptionError where the slot loop cannot take the verifier."""
-    supported = not context.model.cfg.double_token
+    verifier on a GPU (its steps are CUDA graphs there) with the plain fp32 top-1 or int8 logits, and
+    for any verifier on a CPU where the options ask for a compiled step (`compile`) at a batch size
+    where it pays (else one warning, and the eager row loop)."""
     device = next(context.model.parameters()).device
     if getattr(opts, "compile", False) and device.type == "cpu":
-        if not supported:
-            raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
         pays_below = opts.compile_pays_below
         if pays_below is not None and opts.max_batch_size >= pays_below:
             warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "
@@ -168,7 +165,7 @@ def use_slots(context: DraftContext, opts: DecodeOptions) -> bool:
                           "decodes eagerly", stacklevel=3)
             return False
         return True
-    return device.type == "cuda" and not context.projection.certify and supported
+    return device.type == "cuda" and not context.projection.certify and not context.model.cfg.double_token
 
 
 METHODS: dict[str, Method] = {}
