@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tiny_models import naive_greedy, tiny_model
 
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.drafters import NoDraft
+from aggdec.decoding.drafters import NoDraft, RowState
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding import loop as loop_module
@@ -25,24 +25,30 @@ from aggdec.model.transformer import Transformer
 
 
 class GuideDrafter(NoDraft):
-    """Test drafter: proposes the next tokens of a per-request guide (a corrupted greedy output), so
-    long drafts are accepted, partially accepted and rejected; exercises commit, rollback and eos."""
+    """Test drafter: proposes the next `k` tokens of a per-request guide (a corrupted greedy output), so
+    long drafts are accepted, partially accepted and rejected; exercises commit, rollback and eos. Its
+    drafts are a fixed-shape program from per-row tensors (no host reads): either loop runs it."""
 
     name = "guide"
 
     def __init__(self, guides: dict[int, list[int]], k: int):
-        self.guides, self.k = guides, k
+        self.guides, self.k, self.max_draft = guides, k, k
+        self.longest = max(map(len, guides.values()), default=0) + 1
+        self.rows = RowState()
 
-    def propose(self, state):
-        rows = []
-        for b, req in enumerate(state.requests):
-            j = int(state.out_len[b]) - 1
-            rows.append(self.guides[req.index][j : j + self.k])
-        k = max(map(len, rows), default=0)
-        toks = torch.full((len(rows), k), state.pad, dtype=torch.long)
-        for b, r in enumerate(rows):
-            toks[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return DraftBatch(tokens=toks, num_draft=torch.tensor([len(r) for r in rows], dtype=torch.long))
+    def admit(self, state, slots):
+        self.rows.admit(state, slots, guide=torch.full((self.longest,), state.pad), length=0)
+        guides = [self.guides[r.index] if r else [] for r in (state.requests[s] for s in slots.tolist())]
+        self.rows.guide[slots] = torch.tensor([g + [state.pad] * (self.longest - len(g)) for g in guides])
+        self.rows.length[slots] = torch.tensor([len(g) for g in guides])
+
+    def select(self, rows):
+        self.rows.select(rows)
+
+    def propose(self, state, width=None):
+        at = state.out_len[:, None] - 1 + torch.arange(width or self.k)[None]  # the guide at out_len - 1 on
+        return DraftBatch(tokens=self.rows.guide.gather(1, at.clamp(max=self.longest - 1)),
+                          num_draft=(self.rows.length - state.out_len + 1).clamp(0, self.k))
 
 
 class RandomBudget(DraftBudget):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loop import RandomBudget, _decode, _requests
+from test_loop import GuideDrafter, RandomBudget, _decode, _requests
 from tiny_models import naive_greedy, tiny_model
 
 from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
@@ -23,6 +23,7 @@ from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.slot_loop import SlotLoop, capture_plan, slot_count
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
+from aggdec.double_token import fold
 from aggdec.model.heads import ProposalHeads
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
@@ -155,6 +156,40 @@ def test_slot_acceptance_rules_equal_the_row_loop(seed, kind, rule, beta, tau, m
             stats = [(h.stats.iterations, h.stats.drafted, h.stats.accepted_per_iter) for i in ref
                      for h in (got[i], row[i])]
             assert stats[::2] == stats[1::2]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 7), budget=st.sampled_from([None, "random"]),
+       drafter=st.sampled_from(["greedy", "guide", "iad"]))
+def test_slot_loop_on_a_double_token_verifier_equals_the_row_loop(seed, bs, k, budget, drafter):
+    """A double-token verifier on slots, eagerly and under a replay's rules: drafts (a corrupted copy of the
+    folded greedy stream, IAD's input copy) cut to whole pairs, accepted by whole pairs, a bonus pair and
+    the eos cut by pairs give the model's own greedy output for any slot count, refill order and draft
+    budget, run after run; and the row loop's statistics (in tokens) where both verify the same drafts:
+    at the drafter's length, or at a random budget's eagerly on as many slots as the row loop has rows."""
+    model = tiny_model("double-token", seed=seed % 5)
+    rng = random.Random(seed)
+    reqs = _requests(rng, rng.randint(1, 9), model.cfg.src_vocab, model.cfg.eos)
+    rng.shuffle(reqs)
+    greedy = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=3).items()}
+    guides = {r.index: [t if rng.random() < 0.8 else rng.randint(3, model.cfg.tgt_vocab - 1)
+                        for t in [model.cfg.bos] + fold(greedy[r.index], model.cfg.eos)] for r in reqs}
+    drafters = {"greedy": NoDraft, "guide": lambda: GuideDrafter(guides, k), "iad": lambda: InputCopy(max_draft=k)}
+    budgets = {None: lambda: None, "random": lambda: RandomBudget(seed, k)}
+    row = _decode(model, drafters[drafter](), reqs, max_batch_size=bs, budget=budgets[budget]())
+    for graphs in (False, "check"):
+        loop = SlotLoop(model, drafters[drafter](), max_batch_size=bs, graphs=graphs, budget=budgets[budget]())
+        for run in range(2):  # a second run reuses the slots
+            got = _run(loop, reqs)
+            assert {i: h.tokens for i, h in got.items()} == greedy
+            # eager, a call's drafts are cut at its longest source (IAD's longest), which guides pass
+            same = graphs or drafter != "guide"
+            if same and (budget is None or (run == 0 and not graphs and bs & (bs - 1) == 0)):
+                stats = [(h.stats.iterations, h.stats.drafted, h.stats.accepted, h.stats.accepted_per_iter)
+                         for i in greedy for h in (got[i], row[i])]
+                assert stats[::2] == stats[1::2]
+    with pytest.raises(ValueError, match="a double-token model takes no forced first tokens"):
+        SlotLoop(model, prompt=(2, 5))
 
 
 def test_slots_are_reused_and_grown():
@@ -477,10 +512,9 @@ def test_compiled_step_equals_greedy():
 
 def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
     """`compile = true` takes gad, gad++ (with a minimum block) and blockwise top-k to the slot loop with
-    the options' own acceptance rule; a double-token verifier is refused in one line naming `compile`."""
+    the options' own acceptance rule, on a double-token verifier too."""
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import DraftContext, get_method
-    from aggdec.decoding.options import OptionError
     from aggdec.model.projection import OutputProjection
 
     def context(model, head):
@@ -499,8 +533,23 @@ def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
     pairs = tiny_model("double-token", seed=1, vocab=9)
     opts = decode_options("gad++", compile=True, drafter="d", block_size=3)
     ctx = context(pairs, _head_drafter("gad", pairs, 3).head)
-    with pytest.raises(OptionError, match="compile: needs a single-token verifier"):
-        get_method("gad++").loop(opts, ctx, get_method("gad++").drafter(opts, ctx))
+    loop = get_method("gad++").loop(opts, ctx, get_method("gad++").drafter(opts, ctx))
+    assert isinstance(loop, SlotLoop) and loop._compiled is not None and loop.stride == 2
+
+
+@pytest.mark.slow  # compiles of a greedy and a drafting step: about a minute each on 2 busy cores
+def test_compiled_double_token_steps_equal_greedy():
+    """A compiled step on a double-token verifier (greedy, IAD by whole pairs) gives the model's greedy
+    output, run after run, as one program with no graph break."""
+    model = tiny_model("double-token", seed=1, vocab=9)
+    reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    ref = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=3).items()}
+    torch._dynamo.utils.counters.clear()
+    for drafter in (NoDraft(), InputCopy(max_draft=4)):
+        loop = SlotLoop(model, drafter, max_batch_size=4, compile=True)
+        for _ in range(2):
+            assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    assert torch._dynamo.utils.counters["frames"]["ok"] >= 2 and not torch._dynamo.utils.counters["graph_break"]
 
 
 @pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores

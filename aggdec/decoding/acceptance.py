@@ -138,7 +138,7 @@ class Acceptance(Protocol):
         S being the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair
         at positions m, m + 1); scores: the verifier at the valid positions in row-major order
         (N = valid.sum()); position t predicts the token after draft token t (t = 0: after the last).
-        valid None: scores at every position (B, K+1), S = 1, and no host reads (`FixedScores`).
+        valid None: scores at every position (B, K+S), and no host reads (`FixedScores`).
         Returns (accepted (B,) int64, bonus (B,) int64).
         """
 
@@ -201,7 +201,7 @@ class TopKTolerance:
         logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V) or (B, K+1, V)
         top = logp.topk(self.beta, dim=-1)
         # the token each position would be checked against: the next draft token (or none)
-        s = 1 if valid is None else valid.shape[1] - draft.shape[1]
+        s = (logp.shape[1] if valid is None else valid.shape[1]) - draft.shape[1]
         nxt = torch.nn.functional.pad(draft, (0, s), value=-1)
         nxt = nxt if valid is None else nxt[valid]
         in_top = (top.indices == nxt[..., None]).any(-1)

@@ -152,6 +152,11 @@ class LoopBase:
         self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
         self.device = next(model.parameters()).device
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
+        self.stride = STRIDE if model.cfg.double_token else 1
+        start = prompt[0] if prompt else model.cfg.eos
+        self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
+        if self.stride > 1 and self.forced.numel():
+            raise ValueError("a double-token model takes no forced first tokens")
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
@@ -204,11 +209,6 @@ class DraftVerifyLoop(LoopBase):
         super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
                          projection)
         self.refill = refill
-        self.stride = STRIDE if model.cfg.double_token else 1
-        start = prompt[0] if prompt else model.cfg.eos
-        self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
-        if self.stride > 1 and self.forced.numel():
-            raise ValueError("a double-token model takes no forced first tokens")
         # draft length of the next call
         self._length = NO_LIMIT if budget is None else budget.next_length(1, budget.max_length)
         if self.device.type == "cpu":  # loaded here, not in a call the draft budget times (a first build: 20 s)

@@ -24,7 +24,6 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.decoding.method_options import (
     OPTIONS,
@@ -91,7 +90,7 @@ class Method:
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
     def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter,
-             stream: int = 0) -> DraftVerifyLoop | SlotLoop:
+             stream: int = 0) -> SlotLoop:
         """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
         for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted);
         `stream`: which of a call's decoding streams it runs (each keeps a budget of its own)."""
@@ -103,10 +102,6 @@ class Method:
             while len(context.budgets) > KEPT_BUDGETS:
                 context.budgets.pop(next(iter(context.budgets)))
         acceptance = opts.acceptance()
-        if context.model.cfg.double_token:
-            return DraftVerifyLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                                   max_tokens=opts.max_tokens, projection=context.projection, budget=budget,
-                                   prompt=context.prompt)
         key = (opts, stream)  # kept across runs: its compiled step, buffers and captured steps
         loop = context.slot_loops.pop(key, None)
         if loop is None:
@@ -154,11 +149,9 @@ def new_budget(drafter: Drafter) -> DraftBudget:
 
 def compiles(context: DraftContext, opts: DecodeOptions) -> bool:
     """Whether a loop compiles its step (a CPU's option `compile`) at a batch size where that pays (else
-    one warning, and eager steps); OptionError where the verifier is a double-token model."""
+    one warning, and eager steps)."""
     if not getattr(opts, "compile", False) or next(context.model.parameters()).device.type != "cpu":
         return False
-    if context.model.cfg.double_token:
-        raise OptionError("compile", "needs a single-token verifier (this one is a double-token model)")
     pays_below = opts.compile_pays_below
     if pays_below is not None and opts.max_batch_size >= pays_below:
         warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "

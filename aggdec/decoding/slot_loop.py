@@ -27,8 +27,8 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
   products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
 
-Scope: single-token verifiers (double-token ones run in `aggdec.decoding.loop`), any acceptance rule
-(decided at every position of every slot, `acceptance.FixedScores`); drafters draft at the call's
+Scope: single- and double-token verifiers (a pair a step, as in `aggdec.decoding.loop`), any acceptance
+rule (decided at every position of every slot, `acceptance.FixedScores`); drafters draft at the call's
 width inside the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's
 states after it, once the draft budget has picked the next call's length and only where that call
 drafts. Outputs are the row loop's for the same drafts (greedy's under exact top-1).
@@ -52,6 +52,7 @@ from aggdec.decoding.drafters import Verified
 from aggdec.decoding.loop import LoopBase, pad_batch, take
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
 from aggdec.decoding.state import DecodeState
+from aggdec.double_token import unfold
 from aggdec.model import decode_attention
 from aggdec.model.projection import OutputProjection
 from aggdec.model.slots import SlotCache, bucket, leading
@@ -119,8 +120,6 @@ class SlotLoop(LoopBase):
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False,
                  projection: OutputProjection | None = None, refill: bool = True):
-        if model.cfg.double_token:
-            raise ValueError("the slot loop takes single-token verifiers")
         super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
                          projection)
         self.dtype, self.refill = next(model.parameters()).dtype, refill
@@ -134,7 +133,6 @@ class SlotLoop(LoopBase):
         self._compiled = self._compile(slots) if compile else None
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = not compile and self.graphs is False
-        self.start = prompt[0] if prompt else model.cfg.eos
         self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         self._fewest = GRAPH_MIN_SLOTS if self.graphs is True else 2  # slots a run's tail narrows to at least
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
@@ -149,24 +147,25 @@ class SlotLoop(LoopBase):
     def _step(self, width: int, span: int, src_width: int) -> None:
         """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
         committed tokens, fed tokens, the longest draft offered before the cut at `width`)."""
-        st, cfg = self.state, self.model.cfg
+        st, cfg, s = self.state, self.model.cfg, self.stride
         active = self.active
         if width:
             draft = self.drafter.propose(st, width)
             tokens = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0, max=width)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
+            num = num - num % s  # whole steps only
             offered = torch.where(active, draft.num_draft, 0).max()[None]
             block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         else:
             block = st.last_step()
-        # 2. Verify [last token ; draft] for every slot; eagerly (`packed`), at the live slots' real positions
+        # 2. Verify [last step ; draft] for every slot; eagerly (`packed`), at the live slots' real positions
         # only (None: at every position, where each is)
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
         index = st.generated[:, None] + offs
         valid = (None if not self.packed or not width and self._full
-                 else (offs <= num[:, None]) & active[:, None] if width else active[:, None])
+                 else (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t))
         hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged, valid)
         if self.packed:
             limit = st.max_len[:, None].expand(b, t)
@@ -176,17 +175,19 @@ class SlotLoop(LoopBase):
         else:
             scores = FixedScores(self.model.output_logits(hidden), index, st.max_len[:, None], cfg.pad, cfg.eos,
                                  self.min_len, self.forced)
-        # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after an eos.
+        # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
+        # holds an eos. A double-token verifier keeps whole pairs, its bonus pair the top-1 at m, m + 1.
         if width:
             accepted, bonus = self.acceptance.accept(tokens, num, scores, valid)
-            new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, 1), value=cfg.pad),
-                              bonus[:, None])
-            is_eos = (new == cfg.eos) & (offs <= accepted[:, None])
+            accepted, bonus = ((accepted - accepted % s, unpack(scores.top1, valid, cfg.pad)) if s > 1
+                               else (accepted, bonus[:, None]))
+            new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, s), value=cfg.pad), bonus)
+            is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
             ended = is_eos.any(dim=1)
-            n_new = torch.where(ended, is_eos.long().argmax(dim=1) + 1, accepted + 1) * active
+            n_new = torch.where(ended, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s) * active
         else:
             accepted, new = torch.zeros_like(st.out_len), unpack(scores.top1, valid, cfg.pad)
-            ended, n_new = new[:, 0] == cfg.eos, active.long()
+            ended, n_new = (new == cfg.eos).any(dim=1), active.long() * s
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
@@ -194,7 +195,7 @@ class SlotLoop(LoopBase):
         st.out_len.add_(n_new)
         # Statistics (a refill zeroes its row's; no draft adds none): drafts accepted past an accepted eos
         # are not counted.
-        fed = (num + 1) * active if width else n_new
+        fed = (num + s) * active if width else n_new
         self.ms.add_(self.fed_before * self.ms_per_fed)
         self.fed_before.copy_(fed)
         if width:
@@ -333,7 +334,7 @@ class SlotLoop(LoopBase):
         b = slot_count(self.max_batch_size, len(requests))
         # one position more than any span or width reads: a read is never the whole buffer, so a
         # compiled step's shapes stay symbolic (prefix == whole buffer would be specialized)
-        length = bucket(max(r.max_len for r in requests) + self.max_draft + 3) + 1
+        length = bucket(max(r.max_len for r in requests) + self.max_draft + 2 + self.stride) + 1
         src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions) + 1
         cache = getattr(self, "_whole_cache", None)
         if (cache is not None and self._whole_state.batch_size == b and cache.length >= length
@@ -343,13 +344,13 @@ class SlotLoop(LoopBase):
         dev = self.device
         self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.dtype, dev)
         out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
-        out[:, 0] = self.start
+        out[:, : self.stride] = self.starts
         self.state = DecodeState(
             src=torch.full((b, src_width), cfg.pad, dtype=torch.long, device=dev),
             src_len=torch.ones(b, dtype=torch.long, device=dev), out=out,
-            out_len=torch.ones(b, dtype=torch.long, device=dev),
+            out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
-            requests=[None] * b, stats=[None] * b, pad=cfg.pad, eos=cfg.eos)
+            requests=[None] * b, stats=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride)
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
@@ -407,9 +408,9 @@ class SlotLoop(LoopBase):
         self._narrow(self._whole_state.batch_size)
         st = self.state
         st.out.fill_(st.pad)
-        st.out[:, 0] = self.start
-        for t in (st.out_len, st.src_len, st.max_len):
-            t.fill_(1)
+        st.out[:, : self.stride] = self.starts
+        for t, fill in ((st.out_len, self.stride), (st.src_len, 1), (st.max_len, 1)):
+            t.fill_(fill)
         for t in (self.active, self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
             t.zero_()
         if self.max_draft:
@@ -428,8 +429,8 @@ class SlotLoop(LoopBase):
             st.requests[s] = r
         st.src_len[idx] = torch.tensor([len(r.src) for r in reqs], device=dev)
         st.max_len[idx] = torch.tensor([r.max_len for r in reqs], device=dev)
-        st.out[idx, 1:] = cfg.pad
-        st.out_len[idx] = 1
+        st.out[idx, self.stride:] = cfg.pad
+        st.out_len[idx] = self.stride
         for t in (self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
             t[idx] = 0
         self.active[idx] = True
@@ -440,7 +441,7 @@ class SlotLoop(LoopBase):
         """Read the finished rows once and yield their hypotheses."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         width = max(out_len[s] for s in slots)
-        out = self.state.out[idx, 1:width].tolist()
+        out = self.state.out[idx, self.stride: width].tolist()  # without the start
         iters, drafted, accepted = (t[idx].tolist() for t in (self.iterations, self.drafted, self.accepted))
         # the last call's time share is added here (the step adds each call's share at the next one)
         ms = (self.ms[idx] + self.fed_before[idx] * self.ms_per_fed).tolist()
@@ -448,7 +449,8 @@ class SlotLoop(LoopBase):
         for j, s in enumerate(slots):
             stats = RowStats(iterations=iters[j], drafted=drafted[j], accepted=accepted[j],
                              accepted_per_iter=hist[j][: iters[j]], decode_ms=ms[j])
-            yield Hypothesis(index=self.state.requests[s].index, tokens=out[j][: out_len[s] - 2], stats=stats)
+            tokens = unfold(out[j], self.model.cfg.eos) if self.stride > 1 else out[j][: out_len[s] - 2]  # no eos
+            yield Hypothesis(index=self.state.requests[s].index, tokens=tokens, stats=stats)
             self.state.requests[s] = None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -468,7 +470,7 @@ class SlotLoop(LoopBase):
         n = self.state.batch_size  # the slots the steps run on: all of them until the queue is empty
         free = list(range(n))
         src_len = [0] * n  # host copy of each occupied slot's source length
-        out_len = [1] * n
+        out_len = [self.stride] * n
         length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
                                                 else self.budget.next_length(1, self.max_draft))
         observed = 0.0  # seconds of the last call's drafting from states: drafting for this call
@@ -479,7 +481,7 @@ class SlotLoop(LoopBase):
                     slots, free = free[: len(reqs)], free[len(reqs):]
                     self._fill(slots, reqs, queue)
                     for s, r in zip(slots, reqs):
-                        src_len[s], out_len[s] = len(r.src), 1
+                        src_len[s], out_len[s] = len(r.src), self.stride
             t0 = time.perf_counter()
             live = [s for s in range(n) if src_len[s]]
             if self.graphs:  # the captured shapes (`capture_plan`)
@@ -506,7 +508,7 @@ class SlotLoop(LoopBase):
             self.counters.calls += 1
             self.counters.fed += fed
             THREADS.tick()
-            self.counters.padded += n * (width + 1)
+            self.counters.padded += n * (width + self.stride)
             if self.budget is not None and self.max_draft:
                 if not built:  # a program's build (seconds, once) is no cost of the length that met it
                     self.budget.record(length, tokens, seconds, len(live), offered=offered)
@@ -529,7 +531,7 @@ class SlotLoop(LoopBase):
                 if not queue and fewer < n:
                     placed = self._compact(live, fewer)
                     n = self.state.batch_size
-                    moved_src, moved_out = [0] * n, [1] * n
+                    moved_src, moved_out = [0] * n, [self.stride] * n
                     for old, new in zip(live, placed):
                         moved_src[new], moved_out[new] = src_len[old], out_len[old]
                     src_len, out_len = moved_src, moved_out
