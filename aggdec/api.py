@@ -26,11 +26,11 @@ from aggdec.allocator import keep_freed_memory
 from aggdec.checkpoint import Bundle
 from aggdec.conventions import Framing
 from aggdec.decoding.limits import max_len_for
-from aggdec.decoding.loop import pad_batch
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.method_options import decode_options
 from aggdec.decoding.methods import DraftContext, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
+from aggdec.decoding.scheduler import pad_batch
 from aggdec.double_token import teacher_forcing
 from aggdec.model.precision import cpu_isa, cpu_warning, with_precision
 from aggdec.model.projection import OutputProjection, certified_pays

@@ -27,8 +27,8 @@ from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import DictionaryTokenizer, SentencePieceTokenizer, Tokenizer
-from aggdec.tokenizers.hf import HF_TOKENIZERS, hf_tokenizers
 from aggdec.tokenizers.dictionary import Dictionary
+from aggdec.tokenizers.hf import HF_TOKENIZERS, hf_tokenizers
 
 FORMAT = "aggdec-ckpt v1"
 HEADS_FORMAT = "aggdec-heads v1"

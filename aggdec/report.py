@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 
 from aggdec.extras import install_hint
-from aggdec.schema import DECODED_STATUSES, STATS_COLUMNS, count_status, read_manifest, read_outputs
+from aggdec.schema import (
+    DECODED_STATUSES,
+    STATS_COLUMNS,
+    count_status,
+    read_manifest,
+    read_outputs,
+)
 
 REPORT_COLUMNS = ("src", "hyp", "status", "method", *STATS_COLUMNS)
 BENCH_KEYS = ("method", "batch_size", "sentences_per_s")
@@ -157,7 +163,10 @@ def _binned_medians(x: np.ndarray, y: np.ndarray) -> tuple[list[float], list[flo
 
 def _fig_calls_vs_edit_ratio(rows: dict[str, np.ndarray], methods: list[str]) -> str:
     fig, (left, right) = _figure(2)
-    from matplotlib.ticker import FormatStrFormatter, MaxNLocator  # after _figure: it names the extra if missing
+    from matplotlib.ticker import (  # after _figure: it names the extra if missing
+        FormatStrFormatter,
+        MaxNLocator,
+    )
 
     rng = np.random.default_rng(0)
     for m in methods:

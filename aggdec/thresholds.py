@@ -14,13 +14,8 @@ ENCODE_AHEAD_TOKENS = 4096
 """Source tokens (padded to the longest) that ENCODE_AHEAD's sentences may reach: what waits as
 cross K/V beyond the batch stays small for long sentences and large models."""
 
-HOST_MATCH_ROWS = 64
-"""Most rows whose suffix match runs on the host (`InputCopy.match_rows`), on the CPU: a few rows
-match in plain Python for less than the tensor `match` costs in operators; from about a hundred
-rows the tensor match is the cheaper."""
-
 MATCH_DEPTH = 16
-"""Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match_fixed`)."""
+"""Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match`)."""
 
 TOP1_ROWS = 128
 """Positions per product in the plain top-1: their (n, V) logits stay in the cache, where one product

@@ -112,12 +112,11 @@ def requests(n: int, eos: int) -> list:
 def make(kind: str, method: str, model, bs: int):
     from aggdec.decoding.drafters import NoDraft
     from aggdec.decoding.iad import InputCopy
-    from aggdec.decoding.loop import DraftVerifyLoop
     from aggdec.decoding.slot_loop import SlotLoop
 
     drafter = NoDraft() if method == "greedy" else InputCopy(max_draft=8)
     if kind == "rows":
-        return DraftVerifyLoop(model, drafter, max_batch_size=bs)
+        return SlotLoop(model, drafter, max_batch_size=bs)
     return SlotLoop(model, drafter, max_batch_size=bs, compile=kind == "compiled")
 
 

@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 
 import torch
-
 from conftest import synthetic_sentences
 
 SMALL = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -110,7 +109,11 @@ def build_bart(out: Path, steps: int = 200, seed: int = 0) -> Path:
 def build_m2m100(out: Path, steps: int = 200, seed: int = 0) -> Path:
     """M2M100 layout: sentencepiece + vocab.json with language tokens after it, __en__ text </s>,
     fairseq sinusoidal positions, pre-norm, ReLU, target language forced first."""
-    from transformers import M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
+    from transformers import (
+        M2M100Config,
+        M2M100ForConditionalGeneration,
+        M2M100Tokenizer,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     texts = synthetic_sentences(400, seed)

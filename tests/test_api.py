@@ -1,7 +1,6 @@
 """Public API: every input yields one result with a status; bad input never crashes."""
 
 import pytest
-
 from conftest import synthetic_sentences
 
 from aggdec.api import Translator, decode_options, summarize
@@ -69,9 +68,8 @@ def test_model_dir_errors_name_the_file(tmp_path, tiny_model_dir):
 
 
 def test_cli_decode_runs_in_process_and_names_a_bad_device(tiny_model_dir, monkeypatch):
-    from click.testing import CliRunner
-
     import torch
+    from click.testing import CliRunner
 
     from cli import main
 

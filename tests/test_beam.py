@@ -11,17 +11,16 @@ import random
 
 import pytest
 import torch
-
 from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 
 from aggdec.checkpoint import Bundle
 from aggdec.decoding import beam as beam_module
+from aggdec.decoding import scheduler as loop_module
 from aggdec.decoding.beam import beam_search
 from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.limits import max_len_for
-from aggdec.decoding import loop as loop_module
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.fairseq_io import convert_fairseq, load_fairseq, save_fairseq
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
@@ -37,7 +36,7 @@ def _requests(model, n=24, seed=0, max_src=9, max_out=18):
 
 
 def _greedy(model, reqs, bs=7):
-    return {h.index: h.tokens for h in DraftVerifyLoop(model, max_batch_size=bs).run(reqs)}
+    return {h.index: h.tokens for h in SlotLoop(model, max_batch_size=bs).run(reqs)}
 
 
 def test_max_len_for():

@@ -23,10 +23,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from test_jobs import read_outputs, write_corpus  # noqa: E402
 
 from jobs.run import run_job  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
-from test_jobs import read_outputs, write_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 AGGDEC = [sys.executable, "-c", "import sys; sys.argv[0] = 'aggdec'; from cli import run; run()"]

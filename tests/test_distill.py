@@ -19,10 +19,10 @@ from test_jobs import ray_local, read_outputs, write_spec  # noqa: F401  (ray_lo
 
 from aggdec import checkpoint
 from aggdec.api import Translator, decode_options
+from aggdec.distill import TSV_HEADER, distill_table, filter_reasons, merge_counts
 from aggdec.text import clean_text
 from aggdec.train import heads as heads_train
 from aggdec.train.ar import read_tsv
-from aggdec.distill import TSV_HEADER, distill_table, filter_reasons, merge_counts
 from jobs.run import run_job
 from jobs.spec import DistillSpec, SpecError, load_spec
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_loop import GuideDrafter, RandomBudget, _decode, _requests
 from tiny_models import tiny_model
 
@@ -155,15 +154,14 @@ def test_collate_folds_targets_and_conversion_keeps_weights():
 def test_a_trained_double_token_model_through_the_api_cli_and_a_corpus_job(double_token_dir, tmp_path):
     """A model made by `aggdec train ar --init-from ... --double-token` decodes in pairs everywhere."""
     from click.testing import CliRunner
-
-    from cli import main
     from conftest import synthetic_sentences
-    from jobs.spec import load_spec
     from test_jobs import run_on_new_ray, write_corpus, write_spec
 
     from aggdec import checkpoint
     from aggdec.api import Translator
     from aggdec.fairseq_io import save_fairseq
+    from cli import main
+    from jobs.spec import load_spec
 
     tr = Translator.load(double_token_dir)
     assert tr.cfg.double_token

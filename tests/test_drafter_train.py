@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import synthetic_sentences
 
 from aggdec.api import Translator, decode_options

@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from conftest import synthetic_sentences
+from test_jobs import write_corpus
 
 from cli import main
-from conftest import synthetic_sentences
 from jobs.preflight import check_job
 from jobs.run import run_job
 from jobs.spec import SpecError, load_spec
-from test_jobs import write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 AGGDEC = [sys.executable, "-c", "import sys; sys.argv[0] = 'aggdec'; from cli import run; run()"]

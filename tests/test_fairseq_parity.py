@@ -23,13 +23,14 @@ import torch
 pytestmark = pytest.mark.fairseq
 pytest.importorskip("fairseq")
 
-from tiny_models import FAIRSEQ_CONFIGS as TINY_CONFIGS, tiny_model  # noqa: E402
+from tiny_models import FAIRSEQ_CONFIGS as TINY_CONFIGS  # noqa: E402
+from tiny_models import tiny_model
 
 from aggdec import checkpoint  # noqa: E402
 from aggdec.decoding.beam import beam_search  # noqa: E402
 from aggdec.decoding.limits import max_len_for  # noqa: E402
-from aggdec.decoding.loop import DraftVerifyLoop  # noqa: E402
 from aggdec.decoding.metadata import Request  # noqa: E402
+from aggdec.decoding.slot_loop import SlotLoop  # noqa: E402
 from aggdec.fairseq_io import convert_fairseq, load_fairseq, save_fairseq  # noqa: E402
 
 # One thread per fairseq process: the models are tiny and the test machine may be shared (with two
@@ -158,7 +159,7 @@ def _ours(bundle, corpus: Path, setting: str) -> dict[str, dict[int, str]]:
     reqs = _requests(bundle, corpus, a, b)
     runs = {"beam_search": beam_search(bundle.model, reqs, beam=beam, lenpen=lenpen, max_batch_size=1)}
     if beam == 1:
-        runs["greedy loop"] = list(DraftVerifyLoop(bundle.model, max_batch_size=1).run(reqs))
+        runs["greedy loop"] = list(SlotLoop(bundle.model, max_batch_size=1).run(reqs))
     return {k: {h.index: _text(bundle, h.tokens) for h in hyps} for k, hyps in runs.items()}
 
 
@@ -232,8 +233,8 @@ def test_sequence_generator_on_random_models(kind, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # fairseq's torch.load predates weights_only
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
-
-    from test_beam import _bundle, _requests as random_requests
+    from test_beam import _bundle
+    from test_beam import _requests as random_requests
 
     for vocab in (6, 13):
         model = tiny_model(kind, seed=1, vocab=vocab, **({"tgt_vocab": vocab + 4} if "separate" in kind else {})).float()

@@ -7,19 +7,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from test_loop import RandomBudget
 from tiny_models import tiny_model
 
 from aggdec.decoding.acceptance import ExactMatch, TopKTolerance
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.drafters import NoDraft
-from aggdec.decoding.loop import DraftVerifyLoop
+from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.metadata import Request
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
-from test_loop import RandomBudget
 
 
 def _requests(rng, n, vocab, eos):
@@ -43,14 +42,14 @@ def test_draft_head_equals_greedy(seed, bs, k, vocab, layers, budget):
     verifier = tiny_model("shallow-decoder-tied-output", vocab=9)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 8), 9, verifier.cfg.eos)
-    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=4), reqs)
+    greedy = _tokens(SlotLoop(verifier, NoDraft(), max_batch_size=4), reqs)
     torch.manual_seed(seed)
     head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=layers, block_size=k,
                                      draft_vocab=vocab)).double().eval()
     if vocab:
         head.vocab.copy_(torch.tensor([2, 4, 5, 6]))
     budgets = {None: None, "random": RandomBudget(seed, k), "measured": DraftBudget(k, block=2)}
-    loop = DraftVerifyLoop(verifier, DraftHeadDrafter(verifier, head), max_batch_size=bs, budget=budgets[budget])
+    loop = SlotLoop(verifier, DraftHeadDrafter(verifier, head), max_batch_size=bs, budget=budgets[budget])
     assert _tokens(loop, reqs) == greedy
 
 
@@ -61,7 +60,7 @@ def test_gad_plus_plus_beta1_equals_gad_and_tolerance_accepts_more():
     head = DraftHead(DraftHeadConfig(d_model=16, heads=2, ffn=24, layers=1, block_size=6)).double().eval()
 
     def run(acc):
-        loop = DraftVerifyLoop(verifier, DraftHeadDrafter(verifier, head), acc, max_batch_size=4)
+        loop = SlotLoop(verifier, DraftHeadDrafter(verifier, head), acc, max_batch_size=4)
         hyps = list(loop.run(reqs))
         return {h.index: h.tokens for h in hyps}, sum(h.stats.accepted for h in hyps)
 
@@ -76,17 +75,17 @@ def test_gad_plus_plus_beta1_equals_gad_and_tolerance_accepts_more():
 def test_blockwise_equals_greedy(k, kind):
     verifier = tiny_model(kind)
     reqs = _requests(random.Random(k), 10, verifier.cfg.src_vocab, verifier.cfg.eos)
-    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=3), reqs)
+    greedy = _tokens(SlotLoop(verifier, NoDraft(), max_batch_size=3), reqs)
     torch.manual_seed(0)
     heads = ProposalHeads(verifier.cfg.d_model, k - 1, 32).double()
     with torch.no_grad():
         heads.fc2.normal_(std=0.3)
     for bs in (1, 4):
-        assert _tokens(DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs), reqs) == greedy
+        assert _tokens(SlotLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs), reqs) == greedy
         # draft lengths below k - 1 run only the first heads
         ran, forward = [], heads.forward
         heads.forward = lambda h, num=None: (ran.append(num), forward(h, num))[1]
-        loop = DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs, budget=RandomBudget(bs, k - 1))
+        loop = SlotLoop(verifier, BlockwiseHeads(verifier, heads), max_batch_size=bs, budget=RandomBudget(bs, k - 1))
         assert _tokens(loop, reqs) == greedy
         del heads.forward
         assert set(ran) == set(range(1, k)), ran
@@ -95,14 +94,14 @@ def test_blockwise_equals_greedy(k, kind):
 def test_blockwise_block_size_uses_the_first_heads():
     verifier = tiny_model("prenorm-learned-separate")
     reqs = _requests(random.Random(7), 10, verifier.cfg.src_vocab, verifier.cfg.eos)
-    greedy = _tokens(DraftVerifyLoop(verifier, NoDraft(), max_batch_size=3), reqs)
+    greedy = _tokens(SlotLoop(verifier, NoDraft(), max_batch_size=3), reqs)
     torch.manual_seed(1)
     heads = ProposalHeads(verifier.cfg.d_model, 5, 32).double()
     with torch.no_grad():
         heads.fc2.normal_(std=0.3)
     h = torch.randn(4, verifier.cfg.d_model, dtype=torch.float64)
     assert torch.allclose(heads(h, 2), heads(h)[:, :2], atol=1e-12)
-    loop = DraftVerifyLoop(verifier, BlockwiseHeads(verifier, heads, block_size=3), max_batch_size=4)
+    loop = SlotLoop(verifier, BlockwiseHeads(verifier, heads, block_size=3), max_batch_size=4)
     hyps = list(loop.run(reqs))
     assert {x.index: x.tokens for x in hyps} == greedy
     assert max(n for x in hyps for n in x.stats.accepted_per_iter) == 2

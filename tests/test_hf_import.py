@@ -206,9 +206,10 @@ def test_bad_directories_get_one_named_error(hf_dirs, tmp_path):
 
 def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
     """A job on the Hugging Face directory itself, its target language from the spec's [decode]."""
+    from test_jobs import write_corpus, write_spec
+
     from jobs.preflight import check_job
     from jobs.spec import SpecError, load_spec
-    from test_jobs import write_corpus, write_spec
 
     d = hf_dirs["m2m100"]
     inp = write_corpus(tmp_path / "in", shards=2, rows=10)
@@ -224,8 +225,9 @@ def test_a_corpus_job_decodes_with_an_imported_model(hf_dirs, tmp_path):
 def job_decodes_as_the_api(spec, model_dir: Path, out: Path, rows: int) -> None:
     """Run the job `spec` on a new local Ray (after `aggdec run`'s checks): its `rows` rows hold the
     API's texts and statuses for their sources."""
-    from jobs.preflight import check_job
     from test_jobs import run_on_new_ray
+
+    from jobs.preflight import check_job
 
     check_job(spec)
     result, table = run_on_new_ray(spec, out)

@@ -16,13 +16,13 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
+from conftest import synthetic_sentences  # noqa: E402
 
 from aggdec.api import Translator  # noqa: E402
 from cluster.resources import plan_actors  # noqa: E402
 from jobs.inputs import inspect_inputs  # noqa: E402
 from jobs.run import run_job  # noqa: E402
 from jobs.spec import SpecError, load_spec  # noqa: E402
-from conftest import synthetic_sentences  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS, ROWS = 3, 20

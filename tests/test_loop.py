@@ -8,16 +8,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tiny_models import naive_greedy, tiny_model
 
+from aggdec.decoding import scheduler as loop_module
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft, RowState
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
-from aggdec.decoding import loop as loop_module
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import DraftBatch, Request
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.model import linear
 from aggdec.model.config import ModelConfig
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
@@ -41,9 +40,6 @@ class GuideDrafter(NoDraft):
         guides = [self.guides[r.index] if r else [] for r in (state.requests[s] for s in slots.tolist())]
         self.rows.guide[slots] = torch.tensor([g + [state.pad] * (self.longest - len(g)) for g in guides])
         self.rows.length[slots] = torch.tensor([len(g) for g in guides])
-
-    def select(self, rows):
-        self.rows.select(rows)
 
     def propose(self, state, width=None):
         at = state.out_len[:, None] - 1 + torch.arange(width or self.k)[None]  # the guide at out_len - 1 on
@@ -73,7 +69,7 @@ def _requests(rng, n, vocab, eos, max_src=14, repeat=False):
 
 
 def _decode(model, drafter, reqs, **kw):
-    hyps = list(DraftVerifyLoop(model, drafter, **kw).run(reqs))
+    hyps = list(SlotLoop(model, drafter, **kw).run(reqs))
     assert sorted(h.index for h in hyps) == sorted(r.index for r in reqs), "every request yields exactly one output"
     return {h.index: h for h in hyps}
 
@@ -149,7 +145,7 @@ def test_refills_are_encoded_ahead_in_batches(monkeypatch):
     outs, calls = [], []
     for ahead in (0, 8):
         sizes.clear()
-        loop = DraftVerifyLoop(model, NoDraft(), max_batch_size=4, encode_batch=ahead)
+        loop = SlotLoop(model, NoDraft(), max_batch_size=4, encode_batch=ahead)
         outs.append({h.index: h.tokens for h in loop.run(reqs)})
         assert sum(sizes) == loop.counters.encoded_rows == len(reqs)
         calls.append(len(sizes))
@@ -166,9 +162,9 @@ def test_small_batches_encode_refills_ahead_within_a_token_limit(monkeypatch):
     encode = type(model).encode
     monkeypatch.setattr(type(model), "encode", lambda self, src: shapes.append(tuple(src.shape)) or encode(self, src))
     monkeypatch.setattr(loop_module, "ENCODE_AHEAD_TOKENS", 120)
-    alone = {h.index: h.tokens for h in DraftVerifyLoop(model, NoDraft(), max_batch_size=1, encode_batch=1).run(reqs)}
+    alone = {h.index: h.tokens for h in SlotLoop(model, NoDraft(), max_batch_size=1, encode_batch=1).run(reqs)}
     shapes.clear()
-    loop = DraftVerifyLoop(model, NoDraft(), max_batch_size=1)
+    loop = SlotLoop(model, NoDraft(), max_batch_size=1)
     assert {h.index: h.tokens for h in loop.run(reqs)} == alone
     assert sum(b for b, _ in shapes) == loop.counters.encoded_rows == len(reqs)
     assert all(b == 1 or b <= loop_module.ENCODE_AHEAD and b * width <= 120 for b, width in shapes), shapes
@@ -219,10 +215,10 @@ def _reference_match(x: list[int], o: list[int], anchor: int = -1) -> int:
 @given(src=st.lists(st.integers(4, 7), max_size=12), outs=st.lists(st.lists(st.integers(4, 7), max_size=10), min_size=1, max_size=4),
        anchor_seed=st.integers(0, 10**6))
 def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
-    """Vectorized and host suffix matching equal the brute-force definition, row by row (also with
-    anchors)."""
-    from aggdec.decoding.state import DecodeState
+    """The fixed-shape suffix match equals the brute-force definition, row by row (also with anchors)."""
     from tiny_models import tiny_model as _m
+
+    from aggdec.decoding.state import DecodeState
 
     model = _m()
     eos, pad = model.cfg.eos, model.cfg.pad
@@ -235,35 +231,17 @@ def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
         out[b, 1 : 1 + len(o)] = torch.tensor(o, dtype=torch.long)
     state = DecodeState(src=torch.tensor([s] * bsz), src_len=torch.full((bsz,), len(s)), out=out,
                         out_len=torch.tensor([len(o) + 1 for o in outs]), max_len=torch.full((bsz,), 99),
-                        cache=None, requests=[], stats=[], pad=pad, eos=eos)
-    got = InputCopy().match(state).tolist()
+                        cache=None, requests=[], pad=pad, eos=eos)
     BOS = -1
     want = [_reference_match([BOS] + s, [BOS] + o) for o in outs]
-    assert got == want
-    assert InputCopy().match_rows(state).tolist() == want  # the host version (few rows on the CPU)
+    assert InputCopy().match(state, width + 1).tolist() == want  # a depth that covers the whole output
     rng = random.Random(anchor_seed)
     anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
-    got = InputCopy().match(state, torch.tensor(anchors)).tolist()
+    got = InputCopy().match(state, width + 1, torch.tensor(anchors)).tolist()
     assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
-    assert InputCopy().match_rows(state, torch.tensor(anchors)).tolist() == got
-    # the fixed-shape version (slot loop) is the same wherever its depth covers the whole output
-    assert InputCopy().match_fixed(state, width + 1).tolist() == want
-    assert InputCopy().match_fixed(state, width + 1, torch.tensor(anchors)).tolist() == got
-
-
-def test_cross_kv_drops_padding_every_row_has():
-    """Rows refilled after the longest have left: the cross K/V shrinks to the longest real source
-    once that is under 3/4 of its width, and outputs stay greedy's (the property tests above)."""
-    from aggdec.model.cache import CrossKV, DecoderCache
-
-    pad = torch.tensor([[False] * 3 + [True] * 7, [False] * 8 + [True] * 2])
-    kv = [torch.arange(2 * 10 * 4, dtype=torch.float).view(2, 10, 4)]
-    cache = DecoderCache(CrossKV(k=kv, v=kv, src_pad=pad), n_layers=1, d_model=4)
-    cache.trim_cross()
-    assert cache.cross.src_pad.shape[1] == 10, "8 of 10 positions are real in row 1: kept"
-    cache.select(torch.tensor([0]))
-    cache.trim_cross()
-    assert cache.cross.src_pad.shape[1] == 3 and torch.equal(cache.cross.k[0], kv[0][:1, :3])
+    # suffixes longer than the depth count as no match
+    short = InputCopy().match(state, 2).tolist()
+    assert all(g in (w, -1) for g, w in zip(short, want))
 
 
 def test_a_model_trains_after_decoding_and_then_decodes_its_new_weights():

@@ -1,13 +1,14 @@
-"""The cached block-decoding API equals full recomputation; rollback then re-feed equals fresh computation."""
+"""The cached block-decoding API equals full recomputation (slots at their own positions, beam search's reordered cache); rollback then re-feed equals fresh computation."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tiny_models import CONFIGS, tiny_model
 
+from aggdec.model import decode_attention
 from aggdec.model.config import ModelConfig
+from aggdec.model.slots import SlotCache
 
 KINDS = sorted(CONFIGS)
 
@@ -24,12 +25,30 @@ def _random_batch(model, rng, bsz, src_max, tgt_len):
     return src, tgt
 
 
+def _slots(model, src, length=40):
+    """A slot cache holding `src`'s rows (their cross K/V placed), as the decode loop keeps it."""
+    cfg = model.cfg
+    memory, pad = model.encode(src)
+    cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), src.shape[0], length, src.shape[1] + 1,
+                      next(model.parameters()).dtype, src.device)
+    cache.place(torch.arange(src.shape[0]), model.cross_kv(memory, pad))
+    return cache
+
+
+def _decode(model, cache, block, start, valid=None):
+    """Logits of `block` written at each slot's `start` (eagerly, packed at `valid` where given)."""
+    ragged = decode_attention.usable(block.device, cache.k[0].dtype)
+    hidden = model.decode_slots(block, cache, start, cache.length - 1, cache.src_width - 1, ragged, valid)
+    return model.output_logits(hidden)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_ragged_blocks_equal_full_recompute(kind, data):
-    """Feed each row's target in random block sizes, committing random-length prefixes; logits of
-    committed positions must equal the teacher-forced full forward."""
+    """Feed each slot's target in random block sizes at its own position, keeping random-length prefixes
+    (the rest is rolled back by not advancing); logits of kept positions equal the teacher-forced full
+    forward."""
     import random
 
     model = tiny_model(kind)
@@ -39,21 +58,19 @@ def test_ragged_blocks_equal_full_recompute(kind, data):
     src, tgt = _random_batch(model, rng, bsz, 12, tgt_len)
     with torch.no_grad():
         full = model(src, tgt)
-        cache = model.start(src, capacity=data.draw(st.integers(1, 8)))
+        cache = _slots(model, src)
         got = torch.zeros_like(full)
-        while int(cache.lengths.min()) < tgt_len:
-            pos = cache.lengths.clone()
+        lengths = torch.zeros(bsz, dtype=torch.long)
+        while int(lengths.min()) < tgt_len:
             t = data.draw(st.integers(1, 6))
-            idx = (pos[:, None] + torch.arange(t)).clamp(max=tgt_len - 1)
-            block = tgt.gather(1, idx)
-            logits = model.decode(block, cache)
-            # commit a random number of the block's positions per row (at least 1 unless done)
-            room = (tgt_len - pos).clamp(min=0)
+            idx = (lengths[:, None] + torch.arange(t)).clamp(max=tgt_len - 1)
+            logits = _decode(model, cache, tgt.gather(1, idx), lengths)
+            # keep a random number of the block's positions per row (at least 1 unless done)
+            room = (tgt_len - lengths).clamp(min=0)
             n = torch.tensor([data.draw(st.integers(min(1, int(r)), min(t, int(r)))) for r in room])
             for b in range(bsz):
-                for j in range(int(n[b])):
-                    got[b, pos[b] + j] = logits[b, j]
-            cache.commit(n)
+                got[b, lengths[b]: lengths[b] + n[b]] = logits[b, : n[b]]
+            lengths += n
     torch.testing.assert_close(got, full, rtol=0, atol=1e-10)
 
 
@@ -64,46 +81,42 @@ def test_rollback_then_refeed_equals_fresh(kind):
 
     src, tgt = _random_batch(model, random.Random(1), 3, 9, 10)
     with torch.no_grad():
-        fresh = model.start(src)
-        ref = model.decode(tgt[:, :7], fresh)
-        cache = model.start(src)
-        model.decode(tgt[:, :5], cache)
-        cache.commit(torch.tensor([5, 5, 5]))
-        model.decode(torch.randint(4, model.cfg.tgt_vocab, (3, 4)), cache)  # a rejected draft
-        cache.commit(torch.tensor([0, 1, 2]))  # keep part of it for rows 1, 2 ...
-        cache.lengths = torch.tensor([5, 5, 5])  # ... then roll every row back to 5
-        again = model.decode(tgt[:, 5:7], cache)
+        ref = _decode(model, _slots(model, src), tgt[:, :7], torch.zeros(3, dtype=torch.long))
+        cache = _slots(model, src)
+        _decode(model, cache, tgt[:, :5], torch.zeros(3, dtype=torch.long))
+        _decode(model, cache, torch.randint(4, model.cfg.tgt_vocab, (3, 4)), torch.full((3,), 5))  # a rejected draft
+        again = _decode(model, cache, tgt[:, 5:7], torch.full((3,), 5))
     torch.testing.assert_close(again, ref[:, 5:7], rtol=0, atol=1e-10)
 
 
-def test_select_and_replace_rows():
-    """Finished rows leave (select) and new sentences enter a slot (replace) without touching others."""
+def test_a_new_sentence_takes_a_slot():
+    """A new sentence placed in a slot (`SlotCache.place`, continuous batching) decodes as it would
+    alone, and the other slots are untouched."""
     import random
 
     model = tiny_model()
     src, tgt = _random_batch(model, random.Random(2), 4, 10, 6)
     with torch.no_grad():
         full = model(src, tgt)
-        cache = model.start(src)
-        model.decode(tgt[:, :3], cache)
-        cache.commit(torch.full((4,), 3))
-        cache.select(torch.tensor([3, 1]))
-        new_src, new_tgt = _random_batch(model, random.Random(3), 1, 14, 6)
+        cache = _slots(model, src)
+        _decode(model, cache, tgt[:, :3], torch.zeros(4, dtype=torch.long))
+        new_src, new_tgt = _random_batch(model, random.Random(3), 1, 10, 6)
         memory, pad = model.encode(new_src)
-        cache.replace(torch.tensor([0]), model.cross_kv(memory, pad))
-        block = torch.stack([new_tgt[0, :3], tgt[1, 3:6]])
-        out = model.decode(block, cache)
+        cache.place(torch.tensor([2]), model.cross_kv(memory, pad))
+        block = torch.cat([tgt[:, 3:6], tgt[:, 3:6]], dim=0)[:4]
+        block[2] = new_tgt[0, :3]
+        out = _decode(model, cache, block, torch.tensor([3, 3, 0, 3]))
         new_full = model(new_src, new_tgt)
-    torch.testing.assert_close(out[0], new_full[0, :3], rtol=0, atol=1e-10)
-    torch.testing.assert_close(out[1], full[1, 3:6], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[2], new_full[0, :3], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[[0, 1, 3]], full[[0, 1, 3], 3:6], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("indirect", [False, True])
 def test_beam_reorder_equals_select_on_the_prefix(indirect):
-    """reorder (beam search's select) gives every row its parent's prefix, lengths and cross K/V, as
-    select does: copying, after its first call into two sets of buffers it reuses instead of
-    allocating; `indirect`, moving nothing but its maps of where each row's positions and source are
-    stored (read through the CPU attention kernel). With the cross K/V shared by each sentence's
+    """reorder gives every row its parent's prefix, lengths and cross K/V, as a cache with a copy of the
+    cross K/V per beam does: copying, after its first call into two sets of buffers it reuses instead
+    of allocating; `indirect`, moving nothing but its maps of where each row's positions and source
+    are stored (read through the CPU attention kernel). With the cross K/V shared by each sentence's
     beams (`group`, as beam search runs), decoding equals decoding with a copy per beam (float64: up
     to the summation order of the attention)."""
     model = tiny_model(seed=5).double().eval()
@@ -112,9 +125,8 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
     close = dict(rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         beams = torch.arange(3).repeat_interleave(2)  # 3 sentences x 2 beams, as beam search starts
-        cache, ref = model.start(src, group=2, indirect=indirect), model.start(src)
+        cache, ref = model.start(src, group=2, indirect=indirect), model.start(src[beams])
         assert (cache.rows is not None) == indirect
-        ref.select(beams)
         for c in (cache, ref):
             model.decode(tgt[beams], c)
             c.commit(4)
@@ -122,7 +134,7 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
         for rows, leave in (([1, 1, 2, 3, 5, 4], False), ([0, 0, 3, 2, 5, 5], False), ([1, 0, 4, 5], True)):
             rows = torch.tensor(rows)
             cache.reorder(rows, 4, take_cross=leave)
-            ref.select(rows)
+            ref.reorder(rows, 4, take_cross=True)
             storages |= {cache.k[0].untyped_storage().data_ptr()}
             assert torch.equal(cache.lengths, ref.lengths)
             at = cache.key_rows(4)
@@ -135,13 +147,9 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
         assert len(storages) == (1 if indirect else 2)
         step = torch.randint(4, model.cfg.tgt_vocab, (4, 1))
         torch.testing.assert_close(model.decode(step, cache), model.decode(step, ref), **close)
-        with pytest.raises(ValueError, match="reorder"):
-            cache.select(torch.tensor([0, 1]))
     if indirect:  # with gradients, attention is the masked products, which cannot read the map
         with pytest.raises(ValueError, match="kernel"):
             model.decode(step, cache)
-        with pytest.raises(ValueError, match="one count"):  # its rows stay at one length
-            cache.commit(torch.tensor([1, 0, 1, 1]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,7 +186,7 @@ def test_config_validation():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_valid_positions_equal_padded(kind):
-    """decode_hidden(valid=...) computes only a prefix of each row's block, packed, and equals the
+    """decode_slots(valid=...) computes only a prefix of each slot's block, packed, and equals the
     padded computation there; later calls see the same cache either way."""
     import random
 
@@ -186,16 +194,13 @@ def test_packed_valid_positions_equal_padded(kind):
     src, tgt = _random_batch(model, random.Random(4), 4, 10, 9)
     n = torch.tensor([1, 4, 2, 6])
     with torch.no_grad():
-        a, b = model.start(src), model.start(src)
+        a, b = _slots(model, src), _slots(model, src)
         for cache in (a, b):
-            model.decode(tgt[:, :2], cache)
-            cache.commit(torch.full((4,), 2))
-        block = tgt[:, 2:8]
+            _decode(model, cache, tgt[:, :2], torch.zeros(4, dtype=torch.long))
+        block, start = tgt[:, 2:8], torch.full((4,), 2)
         valid = torch.arange(6)[None] < n[:, None]
-        padded = model.decode_hidden(block, a)[valid]
-        packed = model.decode_hidden(block, b, valid=valid)
+        padded = _decode(model, a, block, start)[valid]
+        packed = _decode(model, b, block, start, valid)
         torch.testing.assert_close(packed, padded, rtol=0, atol=1e-10)
-        a.commit(n)
-        b.commit(n)
-        nxt = torch.stack([tgt[r, 2 + int(n[r]) : 3 + int(n[r])] for r in range(4)])
-        torch.testing.assert_close(model.decode(nxt, b), model.decode(nxt, a), rtol=0, atol=1e-10)
+        nxt = torch.stack([tgt[r, 2 + int(n[r]): 3 + int(n[r])] for r in range(4)])
+        torch.testing.assert_close(_decode(model, b, nxt, 2 + n), _decode(model, a, nxt, 2 + n), rtol=0, atol=1e-10)

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
 from conftest import synthetic_sentences
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_loop import GuideDrafter, RandomBudget, _decode, _requests
 from tiny_models import tiny_model
@@ -21,9 +21,9 @@ from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.method_options import decode_options, options_from_mapping
 from aggdec.decoding.options import OptionError
+from aggdec.model import precision
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.linear import Linear
-from aggdec.model import precision
 from aggdec.model.precision import Int8Linear, Int8Weight, with_precision
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tiny_models import tiny_model
 
 from aggdec.api import Translator, decode_options
@@ -48,9 +47,6 @@ class LookupDrafter:
 
     def admit(self, state, slots):
         self.rows.admit(state, slots, proposals=0)
-
-    def select(self, rows):
-        self.rows.select(rows)
 
     def propose(self, state, width):  # reads the host: the eager loop takes it
         drafts = []

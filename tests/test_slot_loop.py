@@ -1,7 +1,8 @@
-"""The slot loop (fixed slots, device-side bookkeeping) is lossless and reads the host once per
-iteration: greedy, IAD, the draft head (GAD) and proposal heads (blockwise) give naive greedy's output
-on random float64 models, for any slot count, token budget, draft length, refill order and reuse of
-the loop across runs; every acceptance rule (GAD++, min-block) gives the row loop's output."""
+"""The decode loop (fixed slots, device-side bookkeeping) is lossless in each of its backends (eager packed,
+fixed-shape under a replay's rules, compiled), whose fixed-shape step reads the host once per iteration:
+greedy, IAD, the draft head (GAD) and proposal heads (blockwise) give naive greedy's output on random
+float64 models, for any slot count, token budget, draft length, refill order and reuse of the loop
+across runs; every acceptance rule (GAD++, min-block) decides alike packed and fixed."""
 
 import math
 import random
@@ -19,11 +20,10 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.drafters import NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.slot_loop import SlotLoop, capture_plan, slot_count
-from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.double_token import fold
+from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
@@ -126,11 +126,13 @@ RULES = {"gad++": lambda beta, tau, n: TopKTolerance(beta, tau),
        beta=st.integers(1, 4), tau=st.sampled_from([0.0, 0.3, 1.0, 4.0, math.inf]), min_block=st.integers(1, 4),
        bs=st.integers(1, 9), k=st.integers(1, 6), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
        forced=st.integers(0, 2))
-def test_slot_acceptance_rules_equal_the_row_loop(seed, kind, rule, beta, tau, min_block, bs, k, max_tokens, forced):
-    """Every acceptance rule runs on slots, eagerly and under a replay's rules (`graphs="check"`), and gives
-    the row loop's output for the same drafter at a fixed draft length (lossy rules included: GAD++
-    top-beta/tau, min-block around exact or GAD++), any slot count, refill order and forced prefix;
-    GAD++ with beta 1 is greedy's output. Drafts longer than a short source keep their length."""
+def test_acceptance_rules_decide_alike_packed_and_fixed(seed, kind, rule, beta, tau, min_block, bs, k, max_tokens,
+                                                        forced):
+    """Every acceptance rule decides alike on an eager step's packed positions and on the fixed layout of a
+    step run under a replay's rules (`graphs="check"`): one output and the same statistics for the same
+    drafter at a fixed draft length (lossy rules included: GAD++ top-beta/tau, min-block around exact or
+    GAD++), any slot count, refill order and forced prefix, run after run; GAD++ with beta 1 is greedy's
+    output. Drafts longer than a short source keep their length."""
     model = tiny_model("shallow-decoder-tied-output", seed=seed % 5, vocab=9)
     rng = random.Random(seed)
     prompt = tuple(rng.randint(3, model.cfg.tgt_vocab - 1) for _ in range(1 + forced))
@@ -161,12 +163,12 @@ def test_slot_acceptance_rules_equal_the_row_loop(seed, kind, rule, beta, tau, m
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10**6), bs=st.integers(1, 6), k=st.integers(1, 7), budget=st.sampled_from([None, "random"]),
        drafter=st.sampled_from(["greedy", "guide", "iad"]))
-def test_slot_loop_on_a_double_token_verifier_equals_the_row_loop(seed, bs, k, budget, drafter):
+def test_a_double_token_verifier_decodes_in_pairs(seed, bs, k, budget, drafter):
     """A double-token verifier on slots, eagerly and under a replay's rules: drafts (a corrupted copy of the
     folded greedy stream, IAD's input copy) cut to whole pairs, accepted by whole pairs, a bonus pair and
     the eos cut by pairs give the model's own greedy output for any slot count, refill order and draft
-    budget, run after run; and the row loop's statistics (in tokens) where both verify the same drafts:
-    at the drafter's length, or at a random budget's eagerly on as many slots as the row loop has rows."""
+    budget, run after run; and the same statistics (in tokens) packed and fixed where both verify the same
+    drafts: at the drafter's length, or at a random budget's eagerly on a power of two of slots."""
     model = tiny_model("double-token", seed=seed % 5)
     rng = random.Random(seed)
     reqs = _requests(rng, rng.randint(1, 9), model.cfg.src_vocab, model.cfg.eos)
@@ -282,19 +284,15 @@ class OfferLog(RandomBudget):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_budget_is_told_the_drafts_offered_as_by_the_row_loop(seed):
-    """The slot loop reports the longest draft offered before its width's cut, from its one read per
-    iteration: the draft budget hears what the row loop tells it, call by call."""
+def test_budget_is_told_the_drafts_offered(seed):
+    """The loop reports the longest draft offered before its width's cut, from its one read per
+    iteration, at every call."""
     model = tiny_model(KINDS[seed % len(KINDS)], seed=seed, vocab=9)
     reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos)
-    logs = []
-    for make in (DraftVerifyLoop, SlotLoop):
-        budget = OfferLog(seed, DraftBudget.LONGEST)
-        list(make(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))  # slots: a power of 2
-        logs.append(budget.log)
-    assert logs[0] == logs[1]
-    assert all(offered is not None for _, _, offered in logs[1])
-    assert any(0 < length < offered for length, _, offered in logs[1])  # some drafts were cut
+    budget = OfferLog(seed, DraftBudget.LONGEST)
+    list(SlotLoop(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))
+    assert all(offered is not None for _, _, offered in budget.log)
+    assert any(0 < length < offered for length, _, offered in budget.log)  # some drafts were cut
 
 
 def test_slot_count():
@@ -418,18 +416,17 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
-def test_loops_load_the_attention_kernel_when_built(monkeypatch):
-    """Both loops load the kernel when they are built, not in a call that the draft budget times (a
-    first build takes about 20 s)."""
+def test_the_loop_loads_the_attention_kernel_when_built(monkeypatch):
+    """The loop loads the kernel when it is built, not in a call that the draft budget times (a first
+    build takes about 20 s)."""
     from aggdec.model import decode_attention
 
     model = tiny_model("prenorm-learned-separate", seed=1, vocab=9)
-    for make in (lambda: DraftVerifyLoop(model, InputCopy()), lambda: SlotLoop(model, InputCopy())):
-        built = []
-        monkeypatch.setattr(decode_attention, "_loaded", None)
-        monkeypatch.setattr(decode_attention, "build", built.append)
-        make()
-        assert built == [torch.backends.cpu.get_cpu_capability()]
+    built = []
+    monkeypatch.setattr(decode_attention, "_loaded", None)
+    monkeypatch.setattr(decode_attention, "build", built.append)
+    SlotLoop(model, InputCopy())
+    assert built == [torch.backends.cpu.get_cpu_capability()]
 
 
 @pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like"])
@@ -486,7 +483,7 @@ def test_compiled_step_equals_greedy():
             assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
         decode_options("greedy", compile=True, precision="int8")
-    # IAD compiles below batch size 3 (above, it measured slower than its row loop)
+    # IAD compiles below batch size 3 (above, it measured slower than eager steps)
     iad = decode_options("iad", compile=True, max_batch_size=2)
     loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
     assert loop._compiled is not None
@@ -507,7 +504,7 @@ def test_compiled_step_equals_greedy():
     wide = decode_options("iad", compile=True, max_batch_size=3)
     with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
         assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \
-            "DraftVerifyLoop"
+            "SlotLoop"
 
 
 def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
@@ -553,9 +550,9 @@ def test_compiled_double_token_steps_equal_greedy():
 
 
 @pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores
-def test_compiled_gad_plus_equals_the_row_loop():
+def test_compiled_gad_plus_equals_the_eager_loop():
     """`compile = true` with method gad++ (top-beta/tau and a minimum block, at a fixed draft length)
-    runs on compiled slots, as one program with no graph break, and gives the row loop's output."""
+    runs on compiled slots, as one program with no graph break, and gives the eager step's output."""
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import DraftContext, get_method
     from aggdec.model.projection import OutputProjection

@@ -20,6 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 import ray._private.state  # noqa: E402
+from test_jobs import ray_local  # noqa: E402, F401  (a module fixture: a local Ray of 2 CPUs)
 
 from aggdec.api import Translator  # noqa: E402
 from aggdec.decoding.method_options import options_from_mapping  # noqa: E402
@@ -27,7 +28,6 @@ from aggdec.decoding.options import OptionError  # noqa: E402
 from jobs import build_processor  # noqa: E402
 from jobs.run import run_job  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
-from test_jobs import ray_local  # noqa: E402, F401  (a module fixture: a local Ray of 2 CPUs)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "gec-base"

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from tiny_models import tiny_model
 
 from aggdec.decoding import streams

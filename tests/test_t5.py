@@ -232,9 +232,10 @@ def test_decode_cli_reads_a_t5_directory(t5_dirs):
 
 def test_a_corpus_job_decodes_a_t5_with_iad(t5_dirs, tmp_path):
     """A Ray job over Parquet shards on the T5 directory itself, method IAD: the API's outputs."""
-    from jobs.spec import load_spec
     from test_hf_import import job_decodes_as_the_api
     from test_jobs import write_corpus, write_spec
+
+    from jobs.spec import load_spec
 
     d = t5_dirs["t5-v1.1"]
     inp = write_corpus(tmp_path / "in", shards=2, rows=10)
@@ -253,7 +254,7 @@ def _iad_calls(drafter: InputCopy, src: list[int], output: list[int], eos: int =
     out = torch.zeros(1, len(target) + 1, dtype=torch.long)
     state = DecodeState(src=torch.tensor([src]), src_len=torch.tensor([len(src)]), out=out,
                         out_len=torch.tensor([1]), max_len=torch.tensor([len(target)]), cache=None,
-                        requests=[None], stats=[None], pad=0, eos=eos)
+                        requests=[None], pad=0, eos=eos)
     drafter.admit(state, torch.arange(1))
     calls, done = 0, 0
     while done < len(target):

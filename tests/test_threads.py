@@ -8,12 +8,11 @@ import sys
 import time
 
 import torch
-
 from tiny_models import tiny_model
 
 from aggdec import threads
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.threads import ThreadGovernor
 
 BUSY = "while True: pass"
@@ -79,13 +78,13 @@ def test_decoding_while_the_thread_count_changes_gives_the_same_outputs():
             for i in range(24)]
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    two = {h.index: h.tokens for h in DraftVerifyLoop(model, max_batch_size=5).run(reqs)}
+    two = {h.index: h.tokens for h in SlotLoop(model, max_batch_size=5).run(reqs)}
     procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2 * len(os.sched_getaffinity(0)))]
     try:
         end = time.perf_counter() + 3.0
         while time.perf_counter() < end:
             again = [dataclasses.replace(r, index=k * len(reqs) + r.index) for k in range(4) for r in reqs]
-            busy = {h.index: h.tokens for h in DraftVerifyLoop(model, max_batch_size=5).run(again)}
+            busy = {h.index: h.tokens for h in SlotLoop(model, max_batch_size=5).run(again)}
             assert busy == {k * len(reqs) + i: tokens for k in range(4) for i, tokens in two.items()}
         assert threads.THREADS.chosen == 1 and threads.THREADS.wanted == 2
     finally:

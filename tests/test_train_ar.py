@@ -8,8 +8,8 @@ import random
 import re
 
 from aggdec import checkpoint
-from aggdec.decoding.loop import DraftVerifyLoop
 from aggdec.decoding.metadata import Request
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.train.ar import TrainConfig, main, read_tsv, train_ar
 from aggdec.train.spm import train_sentencepiece
 
@@ -64,7 +64,7 @@ def test_tiny_run_saves_loadable_model_and_loss_drops(tmp_path, capsys):
     assert 0 < meta["updates"] <= 200
     assert bundle.model.cfg.share_all_embeddings and bundle.model.cfg.d_model == 16
     reqs = [Request(i, bundle.src_tok.encode(s) + [bundle.model.cfg.eos], 30) for i, (s, _) in enumerate(pairs[50:])]
-    hyps = sorted(DraftVerifyLoop(bundle.model, max_batch_size=4).run(reqs), key=lambda h: h.index)
+    hyps = sorted(SlotLoop(bundle.model, max_batch_size=4).run(reqs), key=lambda h: h.index)
     assert [h.index for h in hyps] == list(range(10))
     assert all(len(h.tokens) <= 30 for h in hyps)
     assert all(isinstance(bundle.tgt_tok.decode(h.tokens), str) for h in hyps)

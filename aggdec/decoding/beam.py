@@ -29,10 +29,10 @@ import time
 import torch
 
 from aggdec.decoding.candidates import chunk_for, top_candidates
-from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
 from aggdec.decoding.method_options import BeamOptions
 from aggdec.decoding.pair_beam import pair_beam_search
+from aggdec.decoding.scheduler import encoded_batches
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
 

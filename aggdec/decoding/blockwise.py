@@ -11,7 +11,6 @@ iteration is one verifier call plus k-1 small head FFNs on one position per row.
 
 from __future__ import annotations
 
-
 import torch
 
 from aggdec.decoding.drafters import StateDrafter, Verified

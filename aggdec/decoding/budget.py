@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-
 UNKNOWN_OFFER = 1 << 30
 """`Block.longest` where the drafts offered are unknown: as if every draft had been cut."""
 

@@ -21,7 +21,6 @@ from aggdec.model.linear import linear, prepack
 from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
 
-
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """head -> {(id of verifier, id of output weight): (verifier, output weight, draft weight, its oneDNN
 packing, draft bias, token table)}; the entry holds the verifier and output weight, so their ids stay

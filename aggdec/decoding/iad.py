@@ -5,7 +5,6 @@ For correction-like tasks, where the output mostly copies the input. Lossless: t
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -13,8 +12,7 @@ from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
-from aggdec.thresholds import HOST_MATCH_ROWS, MATCH_DEPTH
-
+from aggdec.thresholds import MATCH_DEPTH
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
@@ -27,23 +25,6 @@ def _nearest(last: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     i = torch.arange(last.shape[1], device=last.device)[None]
     dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
     return dist.masked_fill(~last, last.shape[1] * 4).argmin(dim=1)
-
-
-def _match_row(x: list[int], out: list[int], anchor: int) -> int:
-    """`InputCopy.match` of one row: x = (BOS mark, source...), out = (BOS mark, output...)."""
-    j = len(out) - 1
-    ends = [i for i, t in enumerate(x) if t == out[j]]
-    repeated: list[int] = []  # the end positions of the longest suffix that occurs several times
-    q = 0
-    while len(ends) > 1 and q < j:
-        repeated = ends
-        q += 1
-        ends = [i for i in ends if i >= q and x[i - q] == out[j - q]]
-    if len(ends) == 1:
-        return ends[0]
-    if anchor >= 0 and repeated:
-        return min(repeated, key=lambda i: 2 * abs(i - anchor) - (i > anchor))  # as _nearest
-    return -1
 
 
 def _first_occurrence(state: DecodeState) -> torch.Tensor:
@@ -118,57 +99,14 @@ class InputCopy:
     def admit(self, state, slots):
         self.rows.admit(state, slots, resume=-1, start=-1, **({"cap": self.max_draft} if self.adaptive else {}))
 
-    def select(self, rows):
-        self.rows.select(rows)
-
-    def match(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) end position i in x of the unique suffix match, or -1 where there is none.
+    def match(self, state: DecodeState, depth: int = MATCH_DEPTH, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) end position i in x of each row's unique suffix match, or -1 where there is none: one
+        fixed-shape tensor program (no host reads) trying the output's suffixes of up to `depth` tokens at
+        once (a unique suffix only longer counts as none: a shorter draft, never another output).
 
         anchor (B,) x index or -1, optional: where a row has no unique match but its longest matching
         suffix occurs more than once, take the occurrence whose end is nearest to the anchor (the
         later one on a tie) instead of -1."""
-        bsz = state.batch_size
-        dev = state.out.device
-        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
-        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
-        out = state.out.clone()
-        out[:, 0] = _BOS_MARK
-        j = state.out_len - 1  # index of the last output token
-        cand = torch.ones_like(x, dtype=torch.bool)
-        pos = torch.full((bsz,), -1, dtype=torch.long, device=dev)
-        open_rows = torch.ones(bsz, dtype=torch.bool, device=dev)
-        last = torch.zeros_like(cand)  # candidates of each row's longest suffix that occurs at all
-        q = 0
-        while bool(open_rows.any()):
-            idx = j - q
-            tok = out.gather(1, idx.clamp(min=0)[:, None])  # (B, 1)
-            shifted = F.pad(x, (q, 0), value=_NO_TOKEN)[:, : x.shape[1]]  # shifted[b, i] = x[b, i - q]
-            cand &= (shifted == tok) & (idx >= 0)[:, None]
-            count = cand.sum(dim=1)
-            unique = open_rows & (count == 1)
-            pos = torch.where(unique, cand.long().argmax(dim=1), pos)
-            if anchor is not None:
-                last = torch.where((open_rows & (count > 1))[:, None], cand, last)
-            open_rows &= (count > 1) & (idx > 0)
-            q += 1
-        if anchor is not None:
-            pos = torch.where((pos < 0) & (anchor >= 0) & last.any(dim=1), _nearest(last, anchor), pos)
-        return pos
-
-    def match_rows(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`match` on the host, row by row in Python, from one read of the state: on the CPU, up to
-        HOST_MATCH_ROWS rows, where `match`'s operators and per-suffix host reads cost more."""
-        src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
-        anchors = anchor.tolist() if anchor is not None else [-1] * len(src)
-        pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a)
-               for x, n, o, m, a in zip(src, src_len, out, out_len, anchors)]
-        return torch.tensor(pos, dtype=torch.long, device=state.out.device)
-
-    def match_fixed(self, state: DecodeState, depth: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`match` as one fixed-shape tensor program (no host reads): suffixes of at most `depth`
-        tokens are tried at once. Equal to `match` wherever the unique suffix (or, with an anchor, the
-        last suffix that occurs several times) is at most `depth` tokens long; longer ones count as no
-        match (a shorter draft, never another output)."""
         bsz = state.batch_size
         dev = state.out.device
         x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
@@ -217,25 +155,10 @@ class InputCopy:
         if self.adaptive:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
-    def propose(self, state, width=None):
-        """With a `width`: a fixed-shape program, drafts (B, width) from suffixes of at most
-        MATCH_DEPTH tokens (`match_fixed`), no host reads. Without: each row's whole draft, matched on
-        the host (`match_rows`, up to HOST_MATCH_ROWS rows on the CPU) or by `match`."""
-        bsz = state.batch_size
-        dev = state.out.device
-        rows = self.rows
-        anchor = rows.resume if self.nearest_match else None
-        if width is not None:
-            start, num = self._drafts(state, self.match_fixed(state, MATCH_DEPTH, anchor))
-            rows.start.copy_(start)
-            return _copy(state, start, num, width)
-        if state.next_draft(1) == 0:
-            rows.start = torch.full_like(rows.start, -1)
-            return DraftBatch.empty(bsz, dev, state.pad)
-        match = self.match_rows if bsz <= HOST_MATCH_ROWS and dev.type == "cpu" else self.match
-        start, num = self._drafts(state, match(state, anchor))
-        rows.start = start
-        k = int(num.max()) if bsz else 0
-        if k == 0:
-            return DraftBatch.empty(bsz, dev, state.pad)
-        return _copy(state, start, num, k)
+    def propose(self, state, width):
+        """Drafts (B, width), a fixed-shape program with no host reads: each row's input after its
+        unique suffix match (`match`)."""
+        anchor = self.rows.resume if self.nearest_match else None
+        start, num = self._drafts(state, self.match(state, anchor=anchor))
+        self.rows.start.copy_(start)
+        return _copy(state, start, num, width)

@@ -9,21 +9,14 @@ import torch
 
 @dataclass
 class DraftBatch:
-    """Ragged drafts for the active rows, padded to the longest.
+    """Drafts of the loop's rows, padded to K tokens.
 
-    tokens:    (B, K) int64, row b's draft in tokens[b, :num_draft[b]], the rest is pad.
-    num_draft: (B,) int64, 0 <= num_draft[b] <= K.
+    tokens:    (B, K) int64, row b's draft in tokens[b, :num_draft[b]] (as far as K reaches).
+    num_draft: (B,) int64: each row's draft length (a drafter's may pass K: the loop cuts it there).
     """
 
     tokens: torch.Tensor
     num_draft: torch.Tensor
-
-    @classmethod
-    def empty(cls, batch: int, device: torch.device, pad: int) -> "DraftBatch":
-        return cls(
-            tokens=torch.full((batch, 0), pad, dtype=torch.long, device=device),
-            num_draft=torch.zeros(batch, dtype=torch.long, device=device),
-        )
 
 
 @dataclass

@@ -41,7 +41,6 @@ from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
 
-
 KEPT_BUDGETS = 16
 """Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
 KEPT_LOOPS = 8

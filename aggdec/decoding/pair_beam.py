@@ -24,8 +24,8 @@ import torch
 
 from aggdec.decoding.acceptance import constrain_logits
 from aggdec.decoding.candidates import chunk_for, top_candidates
-from aggdec.decoding.loop import encoded_batches
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
+from aggdec.decoding.scheduler import encoded_batches
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS

@@ -45,16 +45,23 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import Acceptance, FixedScores, VerifierScores, unpack
+from aggdec.decoding.acceptance import (
+    Acceptance,
+    ExactMatch,
+    FixedScores,
+    VerifierScores,
+    constrain_logits,
+    unpack,
+)
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
-from aggdec.decoding.drafters import Verified
-from aggdec.decoding.loop import LoopBase, pad_batch, take
+from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
+from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, pad_batch, take
 from aggdec.decoding.state import DecodeState
-from aggdec.double_token import unfold
+from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
-from aggdec.model.projection import OutputProjection
+from aggdec.model.projection import Constrain, OutputProjection
 from aggdec.model.slots import SlotCache, bucket, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -109,19 +116,45 @@ def capture_plan(slots: int, length: int, src_width: int, max_draft: int,
     return [(n, w, s, src_width - 1) for n in counts for w in widths for s in spans]
 
 
-class SlotLoop(LoopBase):
-    """Decode requests on fixed slots (module docstring). Arguments as `DraftVerifyLoop`'s (any acceptance);
+class SlotLoop:
+    """Decode requests with `model` as verifier, `drafter` proposing (default: none, greedy) and
+    `acceptance` deciding (default: exact top-1), on fixed slots (module docstring).
+
+    `max_batch_size` bounds the active rows; `max_tokens`, if set, bounds the sum of active source
+    lengths (a row is always admitted into an empty batch). With `refill=False` the loop waits for
+    the whole batch to finish before admitting more (static batching, for comparison).
+    `projection` computes an eager step's top-1 and logits (default: plain fp32); one built with
+    `certify=True` gives the certified bf16 top-1, which leaves every output unchanged.
+    `encode_batch`: refills are encoded at least this many at a time (`EncodeAhead`; 0 or 1 encodes
+    each refill alone). `budget`: chooses each call's draft length from measured costs and acceptance
+    (DraftBudget); None verifies every drafted token. `prompt`: (decoder start token, forced first
+    output tokens...), aggdec.conventions.Framing.prompt; default (eos,): fairseq's. A double-token
+    model starts from the pair (bos, start) and takes no forced tokens.
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
-    TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards)."""
+    TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards).
+    Elsewhere steps run eagerly, packed (`packed`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False,
                  projection: OutputProjection | None = None, refill: bool = True):
-        super().__init__(model, drafter, acceptance, max_batch_size, max_tokens, min_len, encode_batch, budget, prompt,
-                         projection)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
+        self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
+        self.device = next(model.parameters()).device
+        self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
+        self.stride = STRIDE if model.cfg.double_token else 1
+        start = prompt[0] if prompt else model.cfg.eos
+        self.starts = torch.tensor((model.cfg.bos, start) if self.stride > 1 else (start,), device=self.device)
+        if self.stride > 1 and self.forced.numel():
+            raise ValueError("a double-token model takes no forced first tokens")
+        self.counters = LoopCounters()
+        self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
+        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
+                                                         int8=model.output_int8)
         self.dtype, self.refill = next(model.parameters()).dtype, refill
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -141,6 +174,28 @@ class SlotLoop(LoopBase):
         self._graph_states: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+
+    def _queue(self, requests: Iterable[Request]) -> list[Request]:
+        """The requests in admission order (pop() takes the longest); ValueError naming a request whose
+        source or length limit the model cannot take."""
+        cfg = self.model.cfg
+        queue = sorted(requests, key=lambda r: len(r.src))
+        for r in queue:
+            if not 1 <= r.max_len < cfg.max_target_positions:
+                raise ValueError(f"request {r.index}: max_len={r.max_len} outside [1, {cfg.max_target_positions - 1}]")
+            if not 1 <= len(r.src) <= cfg.max_source_positions:
+                raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
+        return queue
+
+    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor) -> Constrain:
+        """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
+        as `VerifierScores` takes them: on all of them, or on the positions `at`."""
+        cfg = self.model.cfg
+
+        def constrain(z: torch.Tensor, at: torch.Tensor | None) -> None:
+            idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
+            constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
+        return constrain
 
     # -- the step: one fixed-shape program -------------------------------------------------------
 
@@ -219,12 +274,12 @@ class SlotLoop(LoopBase):
         self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum()[None] if width else total,
                                        offered if width else self._zero]))
 
-    def _observe_states(self, span: int, src_width: int) -> None:
+    def _observe_states(self, span: int, src_width: int, length: int) -> None:
         """A `from_states` drafter drafts the next call from the last step's states at each slot's last
         verified position, once the loop knows the next call drafts (eager, whatever runs the step)."""
         behind, accepted = self._states
         keys = functools.partial(self.cache.layer_keys, lengths=self.state.generated, span=span, src_width=src_width)
-        self.drafter.observe(self.state, None, accepted, Verified(behind, keys))
+        self.drafter.observe(self.state, None, accepted, Verified(behind, keys, length))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self._compiled is not None:
@@ -350,7 +405,7 @@ class SlotLoop(LoopBase):
             src_len=torch.ones(b, dtype=torch.long, device=dev), out=out,
             out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
-            requests=[None] * b, stats=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride)
+            requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride)
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
@@ -516,7 +571,7 @@ class SlotLoop(LoopBase):
             observed = 0.0
             if self._after and length:  # the next call drafts: from this call's states
                 t0 = time.perf_counter()
-                self._observe_states(span, src_width)
+                self._observe_states(span, src_width, length)
                 observed = time.perf_counter() - t0
             finished = [s for s in range(n) if done[s]]
             if finished:

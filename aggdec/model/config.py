@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORMS = ("layer", "rms")
 

@@ -35,7 +35,6 @@ from aggdec.decoding.options import PRECISIONS
 from aggdec.model.linear import Linear
 from aggdec.model.transformer import Transformer
 
-
 ISAS = ("amx", "avx512_vnni", "avx_vnni", "avx512", "avx2", "other")
 """CPU classes by what decides the cost of bf16 and int8 products, best first (`cpu_isa`)."""
 

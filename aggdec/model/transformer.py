@@ -459,29 +459,15 @@ class Transformer(nn.Module):
         """
         return self.output_logits(self.decode_hidden(tokens, cache))
 
-    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache, key_limit: torch.Tensor | None = None,
-                      valid: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """As `decode`, but returns the final decoder states (B,T,D), so that callers can project
-        only the positions they need (the output projection dominates a verification call).
-
-        key_limit (B,T) int64, optional: query [b, t] attends to positions <= key_limit[b, t]
-        (default: its own position, i.e. causal; a double-token model's default is the end of its
-        pair, so its blocks start at even positions and hold whole pairs). A wider limit lets a block's
-        positions see each other while the prefix stays causal (and so cacheable).
-        valid (B,T) bool, optional: the positions that matter, a prefix of each row's block. Then
-        only they are computed (packed: linear layers, FFN and norms run on N = valid.sum() tokens,
-        attention alone on the padded layout), only they are written to the cache, and the result
-        is (N,D) in row-major order. Ragged drafts then cost their own length, not the longest.
-        """
-        if valid is not None and bool(valid.all()):  # nothing to pack: the plain layout, flattened
-            hidden = self.decode_hidden(tokens, cache, key_limit)
-            return hidden.reshape(-1, hidden.shape[-1])
+        only the positions they need. Causal: each position attends to itself and before (a
+        double-token model: to the end of its pair, so its blocks start at even positions and hold
+        whole pairs)."""
         bsz, t = tokens.shape
         cache.reserve(t)
-        offs = torch.arange(t, device=tokens.device)
-        pos = cache.lengths[:, None] + offs  # (B,T) absolute positions
-        span = cache.longest + t
-        limit = self._default_limit(pos) if key_limit is None else key_limit
+        pos = cache.lengths[:, None] + torch.arange(t, device=tokens.device)  # (B,T) absolute positions
+        span = cache.length + t
         cross_keep = cache.cross.keep  # (B',1,1,S), B' = B / cache.group
         ragged = decode_attention.usable(tokens.device, cache.k[0].dtype)
         self_rows, cross_rows, cross_count = cache.key_rows(span), None, cache.cross.count
@@ -491,29 +477,23 @@ class Transformer(nn.Module):
         sources = cache.cross_rows() if ragged else None
         if sources is not None:  # each sentence's source, read by its beams through a row map
             cross_rows, cross_count = sources[:, None].expand(bsz, cross_keep.shape[-1]), cross_count[sources]
-        attend, self_sees, cross_sees = self._attention(limit, span, cross_count, cross_keep, ragged)
+        attend, self_sees, cross_sees = self._attention(self._default_limit(pos), span, cross_count, cross_keep,
+                                                        ragged)
         biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
-        if valid is not None:
-            rows = torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t)[valid]
-            where = (rows, pos[valid])
-            tokens, pos = tokens[valid], pos[valid]
         x = self.decoder.embed(tokens, pos)
-        pack, unpack = packing(valid)
-
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
             def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
-                k, v = cache.write(i, k, v, where if valid is not None else None, span)
-                return sa.out_proj(pack(attend(sa, unpack(q), k, v, self_sees, self_rows, bias)))
+                k, v = cache.write(i, k, v, span)
+                return sa.out_proj(attend(sa, q, k, v, self_sees, self_rows, bias))
 
             def cross_attn(h, i=i, ca=ca):
-                if cache.group > 1 and not ragged:  # beams sharing their sentence's cross K/V (never packed)
+                if cache.group > 1 and not ragged:  # beams sharing their sentence's cross K/V
                     return ca.out_proj(ca.core_shared(ca.q_proj(h), *cache.cross_heads(i, ca.heads), cross_keep,
                                                       cache.group))
-                return ca.out_proj(pack(attend(ca, unpack(ca.q_proj(h)), cache.cross.k[i], cache.cross.v[i],
-                                               cross_sees, cross_rows)))
+                return ca.out_proj(attend(ca, ca.q_proj(h), cache.cross.k[i], cache.cross.v[i], cross_sees, cross_rows))
 
             x = layer(x, self_attn, cross_attn)
         return self._final(x)
@@ -593,17 +573,15 @@ class Transformer(nn.Module):
         """Causal: each position sees itself and before; a double-token model's unit is the pair."""
         return pair_limit(pos) if self.cfg.double_token else pos
 
-    def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor, key_limit: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
         """Teacher-forced logits (B,T,V) for training, no cache (hidden states (B,T,D) if
-        `return_hidden`). key_limit (B,T) as in `decode_hidden`; default causal (pairs for a
-        double-token model)."""
+        `return_hidden`), causal (pairs for a double-token model)."""
         memory, src_pad = self.encode(src)
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
         pos = torch.arange(t, device=src.device)
         x = self.decoder.embed(prev_output_tokens, pos[None].expand(bsz, t))
-        limit = self._default_limit(pos[None].expand(bsz, t)) if key_limit is None else key_limit
+        limit = self._default_limit(pos[None].expand(bsz, t))
         causal = (pos[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,T)
         cross_keep = (~src_pad)[:, None, None, :]
         biases = self.decoder.position_bias(pos[None], t)  # (1,H,T,T) each, or None

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from aggdec import checkpoint
 from aggdec.api import Translator
 from aggdec.decoding.limits import max_len_for
-from aggdec.decoding.loop import DraftVerifyLoop, pad_batch
 from aggdec.decoding.metadata import Request
 from aggdec.decoding.options import DecodeOptions
+from aggdec.decoding.scheduler import pad_batch
+from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.transformer import Transformer
 from aggdec.train.ar import log, read_tsv, training_autocast
@@ -63,7 +64,7 @@ def extract_features(verifier: str | Path, sources: list[str], out: str | Path, 
         reqs = [Request(index=i, src=s, max_len=max(1, max_len_for(len(s), opts.max_len_a, opts.max_len_b,
                                                                    cfg.max_target_positions)))
                 for i, s in enumerate(src_ids[start: start + chunk])]
-        loop = DraftVerifyLoop(model, max_batch_size=batch_size, prompt=tr.framing().prompt)
+        loop = SlotLoop(model, max_batch_size=batch_size, prompt=tr.framing().prompt)
         hyps = sorted(loop.run(reqs), key=lambda h: h.index)
         tgt_ids += [h.tokens + [cfg.eos] for h in hyps]
         log(f"decoded {len(tgt_ids)}/{len(src_ids)} ({len(tgt_ids) / (time.time() - t0):.1f} sent/s)")

@@ -21,8 +21,18 @@ import torch
 from aggdec import checkpoint
 from aggdec.checkpoint import save_heads
 from aggdec.model.heads import ProposalHeads
+from aggdec.train.ar import (
+    PAD,
+    collate,
+    encode_pairs,
+    log,
+    ls_loss,
+    make_batches,
+    read_tsv,
+    to_device,
+    training_autocast,
+)
 from aggdec.train.args import heads_args
-from aggdec.train.ar import PAD, collate, encode_pairs, log, ls_loss, make_batches, read_tsv, to_device, training_autocast
 
 
 def _schedule(step: int, lr: float, warmup: int) -> float:

@@ -18,8 +18,8 @@ import torch
 from aggdec.api import Translator, decode_options
 from aggdec.distill import TSV_HEADER, PairFilter, filter_reasons, pair_lines
 from aggdec.schema import decoded_columns
-from aggdec.train.args import seqkd_args
 from aggdec.train.ar import log, read_tsv
+from aggdec.train.args import seqkd_args
 
 
 def generate(model_dir: str | Path, sources: list[str], out_tsv: str | Path, *, method: str = "greedy",

@@ -1,0 +1,113 @@
+"""Admission to the decode loop (aggdec.decoding.slot_loop): the queue's order, how many pending
+requests a refill takes, their sources padded, and their encoder passes, run ahead of admission a
+batch at a time (docs/design.md, "Encode-ahead refills"); and the counters of a loop's work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from aggdec.decoding.metadata import Request
+from aggdec.model.cache import CrossKV
+from aggdec.model.transformer import Transformer
+from aggdec.thresholds import ENCODE_AHEAD, ENCODE_AHEAD_TOKENS
+
+
+def pad_batch(seqs: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Right-pad int sequences into a (B, max_len) int64 tensor (width at least 1)."""
+    width = max(1, max((len(s) for s in seqs), default=1))
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]  # one tensor call, not one a row
+    out = torch.tensor(rows, dtype=torch.long) if rows else torch.full((0, width), pad, dtype=torch.long)
+    return out.to(device)
+
+
+def take(queue: list[Request], free_slots: int, used_tokens: int, max_tokens: int | None) -> list[Request]:
+    """Pop up to `free_slots` requests off the end of `queue` (the longest, as queues are sorted by
+    source length) while the active source tokens stay within `max_tokens`; an empty batch always
+    takes one."""
+    taken = []
+    while queue and len(taken) < free_slots:
+        n = len(queue[-1].src)
+        if max_tokens is not None and used_tokens + n > max_tokens and (used_tokens or taken):
+            break
+        taken.append(queue.pop())
+        used_tokens += n
+    return taken
+
+
+def ahead_count(longest: int) -> int:
+    """Sentences encoded together by default where the longest has `longest` tokens: ENCODE_AHEAD,
+    fewer where their padded tokens would pass ENCODE_AHEAD_TOKENS, at least 1."""
+    return max(1, min(ENCODE_AHEAD, ENCODE_AHEAD_TOKENS // longest))
+
+
+class EncodeAhead:
+    """Cross K/V for refilled slots, encoded `batch` at a time ahead of admission (docs/design.md,
+    "Encode-ahead refills"): a refill that was encoded ahead takes its rows; the others are encoded
+    now together with the next pending requests of the queue, which then wait as cross K/V.
+    `batch=None`: the loop's default, max_batch_size or `ahead_count`, whichever is more."""
+
+    def __init__(self, model: Transformer, batch: int | None, counters: LoopCounters, max_batch_size: int):
+        self.model, self.counters = model, counters
+        self.batch, self.default = (max_batch_size, True) if batch is None else (batch, False)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cross: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
+        self.rows: dict[int, int] = {}  # id(request) -> its row in cross
+
+    def place(self, reqs: list[Request], queue: list[Request], put: Callable[[list[int], CrossKV], None]) -> None:
+        """Call put(indices into reqs, their cross K/V trimmed to their width), once or twice."""
+        device = next(self.model.parameters()).device
+        hit = [i for i, r in enumerate(reqs) if id(r) in self.rows]
+        miss = [i for i, r in enumerate(reqs) if id(r) not in self.rows]
+        if hit:
+            rows = torch.tensor([self.rows.pop(id(reqs[i])) for i in hit], device=device)
+            put(hit, self.cross.take(rows, trim=True))
+        if miss:
+            longest = max(len(reqs[i].src) for i in miss)  # the queue's are no longer
+            count = max(self.batch, ahead_count(longest)) if self.default else self.batch
+            ahead = queue[-1: -1 - max(0, count - len(miss)): -1]  # admitted next (pop order)
+            batch = [reqs[i] for i in miss] + ahead
+            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
+            self.counters.encoded_rows += len(batch)
+            cross = self.model.cross_kv(memory, src_pad)
+            put(miss, cross.take(torch.arange(len(miss), device=device), trim=True))
+            self.cross, self.rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
+
+
+def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
+                    ) -> Iterator[tuple[int, list[Request], torch.Tensor, torch.Tensor]]:
+    """Static batches of `reqs` (in order: beam search takes them longest first), `max_batch_size`
+    at a time, with their encoder output: (index of the batch's first request, the batch, memory,
+    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, as many as
+    `ahead_count` allows (at least one), as the loops encode refills ahead."""
+    device = next(model.parameters()).device
+    at = 0
+    while at < len(reqs):
+        count = max(1, ahead_count(len(reqs[at].src)) // max_batch_size) * max_batch_size
+        group = reqs[at: at + count]
+        memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
+        for off in range(0, len(group), max_batch_size):
+            batch = group[off: off + max_batch_size]
+            width = max(len(r.src) for r in batch)
+            yield at + off, batch, memory[off: off + len(batch), :width], src_pad[off: off + len(batch), :width]
+        at += len(group)
+
+
+@dataclass
+class LoopCounters:
+    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
+    padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
+    captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
+    eagerly), by a captured slot loop."""
+
+    calls: int = 0
+    fed: int = 0
+    padded: int = 0
+    encoded_rows: int = 0
+    captures: int = 0
+    capture_failures: int = 0
