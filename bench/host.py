@@ -1,11 +1,11 @@
-"""`host`: the host work of a decoder call, the row loop (aggdec.decoding.loop) against the slot loop
-(aggdec.decoding.slot_loop), on a model so small that a call is mostly host work.
+"""`host`: the host work of a decoder call of the decode loop (aggdec.decoding.slot_loop), eager and
+compiled, on a model so small that a call is mostly host work.
 
 The model: d_model 32, 1 encoder and 1 decoder layer, vocabulary 64, fp32, random weights; sources of
 12-20 random tokens, outputs up to 24 tokens; greedy and IAD (draft cap 8). Per loop and batch size:
 wall microseconds per decoder call (median of `--repeat` interleaved runs), aten operators
 dispatched per call, and host reads per call (item/tolist/__bool__/... on tensors: each one a
-device -> host synchronization on a GPU). `--compile` adds greedy's slot loop with a compiled step
+device -> host synchronization on a GPU). `--compile` adds greedy's loop with a compiled step
 (compiled before the timings; it runs as generated code, outside the dispatcher, so its operators and
 reads are not counted). `--floor` adds the arithmetic a call cannot do without: every product and
 attention operator of a run timed alone at its own inputs (median of reruns, less the cost of
@@ -115,8 +115,6 @@ def make(kind: str, method: str, model, bs: int):
     from aggdec.decoding.slot_loop import SlotLoop
 
     drafter = NoDraft() if method == "greedy" else InputCopy(max_draft=8)
-    if kind == "rows":
-        return SlotLoop(model, drafter, max_batch_size=bs)
     return SlotLoop(model, drafter, max_batch_size=bs, compile=kind == "compiled")
 
 
@@ -143,7 +141,7 @@ def main(a: argparse.Namespace) -> int:
         for bs in [int(x) for x in a.batch_sizes.split(",")]:
             reqs = requests(max(bs, 4) if bs > 1 else 8, model.cfg.eos)
             for method in ("greedy", "iad"):
-                kinds = ["rows", "slots"] + (["compiled"] if a.compile and method == "greedy" else [])
+                kinds = ["eager"] + (["compiled"] if a.compile and method == "greedy" else [])
                 loops = {kind: make(kind, method, model, bs) for kind in kinds}
                 outputs = {kind: sorted((h.index, h.tokens) for h in loop.run(reqs)) for kind, loop in loops.items()}
                 times: dict[str, list[float]] = {k: [] for k in loops}
@@ -154,15 +152,15 @@ def main(a: argparse.Namespace) -> int:
                 for kind, loop in loops.items():
                     run = {"batch_size": bs, "method": method, "loop": kind,
                            "us_per_call": round(statistics.median(times[kind]), 1),
-                           "identical_to_rows": outputs[kind] == outputs["rows"]}
+                           "identical_to_eager": outputs[kind] == outputs["eager"]}
                     if kind != "compiled":
                         _, calls, ops = per_call(loop, reqs, CountOps())
                         _, _, reads = per_call(loop, reqs, CountReads())
                         run.update(ops_per_call=round(ops.n / calls, 1), host_reads_per_call=round(reads.n / calls, 2))
                     if a.floor:  # a compiled step's arithmetic is the eager slot loop's, which it compiles
-                        measured = loops["slots" if kind == "compiled" else kind]
+                        measured = loops["eager" if kind == "compiled" else kind]
                         _, calls, floor = per_call(measured, reqs, Floor())
                         run["floor_us_per_call"] = round(1e6 * floor.seconds / calls, 1)
                         run["host_us_per_call"] = round(run["us_per_call"] - run["floor_us_per_call"], 1)
                     results.add(run)
-    return 1 if results.failed or not all(r["identical_to_rows"] for r in results.runs) else 0
+    return 1 if results.failed or not all(r["identical_to_eager"] for r in results.runs) else 0
