@@ -1,11 +1,12 @@
-"""`host`: the host work of a decoder call, the row loop (aggdec.decoding.loop) against the slot loop
-(aggdec.decoding.slot_loop), on a model so small that a call is mostly host work.
+"""`host`: the host work of a decoder call of the decode loop (aggdec.decoding.slot_loop), its eager
+(packed) step and (`--compile`) greedy's compiled step, on a model so small that a call is mostly host
+work.
 
 The model: d_model 32, 1 encoder and 1 decoder layer, vocabulary 64, fp32, random weights; sources of
 12-20 random tokens, outputs up to 24 tokens; greedy and IAD (draft cap 8). Per loop and batch size:
 wall microseconds per decoder call (median of `--repeat` interleaved runs), aten operators
 dispatched per call, and host reads per call (item/tolist/__bool__/... on tensors: each one a
-device -> host synchronization on a GPU). `--compile` adds greedy's slot loop with a compiled step
+device -> host synchronization on a GPU). `--compile` adds greedy's loop with a compiled step
 (compiled before the timings; it runs as generated code, outside the dispatcher, so its operators and
 reads are not counted). `--floor` adds the arithmetic a call cannot do without: every product and
 attention operator of a run timed alone at its own inputs (median of reruns, less the cost of
