@@ -43,7 +43,7 @@ CPP_GEMM_SLOTS = 8
 """Slots up to which a compiled fp32 step's products are TorchInductor's C++ GEMM template on weights
 packed once, inlined into the program (at a few rows it beats a library call); with more slots ATen's
 products, which freezing turns into oneDNN's on prepacked weights (faster than the template on wide
-products, the output projection first; docs/design.md, "Fixed slots: the slot loop"). One backend
+products, the output projection first; docs/design.md, "The slot loop"). One backend
 per program, so no timing chooses between kernels and a run's arithmetic is the same every time;
 float64 (test) models always take ATen's."""
 

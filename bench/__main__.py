@@ -3,7 +3,7 @@
     compare     systems (aggdec's methods and precisions, CTranslate2, transformers, fairseq-generate)
                 x models x batch sizes, each system in a process of its own
     contention  the same systems quiet and beside N competing compute processes
-    host        host work per decoder call on a tiny model: the row loop against the slot loop
+    host        host work per decoder call on a tiny model: eager and compiled steps
     trees       aggdec's methods from this tree and another (a worktree of main): identity, speed
     ops         aten operators a verifier call dispatches, this tree against another
     gpu         the decode engine on a GPU: identity, captures, throughput, transformers, DecodeWorker

@@ -1,5 +1,6 @@
-"""`host`: the host work of a decoder call of the decode loop (aggdec.decoding.slot_loop), eager and
-compiled, on a model so small that a call is mostly host work.
+"""`host`: the host work of a decoder call of the decode loop (aggdec.decoding.slot_loop), its eager
+(packed) step and (`--compile`) greedy's compiled step, on a model so small that a call is mostly host
+work.
 
 The model: d_model 32, 1 encoder and 1 decoder layer, vocabulary 64, fp32, random weights; sources of
 12-20 random tokens, outputs up to 24 tokens; greedy and IAD (draft cap 8). Per loop and batch size:

@@ -26,7 +26,7 @@ from aggdec.model.transformer import Transformer
 class GuideDrafter(NoDraft):
     """Test drafter: proposes the next `k` tokens of a per-request guide (a corrupted greedy output), so
     long drafts are accepted, partially accepted and rejected; exercises commit, rollback and eos. Its
-    drafts are a fixed-shape program from per-row tensors (no host reads): either loop runs it."""
+    drafts are a fixed-shape program from per-row tensors (no host reads): every step runs it, eager or fixed."""
 
     name = "guide"
 

@@ -10,9 +10,9 @@ The row commits d_1 .. d_m, p_m: m + 1 tokens.
 
 `ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
 Criteria read the verifier through `VerifierScores`: top-1 only (cheap, possibly certified bf16)
-or full logits (computed in fp32 on first use). One definition of each rule serves both loops: the
-row loop's packed positions (`valid` a mask) and the slot loop's fixed-shape step (`valid` None:
-every position of every slot, `FixedScores`, no host reads).
+or full logits (computed in fp32 on first use). One definition of each rule serves both layouts of
+the loop's step: an eager step's packed positions (`valid` a mask) and a fixed-shape step's (`valid`
+None: every position of every slot, `FixedScores`, no host reads).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, l
     Sentences are grouped by source length into batches of at most `max_batch_size` sentences
     (each takes `beam` rows). `stats.iterations` is the number of decoder calls a sentence took.
     Each result carries the best `nbest` (1 <= nbest <= beam) hypotheses with their scores.
-    prompt: (decoder start token, forced first tokens...) as in DraftVerifyLoop; a forced token
+    prompt: (decoder start token, forced first tokens...) as in SlotLoop; a forced token
     scores log-prob 0 (Hugging Face's convention).
     """
     if beam < 1:

@@ -43,8 +43,8 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
     draft_cap."""
 
     method: ClassVar[str] = "iad"
-    # every slot verifies the call's whole draft width, where the row loop packs each row's own draft:
-    # the compiled step's saving outweighs that padding only at the smallest batch sizes
+    # a compiled step verifies every slot's whole draft width, where an eager one packs each row's own
+    # draft: the compiled step's saving outweighs that padding only at the smallest batch sizes
     compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "

@@ -75,7 +75,7 @@ class DecodeOptions:
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
                 "in bf16 too. auto: bf16-certified for an fp32 verifier on a CPU with AMX, on calls of enough "
-                "positions (aggdec.model.projection.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster there), else "
+                "positions (aggdec.thresholds.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster there), else "
                 "fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 
@@ -126,7 +126,7 @@ class Drafting:
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
     """Mixin: methods whose decoder step the slot loop compiles on request. `compile_pays_below`: the batch
-    size from which a compiled step measured slower than the eager row loop (None: at none measured);
+    size from which a compiled step measured slower than eager (packed) steps (None: at none measured);
     from there the registry decodes eagerly, with one warning."""
 
     compile_pays_below: ClassVar[int | None] = None

@@ -1,19 +1,21 @@
-"""The draft -> verify loop on fixed batch slots, with its bookkeeping on the device.
+"""The draft -> verify loop on fixed batch slots, with its bookkeeping on the device: every method but
+beam search decodes here.
 
-The same six steps as `aggdec.decoding.loop` (propose, verify, accept, commit, observe, retire and
-refill), arranged so that the per-iteration work is one fixed-shape tensor program:
+Six steps an iteration (propose, verify, accept, commit, observe, retire and refill), arranged so that
+the per-iteration work can be one fixed-shape tensor program:
 
 - **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two, fewer for a
   short run) and a `SlotCache` allocated once per run: self-attention K/V up to the longest output
   any request may reach, cross K/V up to the widest source. A row stays in its slot; a finished
-  row's slot is overwritten by a refill. Empty slots compute masked garbage; once no request waits
+  row's slot is overwritten by a refill. Empty slots compute masked garbage in a fixed-shape step and
+  nothing in an eager one; once no request waits
   and half the slots or more are empty, the live rows move into the first slots and the steps run on
   the power of two (at least 2) that holds them.
-- **Fixed shapes.** A call feeds every slot `[last token ; width draft tokens]`; rows that draft fewer
-  are masked by their own counts. Attention reads a prefix of the cache up to the longest row and
-  the widest live source, bucketed where steps are CUDA graphs (`slots.bucket`), so that one
-  (width, span, source width) is one graph; a compiled step's shapes are symbolic, so it reads
-  exactly those.
+- **Fixed shapes.** A fixed-shape call (compiled, captured, checked) feeds every slot `[last token ;
+  width draft tokens]`; rows that draft fewer are masked by their own counts. Attention reads a prefix
+  of the cache up to the longest row and the widest live source: on CUDA graphs the spans and source
+  width of the capture plan, so that one (width, span, source width) is one graph; a compiled step's
+  shapes are symbolic, so it reads exactly those.
 - **Device-side bookkeeping.** Acceptance, the commit of accepted tokens and the bonus token, eos and
   length rules, and every row statistic (iterations, drafted, accepted, accepted per call, decode
   time share) are batched tensor updates in place. After the step the host reads one small tensor:
@@ -25,13 +27,17 @@ refill), arranged so that the per-iteration work is one fixed-shape tensor progr
   after that (`graphs=True`, the default there; `graphs="check"` runs each step eagerly under a
   replay's rules, `capture_check`, and refuses a shape outside the plan). On a CPU, `compile=True` runs it as a TorchInductor program with
   symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
-  products and attention by slot count: docs/design.md, "What runs where". Elsewhere it runs eagerly.
+  products and attention by slot count: docs/design.md, "What runs where".
+- **Eager steps pack.** Elsewhere (`packed`: the CPU's default) the same step runs eagerly on the live
+  slots' real positions only (`Transformer.decode_slots(valid=)`), its top-1 through the loop's
+  `OutputProjection` (certified bf16 where chosen), and may read the host.
 
-Scope: single- and double-token verifiers (a pair a step, as in `aggdec.decoding.loop`), any acceptance
-rule (decided at every position of every slot, `acceptance.FixedScores`); drafters draft at the call's
-width inside the step (IAD), or (`from_states`: the draft head, proposal heads) from the step's
-states after it, once the draft budget has picked the next call's length and only where that call
-drafts. Outputs are the row loop's for the same drafts (greedy's under exact top-1).
+Scope: single- and double-token verifiers (a pair a step: whole pairs, a bonus pair), any acceptance
+rule (on the packed positions, or at every position of every slot, `acceptance.FixedScores`; a step
+without drafts takes the top-1); drafters draft at the call's width inside the step (IAD), or
+(`from_states`: the draft head, proposal heads) from the step's states after it, once the draft
+budget has picked the next call's length and only where that call drafts. Outputs are the same
+packed and fixed for the same drafts (greedy's under exact top-1).
 """
 
 from __future__ import annotations
@@ -474,7 +480,7 @@ class SlotLoop:
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
         """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
-        next `encode_batch` pending requests (as `DraftVerifyLoop._fill`), fresh rows in place."""
+        next `encode_batch` pending requests (`scheduler.EncodeAhead`), fresh rows in place."""
         cfg, st, dev = self.model.cfg, self.state, self.device
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
         self._refills.place(reqs, queue, lambda which, cross: self.cache.place(idx[which], cross))
