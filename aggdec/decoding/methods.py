@@ -123,7 +123,7 @@ class Method:
         if self.drafter is None:
             return self.run(opts, context.model, requests, context.prompt)
         loop = self.loop(opts, context, self.drafter(opts, context))
-        cpu = loop.device.type == "cpu" and getattr(loop, "packed", True)
+        cpu = loop.device.type == "cpu" and loop.packed
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n > 1 and not THREADS.cores_busy():
             n = 1

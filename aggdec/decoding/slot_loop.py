@@ -1,43 +1,43 @@
-"""The draft -> verify loop on fixed batch slots, with its bookkeeping on the device: every method but
-beam search decodes here.
+"""The decode loop: every draft -> verify method (greedy, IAD, GAD, GAD++, blockwise, double-token)
+runs here, on fixed batch slots with their bookkeeping on the device.
 
-Six steps an iteration (propose, verify, accept, commit, observe, retire and refill), arranged so that
-the per-iteration work can be one fixed-shape tensor program:
+Each iteration, for every slot at once:
+  1. Propose: the drafter fills (slots, width) draft tokens and each row's draft length.
+  2. Verify: the verifier scores [last step ; draft] on top of each slot's cached prefix, one call.
+  3. Accept: the acceptance rule (`acceptance`) gives each row's accepted length m and its bonus.
+  4. Commit: each row appends d_1..d_m + bonus (a double-token verifier: whole pairs and a bonus pair);
+     its cache keeps what it committed (the rest is overwritten by the next call).
+  5. Observe: the drafter sees the accepted counts; a `from_states` drafter (draft head, proposal heads)
+     drafts the next call from this call's verifier states, once the draft budget has chosen that
+     call's length and only where it drafts.
+  6. Retire and refill: finished rows are read once and leave; their slots take pending requests
+     (continuous batching), encoded ahead of admission (`scheduler`).
 
 - **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two, fewer for a
   short run) and a `SlotCache` allocated once per run: self-attention K/V up to the longest output
   any request may reach, cross K/V up to the widest source. A row stays in its slot; a finished
-  row's slot is overwritten by a refill. Empty slots compute masked garbage in a fixed-shape step and
-  nothing in an eager one; once no request waits
-  and half the slots or more are empty, the live rows move into the first slots and the steps run on
-  the power of two (at least 2) that holds them.
-- **Fixed shapes.** A fixed-shape call (compiled, captured, checked) feeds every slot `[last token ;
-  width draft tokens]`; rows that draft fewer are masked by their own counts. Attention reads a prefix
-  of the cache up to the longest row and the widest live source: on CUDA graphs the spans and source
-  width of the capture plan, so that one (width, span, source width) is one graph; a compiled step's
-  shapes are symbolic, so it reads exactly those.
-- **Device-side bookkeeping.** Acceptance, the commit of accepted tokens and the bonus token, eos and
-  length rules, and every row statistic (iterations, drafted, accepted, accepted per call, decode
-  time share) are batched tensor updates in place. After the step the host reads one small tensor:
-  which slots finished, the output lengths (for the next span) and the call's token counts (for the
-  draft budget). Rows that finished are then read once, when they retire.
-- **Captured steps.** On a GPU every step a run can take is captured as a CUDA graph when the run
-  starts (`capture_plan`: each slot count the tail narrows to, each width of `GRAPH_WIDTHS`, each
-  span of `GRAPH_SPANS`, the whole source width; largest first) and replayed; nothing is captured
-  after that (`graphs=True`, the default there; `graphs="check"` runs each step eagerly under a
-  replay's rules, `capture_check`, and refuses a shape outside the plan). On a CPU, `compile=True` runs it as a TorchInductor program with
-  symbolic shapes and frozen weights, compiled once a process (again for widths 0 and 1); its
-  products and attention by slot count: docs/design.md, "What runs where".
-- **Eager steps pack.** Elsewhere (`packed`: the CPU's default) the same step runs eagerly on the live
-  slots' real positions only (`Transformer.decode_slots(valid=)`), its top-1 through the loop's
-  `OutputProjection` (certified bf16 where chosen), and may read the host.
+  row's slot is overwritten by a refill. Once no request waits and half the slots or more are empty,
+  the live rows move into the first slots and the steps run on the power of two that holds them.
+- **One step, three backends** (chosen when the loop is built, docs/design.md "What runs where"):
+  *eager, packed* (the CPU's default, `packed`): the step computes only the live slots' real
+  positions (`Transformer.decode_slots(valid=)`: linear layers on those positions, attention on the
+  padded layout through the CPU kernel) and takes the top-1 through the loop's `OutputProjection`
+  (certified bf16 where chosen); it may read the host. *Fixed-shape*: every position of every slot,
+  rows that draft fewer masked by their own counts, the acceptance rule at every position
+  (`acceptance.FixedScores`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
+  symbolic shapes, frozen weights, compiled once a process), or captured as CUDA graphs on a GPU:
+  every step a run can take is captured when the run starts (`capture_plan`: each slot count the tail
+  narrows to, each width of `GRAPH_WIDTHS`, each span of `GRAPH_SPANS`, the whole source width;
+  largest first) and replayed, nothing captured after that (`graphs=True`, the default there;
+  `graphs="check"` runs each step eagerly under a replay's rules, `capture_check`, and refuses a
+  shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
+  the top-1 there).
+- **Device-side bookkeeping.** The commit, eos and length rules, and every row statistic
+  (iterations, drafted, accepted, accepted per call, decode time share) are batched tensor updates in
+  place. After the step the host reads one small tensor: which slots finished, the output lengths
+  (for the next span) and the call's token counts (for the draft budget).
 
-Scope: single- and double-token verifiers (a pair a step: whole pairs, a bonus pair), any acceptance
-rule (on the packed positions, or at every position of every slot, `acceptance.FixedScores`; a step
-without drafts takes the top-1); drafters draft at the call's width inside the step (IAD), or
-(`from_states`: the draft head, proposal heads) from the step's states after it, once the draft
-budget has picked the next call's length and only where that call drafts. Outputs are the same
-packed and fixed for the same drafts (greedy's under exact top-1).
+Outputs are greedy's under exact top-1, whatever the backend, slot count and refill order.
 """
 
 from __future__ import annotations
