@@ -12,7 +12,7 @@ from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
-from aggdec.thresholds import MATCH_DEPTH
+from aggdec.thresholds import HOST_MATCH_ROWS, MATCH_DEPTH
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
@@ -25,6 +25,23 @@ def _nearest(last: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     i = torch.arange(last.shape[1], device=last.device)[None]
     dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
     return dist.masked_fill(~last, last.shape[1] * 4).argmin(dim=1)
+
+
+def _match_row(x: list[int], out: list[int], anchor: int) -> int:
+    """`InputCopy.match` of one row at any depth: x = (BOS mark, source...), out = (BOS mark, output...)."""
+    j = len(out) - 1
+    ends = [i for i, t in enumerate(x) if t == out[j]]
+    repeated: list[int] = []  # the end positions of the longest suffix that occurs several times
+    q = 0
+    while len(ends) > 1 and q < j:
+        repeated = ends
+        q += 1
+        ends = [i for i in ends if i >= q and x[i - q] == out[j - q]]
+    if len(ends) == 1:
+        return ends[0]
+    if anchor >= 0 and repeated:
+        return min(repeated, key=lambda i: 2 * abs(i - anchor) - (i > anchor))  # as _nearest
+    return -1
 
 
 def _first_occurrence(state: DecodeState) -> torch.Tensor:
@@ -130,6 +147,15 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
+    def match_rows(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """`match` on the host, row by row in Python, from one read of the state, at any depth: where the
+        step may read the host (`state.fixed` False), up to HOST_MATCH_ROWS rows."""
+        src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
+        anchors = anchor.tolist() if anchor is not None else [-1] * len(src)
+        pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a)
+               for x, n, o, m, a in zip(src, src_len, out, out_len, anchors)]
+        return torch.tensor(pos, dtype=torch.long, device=state.out.device)
+
     def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
         its first draft token (-1: no draft) and its draft length under the row's cap."""
@@ -156,9 +182,11 @@ class InputCopy:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
     def propose(self, state, width):
-        """Drafts (B, width), a fixed-shape program with no host reads: each row's input after its
-        unique suffix match (`match`)."""
+        """Drafts (B, width): each row's input after its unique suffix match, `match` (a fixed-shape
+        program with no host reads), or on the host (`match_rows`) where the step may read it and the
+        rows are few."""
         anchor = self.rows.resume if self.nearest_match else None
-        start, num = self._drafts(state, self.match(state, anchor=anchor))
+        match = self.match_rows if not state.fixed and state.batch_size <= HOST_MATCH_ROWS else self.match
+        start, num = self._drafts(state, match(state, anchor=anchor))
         self.rows.start.copy_(start)
         return _copy(state, start, num, width)

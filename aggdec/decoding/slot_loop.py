@@ -217,6 +217,8 @@ class SlotLoop:
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
             num = num - num % s  # whole steps only
             offered = torch.where(active, draft.num_draft, 0).max()[None]
+            if self.packed:  # as wide as the longest draft
+                tokens = tokens[:, : int(num.max())]
             block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
         else:
             block = st.last_step()
@@ -411,7 +413,8 @@ class SlotLoop:
             src_len=torch.ones(b, dtype=torch.long, device=dev), out=out,
             out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
-            requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride)
+            requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride,
+            fixed=not self.packed)
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),

@@ -25,6 +25,8 @@ class DecodeState:
     pad, eos: the vocabulary's special ids.
     stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
              whose generated tokens are a folded stream of (head, tail) pairs.
+    fixed:   the step is one fixed-shape program (compiled, captured, checked): drafters must not read
+             the host; False in an eager step, where they may.
     """
 
     src: torch.Tensor
@@ -37,6 +39,7 @@ class DecodeState:
     pad: int
     eos: int
     stride: int = 1
+    fixed: bool = True
 
     @property
     def batch_size(self) -> int:

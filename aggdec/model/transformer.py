@@ -526,9 +526,12 @@ class Transformer(nn.Module):
             at, tokens = (at[0][valid], at[1][valid]), tokens[valid]
         x = self.decoder.embed(tokens, pack(pos))
         math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
+        ragged = ragged and decode_attention.usable(tokens.device, cache.k[0].dtype)
         attend, self_sees, cross_sees = self._attention(
             self._default_limit(pos), span, cache.src_count.clamp(max=width), cache.src_keep[:, None, None, :width],
-            ragged and decode_attention.usable(tokens.device, cache.k[0].dtype), math)
+            ragged, math)
+        if ragged and valid is not None:  # the kernel skips the padded positions' queries (no keys)
+            self_sees, cross_sees = self_sees * valid, cross_sees * valid
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
