@@ -226,18 +226,21 @@ class SlotLoop:
         # only (None: at every position, where each is)
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
-        index = st.generated[:, None] + offs
+        generated = st.generated
         valid = (None if not self.packed or not width and self._full
                  else (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t))
-        hidden = self.model.decode_slots(block, self.cache, st.generated, span, src_width, self.ragged, valid)
-        if self.packed:
-            limit = st.max_len[:, None].expand(b, t)
-            index, limit = (index.flatten(), limit.flatten()) if valid is None else (index[valid], limit[valid])
+        hidden = self.model.decode_slots(block, self.cache, generated, span, src_width, self.ragged, valid)
+        if not self.packed:
+            scores = FixedScores(self.model.output_logits(hidden), generated[:, None] + offs, st.max_len[:, None],
+                                 cfg.pad, cfg.eos, self.min_len, self.forced)
+        elif t == 1 and valid is None:  # one position a slot: each slot's own
+            scores = VerifierScores(self.projection, hidden.view(b, -1), self._constrain(generated, st.max_len),
+                                    shape=(b, t))
+        else:
+            index, limit = generated[:, None] + offs, st.max_len[:, None].expand(b, t)
+            index, limit = (index.reshape(-1), limit.reshape(-1)) if valid is None else (index[valid], limit[valid])
             scores = VerifierScores(self.projection, hidden.flatten(0, -2), self._constrain(index, limit),
                                     shape=None if valid is not None else (b, t))
-        else:
-            scores = FixedScores(self.model.output_logits(hidden), index, st.max_len[:, None], cfg.pad, cfg.eos,
-                                 self.min_len, self.forced)
         # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
         # holds an eos. A double-token verifier keeps whole pairs, its bonus pair the top-1 at m, m + 1.
         if width:
@@ -250,7 +253,7 @@ class SlotLoop:
             n_new = torch.where(ended, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s) * active
         else:
             accepted, new = torch.zeros_like(st.out_len), unpack(scores.top1, valid, cfg.pad)
-            ended, n_new = (new == cfg.eos).any(dim=1), active.long() * s
+            ended, n_new = (new == cfg.eos).any(dim=1), active.long() if s == 1 else active.long() * s
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
@@ -259,14 +262,14 @@ class SlotLoop:
         # Statistics (a refill zeroes its row's; no draft adds none): drafts accepted past an accepted eos
         # are not counted.
         fed = (num + s) * active if width else n_new
-        self.ms.add_(self.fed_before * self.ms_per_fed)
+        self.ms.addcmul_(self.fed_before, self.ms_per_fed)
         self.fed_before.copy_(fed)
         if width:
             kept = torch.minimum(accepted, n_new)
             self.hist.index_put_((rows, self.iterations.clamp(max=self.hist.shape[1] - 1)), kept.int())
             self.drafted.add_(num)
             self.accepted.add_(kept)
-        self.iterations.add_(active.long())
+        self.iterations.add_(n_new if not width and s == 1 else active.long())  # (n_new: the live slots)
         done = ended & active
         active &= ~done
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
@@ -419,7 +422,8 @@ class SlotLoop:
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
                             "hist": torch.zeros(b, length, dtype=torch.int32, device=dev),
-                            "ms": torch.zeros(b, dtype=torch.float64, device=dev), "fed_before": torch.zeros_like(count)}
+                            "ms": torch.zeros(b, dtype=torch.float64, device=dev),
+                            "fed_before": torch.zeros(b, dtype=torch.float64, device=dev)}
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
         self._zero = torch.zeros(1, dtype=torch.long, device=dev)
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)

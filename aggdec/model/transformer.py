@@ -528,8 +528,8 @@ class Transformer(nn.Module):
         math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
         ragged = ragged and decode_attention.usable(tokens.device, cache.k[0].dtype)
         attend, self_sees, cross_sees = self._attention(
-            self._default_limit(pos), span, cache.src_count.clamp(max=width), cache.src_keep[:, None, None, :width],
-            ragged, math)
+            self._default_limit(pos), span, cache.src_count.clamp(max=width),
+            None if ragged else cache.src_keep[:, None, None, :width], ragged, math)
         if ragged and valid is not None:  # the kernel skips the padded positions' queries (no keys)
             self_sees, cross_sees = self_sees * valid, cross_sees * valid
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
@@ -537,8 +537,8 @@ class Transformer(nn.Module):
 
             def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
-                cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
-                cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
+                cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
+                cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
                 return sa.out_proj(pack(attend(sa, unpack(q), cache.k[i][:, :span], cache.v[i][:, :span], self_sees,
                                                bias=bias)))
 
@@ -557,7 +557,7 @@ class Transformer(nn.Module):
         return x * self.cfg.output_scale if self.cfg.output_scale != 1.0 else x
 
     @staticmethod
-    def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor,
+    def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor | None,
                    ragged: bool, math: bool = False) -> tuple:
         """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None, bias=None), self_sees,
         cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T)
