@@ -254,11 +254,11 @@ def _iad_calls(drafter: InputCopy, src: list[int], output: list[int], eos: int =
     out = torch.zeros(1, len(target) + 1, dtype=torch.long)
     state = DecodeState(src=torch.tensor([src]), src_len=torch.tensor([len(src)]), out=out,
                         out_len=torch.tensor([1]), max_len=torch.tensor([len(target)]), cache=None,
-                        requests=[None], pad=0, eos=eos)
+                        requests=[None], pad=0, eos=eos, fixed=False)  # as an eager step's
     drafter.admit(state, torch.arange(1))
     calls, done = 0, 0
     while done < len(target):
-        draft = drafter.propose(state)
+        draft = drafter.propose(state, len(src))  # no draft is longer than the source
         proposed = draft.tokens[0, : int(draft.num_draft[0])].tolist()
         accepted = 0
         while (accepted < len(proposed) and done + accepted < len(target)
