@@ -252,7 +252,8 @@ class SlotLoop:
             ended = is_eos.any(dim=1)
             n_new = torch.where(ended, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s) * active
         else:
-            accepted, new = torch.zeros_like(st.out_len), unpack(scores.top1, valid, cfg.pad)
+            accepted = torch.zeros_like(st.out_len) if self._after else None  # (read by state drafters only)
+            new = unpack(scores.top1, valid, cfg.pad)
             ended, n_new = (new == cfg.eos).any(dim=1), active.long() if s == 1 else active.long() * s
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
@@ -271,7 +272,7 @@ class SlotLoop:
             self.accepted.add_(kept)
         self.iterations.add_(n_new if not width and s == 1 else active.long())  # (n_new: the live slots)
         done = ended & active
-        active &= ~done
+        active ^= done  # (done: live slots only)
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
         if width and not self._after:
             self.drafter.observe(st, DraftBatch(tokens, num), accepted, None)
@@ -281,8 +282,8 @@ class SlotLoop:
             else:  # packed: `fed` positions a slot (an empty slot's index is any)
                 behind = hidden[(fed.cumsum(0) - fed + accepted).clamp(max=hidden.shape[0] - 1)]
             self._states = (behind, accepted)
-        total = n_new.sum()[None]
-        self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum()[None] if width else total,
+        total = n_new.sum(0, keepdim=True)
+        self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum(0, keepdim=True) if width else total,
                                        offered if width else self._zero]))
 
     def _observe_states(self, span: int, src_width: int, length: int) -> None:
