@@ -4,7 +4,8 @@
 
 The captured engine (slot loop, steps as CUDA graphs) equals eager greedy on the device; every lossless
 method equals the same device's greedy at fp32 and bf16; GAD++ and min-block captured equal the
-eager step; a run whose shapes were seen captures nothing; an iteration synchronizes the host once; a DecodeWorker on `cuda` decodes with the captured
+eager step; a run whose shapes were seen captures nothing; an iteration synchronizes the host once;
+a DecodeWorker on `cuda` decodes with the captured
 engine; int8 is refused in one line."""
 
 import random

@@ -1,4 +1,5 @@
-"""The cached block-decoding API equals full recomputation (slots at their own positions, beam search's reordered cache); rollback then re-feed equals fresh computation."""
+"""The cached block-decoding API equals full recomputation (slots at their own positions, beam search's
+reordered cache); rollback then re-feed equals fresh computation."""
 
 import pytest
 import torch
