@@ -227,8 +227,12 @@ class SlotLoop:
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
         generated = st.generated
-        valid = (None if not self.packed or not width and self._full
-                 else (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t))
+        if not self.packed or (not width and self._full):
+            valid = None
+        elif width:
+            valid = (offs < num[:, None] + s) & active[:, None]
+        else:
+            valid = active[:, None].expand(b, t)
         hidden = self.model.decode_slots(block, self.cache, generated, span, src_width, self.ragged, valid)
         if not self.packed:
             scores = FixedScores(self.model.output_logits(hidden), generated[:, None] + offs, st.max_len[:, None],
@@ -270,7 +274,7 @@ class SlotLoop:
             self.hist.index_put_((rows, self.iterations.clamp(max=self.hist.shape[1] - 1)), kept.int())
             self.drafted.add_(num)
             self.accepted.add_(kept)
-        self.iterations.add_(n_new if not width and s == 1 else active.long())  # (n_new: the live slots)
+        self.iterations.add_(active.long())
         done = ended & active
         active ^= done  # (done: live slots only)
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
