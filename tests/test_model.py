@@ -141,9 +141,11 @@ def test_beam_reorder_equals_select_on_the_prefix(indirect):
             at = cache.key_rows(4)
             for a, b in zip(cache.k + cache.v, ref.k + ref.v):  # each row's prefix, where it is stored
                 torch.testing.assert_close(a[:, :4] if at is None else a[at, torch.arange(4)], b[:, :4], **close)
-            sources = cache.cross_rows()  # one row of cross K/V per sentence, read by each of its beams
+            # one row of cross K/V per sentence, read by each of its beams; computed here for 3 rows and
+            # there for 6, whose float64 products may differ in the last bits with the row count
+            sources = cache.cross_rows()
             for a, b in zip(cache.cross.k + cache.cross.v, ref.cross.k + ref.cross.v):
-                assert torch.equal(a[sources], b)
+                torch.testing.assert_close(a[sources], b, **close)
             assert torch.equal(cache.cross.src_pad[sources], ref.cross.src_pad)
         assert len(storages) == (1 if indirect else 2)
         step = torch.randint(4, model.cfg.tgt_vocab, (4, 1))
