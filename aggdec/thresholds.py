@@ -58,6 +58,12 @@ GRAPH_MIN_SLOTS = 32
 fewer rows is bound by its kernel launches, not its rows, so narrowing further would save nothing and
 add graphs to capture at start (a CUDA device's figure: not measured yet, the GPU check's to confirm)."""
 
+SLOT_POSITIONS = 64
+"""Positions a loop's slot buffers hold at least, both the self-attention length and the source width
+(`slots.capacity`: powers of two from here). A short first call still gets buffers that later calls of
+ordinary sentences fit, so a loop allocates once for them (64 slots of gec-base: 32 MB of keys and values
+at this floor); a longer sentence doubles them (to at most the model's limit)."""
+
 RAGGED_SLOTS = 16
 """Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
 which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager

@@ -45,8 +45,13 @@ KEPT_BUDGETS = 16
 """Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
 KEPT_LOOPS = 8
 """Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
-their compiled steps: options used in turn compile once each, not at every switch. Only the last
-used holds its buffers."""
+their compiled steps: options used in turn compile once each, not at every switch."""
+KEPT_BUFFERS = 4
+"""Distinct options whose kept loops also keep their slot buffers (and CUDA graphs) between calls, the
+most recently used; older loops release theirs (`SlotLoop.release`). Options used in turn (greedy then
+IAD and back, a call's streams and its single loop) then allocate and capture once each, while what
+the loops hold stays bounded: 4 x max_batch_size slots of cache (64 slots of a gec-base-sized model
+at 256 positions: about 100 MB each)."""
 
 
 @dataclass
@@ -107,12 +112,13 @@ class Method:
             loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                             max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
                             compile=compiles(context, opts), projection=context.projection)
-        for other, kept in context.slot_loops.items():  # one call's loops hold buffers (max_batch_size rows)
-            if other[0] != opts:
-                kept.release()
         context.slot_loops[key] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
         while len(context.slot_loops) > KEPT_LOOPS:
             context.slot_loops.pop(next(iter(context.slot_loops)))
+        recent = list(dict.fromkeys(o for o, _ in reversed(context.slot_loops)))[:KEPT_BUFFERS]
+        for (other, _), kept in context.slot_loops.items():
+            if other not in recent:
+                kept.release()
         loop.budget = budget
         return loop
 

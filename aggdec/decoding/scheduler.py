@@ -103,7 +103,8 @@ class LoopCounters:
     """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
     padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
     captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
-    eagerly), by a captured slot loop."""
+    eagerly), by a captured slot loop; allocations: the slot buffers a loop allocated (its first run,
+    a longer or wider one than its buffers hold, a run after `release`)."""
 
     calls: int = 0
     fed: int = 0
@@ -111,3 +112,4 @@ class LoopCounters:
     encoded_rows: int = 0
     captures: int = 0
     capture_failures: int = 0
+    allocations: int = 0
