@@ -669,3 +669,23 @@ def test_a_captured_loop_plans_few_steps(drafter, most):
     assert {i: h.tokens for i, h in _run(loop, reqs[:3]).items()} == {r.index: ref[r.index] for r in reqs[:3]}
     assert {n for n, _ in keys} == {32} and loop.counters.allocations == 1
 
+
+@pytest.mark.parametrize("bs", [1, 64])
+def test_a_bf16_verifier_decides_alike_at_every_batch_shape(bs):
+    """A bf16 verifier's fixed-shape step (`graphs="check"`), which reads the whole cache, decides as eager
+    greedy: IAD there, verifying (slots, width + 1) positions a call, is eager greedy's output at one
+    position a row, at 1 and 64 slots. Both take the top-1 from fp32 logits (the loop's `OutputProjection`:
+    bf16 logits round near ties into exact ones), and attention over an fp32 slot cache reads each row's
+    own keys (masked bf16 products over the whole cache summed in another order than over the exact span,
+    and a row differed)."""
+    from aggdec.model.precision import with_precision
+
+    model = with_precision(tiny_model("postnorm-sinusoidal-shared", seed=3, vocab=200, d_model=32), "bf16")
+    reqs = _requests(random.Random(9), 64, 200, model.cfg.eos, max_src=20)
+    greedy = {i: h.tokens for i, h in _run(SlotLoop(model, NoDraft(), max_batch_size=1), reqs).items()}
+    loop = SlotLoop(model, InputCopy(max_draft=8), max_batch_size=bs, graphs="check")
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == greedy
+    hidden = torch.randn(5, 32, dtype=torch.bfloat16)
+    logits = loop.projection.logits(hidden)  # what the fixed step's acceptance reads
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ model.output_weight.float().T, rtol=1e-6, atol=1e-6)

@@ -42,14 +42,15 @@ class _NoSyncingOps(TorchDispatchMode):
 
 def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) of every tensor `obj` holds through objects of aggdec's classes (and their
-    subclasses), dataclasses, lists, tuples and dicts (not through modules: their weights are no
-    step's state)."""
+    subclasses), dataclasses, lists, tuples and dicts (not through modules, nor oneDNN's packed
+    weights, which have no storage: weights are no step's state)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, torch.nn.Module):
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield path, obj
+        if not obj.is_mkldnn:
+            yield path, obj
     elif isinstance(obj, (list, tuple)):
         for i, x in enumerate(obj):
             yield from held(x, f"{path}[{i}]", seen)

@@ -166,6 +166,12 @@ class SlotLoop:
         # attention over each row's own keys (the masked products where the kernel cannot be built)
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
+        # a half-precision model's CPU slot cache holds fp32 keys and values, which the kernel reads: its
+        # attention over each row's own keys gives a row the same states whatever the span a step reads
+        # (masked bf16 products over a longer span sum in another order), so a fixed-shape step, which
+        # reads the whole cache, decides as an eager one
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.cache_dtype = torch.float32 if half and self.device.type == "cpu" and decode_attention.load() else self.dtype
         self._compiled = self._compile(slots) if compile else None
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = not compile and self.graphs is False
@@ -234,9 +240,11 @@ class SlotLoop:
         else:
             valid = active[:, None].expand(b, t)
         hidden = self.model.decode_slots(block, self.cache, generated, span, src_width, self.ragged, valid)
-        if not self.packed:
-            scores = FixedScores(self.model.output_logits(hidden), generated[:, None] + offs, st.max_len[:, None],
-                                 cfg.pad, cfg.eos, self.min_len, self.forced)
+        if not self.packed:  # fp32 logits (the projection's; a compiled step's are the fp32 model's own)
+            logits = (self.model.output_logits(hidden) if self._compiled is not None
+                      else self.projection.logits(hidden.flatten(0, -2)).view(b, t, -1))
+            scores = FixedScores(logits, generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
+                                 self.min_len, self.forced)
         elif t == 1 and valid is None:  # one position a slot: each slot's own
             scores = VerifierScores(self.projection, hidden.view(b, -1), self._constrain(generated, st.max_len),
                                     shape=(b, t))
@@ -422,7 +430,8 @@ class SlotLoop:
         b, dev = slot_count(self.max_batch_size), self.device
         self.release()  # the old buffers go before the new ones are made
         self.counters.allocations += 1
-        self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.dtype, dev)
+        self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.cache_dtype,
+                               dev)
         out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
         out[:, : self.stride] = self.starts
         self.state = DecodeState(
