@@ -689,3 +689,41 @@ def test_a_bf16_verifier_decides_alike_at_every_batch_shape(bs):
     logits = loop.projection.logits(hidden)  # what the fixed step's acceptance reads
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ model.output_weight.float().T, rtol=1e-6, atol=1e-6)
+
+
+def test_capture_discipline_covers_admission_and_retirement(monkeypatch):
+    """In check mode, admission and retirement run under a replay's rules too, outside the loop's one
+    packed copy of a refill batch and its one read of the retired rows: a drafter's `admit` that reads
+    the host, copies host data of its own, or keeps its rows in new tensors (which captured steps would
+    not see) is refused, and so is a host read added to retirement; eagerly all of them decode."""
+    from aggdec.decoding.capture_check import CaptureError
+
+    class Reads(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            state.src_len[slots].max().item()
+
+    class Copies(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            self.rows.start[slots] = torch.tensor([-1] * slots.numel())
+
+    class Keeps(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            self.rows.resume = self.rows.resume.clone()
+
+    model = tiny_model(seed=1, vocab=9)
+    reqs = _requests(random.Random(2), 6, model.cfg.src_vocab, model.cfg.eos)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    for drafter, error in ((Reads, "reads a tensor on the host"), (Copies, "builds a tensor from host data"),
+                           (Keeps, "rows._tensors\\['resume'\\]")):
+        with pytest.raises(CaptureError, match=error):
+            _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2, graphs="check"), reqs)
+        assert {i: h.tokens for i, h in _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2), reqs).items()} == ref
+    assert {i: h.tokens for i, h in _run(SlotLoop(model, InputCopy(max_draft=3), max_batch_size=2, graphs="check"),
+                                         reqs).items()} == ref
+    retired = SlotLoop._retired
+    monkeypatch.setattr(SlotLoop, "_retired", lambda self, *a: (self.iterations.sum().item(), retired(self, *a))[1])
+    with pytest.raises(CaptureError, match="reads a tensor on the host"):
+        _run(SlotLoop(model, NoDraft(), max_batch_size=2, graphs="check"), reqs)

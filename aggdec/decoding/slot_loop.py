@@ -66,7 +66,7 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
-from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, pad_batch, take
+from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, take
 from aggdec.decoding.state import DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
@@ -97,8 +97,12 @@ GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 """Draft widths a captured run verifies (with 0 and the drafter's longest draft): the draft budget's
 length is rounded down to one of them, which verifies fewer draft tokens and changes no output."""
 
-STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
+STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "index")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
+
+ADMISSION = 5
+"""Columns of an admitted row before its source (`SlotLoop._admission`): slot, source length, length limit,
+row in the cross K/V encoded ahead, request index."""
 
 
 def slot_count(rows: int) -> int:
@@ -440,7 +444,11 @@ class SlotLoop:
             out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
             requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride,
-            fixed=not self.packed)
+            fixed=not self.packed, index=torch.zeros(b, dtype=torch.long, device=dev))
+        # a refill batch's packed rows, on the device (the one copy of an admission, `_admission`): slot,
+        # source length, length limit, row in the cross K/V encoded ahead, request index, source
+        self._admitted = torch.empty((b, ADMISSION + src_width), dtype=torch.long, device=dev)
+        self._pinned = torch.empty_like(self._admitted, device="cpu").pin_memory() if dev.type == "cuda" else None
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
@@ -481,8 +489,8 @@ class SlotLoop:
         movers = [s for s in live if s >= n]
         holes = [s for s in range(n) if s not in taken][: len(movers)]
         if movers:
-            st, dev = self._whole_state, self.device
-            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            st = self._whole_state
+            src, dst = torch.tensor([movers, holes], device=self.device)  # one copy
             for t in (*(getattr(st, name) for name in STATE_ROWS), *self._whole_cache.tensors(),
                       *self._whole_rows.values(), *self._whole_drafter.values()):
                 t[dst] = t[src]
@@ -508,40 +516,82 @@ class SlotLoop:
             self._whole_drafter = self.drafter.rows.tensors()
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
-        """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
-        next `encode_batch` pending requests (`scheduler.EncodeAhead`), fresh rows in place."""
-        cfg, st, dev = self.model.cfg, self.state, self.device
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        self._refills.place(reqs, queue, lambda which, cross: self.cache.place(idx[which], cross))
-        src = pad_batch([r.src for r in reqs], cfg.pad)
-        st.src[idx] = torch.nn.functional.pad(src, (0, st.src.shape[1] - src.shape[1]), value=cfg.pad).to(dev)
+        """Place `reqs` into free `slots`: their rows packed on the host and copied at once (`_admission`),
+        cross K/V from those encoded ahead or encoded now with the next `encode_batch` pending requests
+        (`scheduler.EncodeAhead`, the encoder's own pass), then fresh rows in place on the device (`_admit`,
+        under a replay's rules in check mode)."""
+        st = self.state
+        reqs, rows, ahead = self._refills.take(reqs)
+        width, hit = st.src.shape[1], len(rows)
+        admitted = self._admission([[s, len(r.src), r.max_len, a, r.index, *r.src, *[st.pad] * (width - len(r.src))]
+                                    for s, r, a in zip(slots, reqs, rows + [0] * (len(reqs) - hit))])
+        fresh = self._refills.encode(reqs[hit:], queue)
         for s, r in zip(slots, reqs):
             st.requests[s] = r
-        st.src_len[idx] = torch.tensor([len(r.src) for r in reqs], device=dev)
-        st.max_len[idx] = torch.tensor([r.max_len for r in reqs], device=dev)
-        st.out[idx, self.stride:] = cfg.pad
-        st.out_len[idx] = self.stride
+        widest = max((len(r.src) for r in reqs[:hit]), default=0)
+        admit = functools.partial(self._admit, admitted, hit, ahead, widest, fresh)
+        checked(admit, self, host_data=False) if self.graphs == "check" else admit()
+
+    def _admission(self, rows: list[list[int]]) -> torch.Tensor:
+        """`rows` (int64, `ADMISSION` columns and a source each) on the device: one tensor built on the host,
+        one copy (on CUDA through pinned memory, not waited for: the next admission comes after a step's
+        read of its summary, which waits for the copy)."""
+        host = torch.tensor(rows, dtype=torch.long)
+        if self._pinned is None:
+            return host.to(self.device)
+        pinned, admitted = self._pinned[: len(rows)], self._admitted[: len(rows)]
+        pinned.copy_(host)
+        return admitted.copy_(pinned, non_blocking=True)
+
+    def _admit(self, admitted: torch.Tensor, hit: int, ahead, widest: int, fresh) -> None:
+        """Fresh rows for the refills of `admitted` (`_admission`'s rows): cross K/V, the first `hit` from
+        `ahead` (`widest` source positions), the others `fresh`; source, limits, outputs, statistics and the
+        drafter's rows, in place, with no host read."""
+        st = self.state
+        idx = admitted[:, 0].contiguous()
+        if hit:
+            self.cache.place(idx[:hit], ahead.take(admitted[:hit, 3].contiguous(), width=widest))
+        if fresh is not None:
+            self.cache.place(idx[hit:], fresh)
+        st.src.index_copy_(0, idx, admitted[:, ADMISSION:])
+        for t, column in ((st.src_len, 1), (st.max_len, 2), (st.index, 4)):
+            t.index_copy_(0, idx, admitted[:, column])
+        st.out.index_fill_(0, idx, st.pad)
+        st.out[:, : self.stride].index_copy_(0, idx, self.starts.expand(idx.shape[0], -1))
+        st.out_len.index_fill_(0, idx, self.stride)
         for t in (self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
-            t[idx] = 0
-        self.active[idx] = True
+            t.index_fill_(0, idx, 0)
+        self.active.index_fill_(0, idx, True)
         if self.max_draft:
             self.drafter.admit(st, idx)
 
     def _retire(self, slots: list[int], out_len: list[int]) -> Iterator[Hypothesis]:
-        """Read the finished rows once and yield their hypotheses."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        """Read the finished rows once (one tensor, gathered on the device from the step's done flags,
+        under a replay's rules in check mode) and yield their hypotheses."""
         width = max(out_len[s] for s in slots)
-        out = self.state.out[idx, self.stride: width].tolist()  # without the start
-        iters, drafted, accepted = (t[idx].tolist() for t in (self.iterations, self.drafted, self.accepted))
-        # the last call's time share is added here (the step adds each call's share at the next one)
-        ms = (self.ms[idx] + self.fed_before[idx] * self.ms_per_fed).tolist()
-        hist = self.hist[idx, : max(iters)].tolist()
+        gather = functools.partial(self._retired, len(slots), width)
+        values = (checked(gather, self, host_data=False) if self.graphs == "check" else gather()).tolist()
+        n = width - self.stride  # output columns; a row's iterations are at most its tokens
         for j, s in enumerate(slots):
-            stats = RowStats(iterations=iters[j], drafted=drafted[j], accepted=accepted[j],
-                             accepted_per_iter=hist[j][: iters[j]], decode_ms=ms[j])
-            tokens = unfold(out[j], self.model.cfg.eos) if self.stride > 1 else out[j][: out_len[s] - 2]  # no eos
+            row = [int(v) for v in values[j][: 2 * n + 3]]
+            out, hist, (iters, drafted, accepted) = row[:n], row[n: 2 * n], row[2 * n:]
+            stats = RowStats(iterations=iters, drafted=drafted, accepted=accepted, accepted_per_iter=hist[:iters],
+                             decode_ms=values[j][-1])
+            tokens = unfold(out, self.model.cfg.eos) if self.stride > 1 else out[: out_len[s] - 2]  # no eos
             yield Hypothesis(index=self.state.requests[s].index, tokens=tokens, stats=stats)
             self.state.requests[s] = None
+
+    def _retired(self, count: int, width: int) -> torch.Tensor:
+        """(count, ...) float64: the `count` finished slots' rows, in slot order (the done flags of the step's
+        summary sorted, no host index): outputs without the start up to `width`, accepted per call, iterations,
+        drafted, accepted, decode time (ms; the last call's share added here, the step adds each call's share
+        at the next one)."""
+        n = self.state.batch_size
+        rows = torch.argsort(self._summary[:n], descending=True, stable=True)[:count]
+        ms = self.ms + self.fed_before * self.ms_per_fed
+        counts = torch.stack([self.iterations, self.drafted, self.accepted], dim=1)
+        return torch.cat([self.state.out[rows, self.stride: width].double(),
+                          self.hist[rows, : width - self.stride].double(), counts[rows].double(), ms[rows, None]], dim=1)
 
     # -- the loop --------------------------------------------------------------------------------
 
