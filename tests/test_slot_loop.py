@@ -25,6 +25,7 @@ from aggdec.decoding.slot_loop import SlotLoop, capture_plan, slot_count
 from aggdec.double_token import fold
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
+from aggdec.thresholds import DRAFT_LONGEST
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
          "bart-like", "t5-like", "t5-gated-like"]
@@ -306,7 +307,7 @@ def test_budget_is_told_the_drafts_offered(seed):
     iteration, at every call."""
     model = tiny_model(KINDS[seed % len(KINDS)], seed=seed, vocab=9)
     reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos)
-    budget = OfferLog(seed, DraftBudget.LONGEST)
+    budget = OfferLog(seed, DRAFT_LONGEST)
     list(SlotLoop(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))
     assert all(offered is not None for _, _, offered in budget.log)
     assert any(0 < length < offered for length, _, offered in budget.log)  # some drafts were cut
@@ -720,10 +721,30 @@ def test_capture_discipline_covers_admission_and_retirement(monkeypatch):
                            (Keeps, "rows._tensors\\['resume'\\]")):
         with pytest.raises(CaptureError, match=error):
             _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2, graphs="check"), reqs)
-        assert {i: h.tokens for i, h in _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2), reqs).items()} == ref
+        eager = SlotLoop(model, drafter(max_draft=3), max_batch_size=2)
+        assert {i: h.tokens for i, h in _run(eager, reqs).items()} == ref
     assert {i: h.tokens for i, h in _run(SlotLoop(model, InputCopy(max_draft=3), max_batch_size=2, graphs="check"),
                                          reqs).items()} == ref
     retired = SlotLoop._retired
     monkeypatch.setattr(SlotLoop, "_retired", lambda self, *a: (self.iterations.sum().item(), retired(self, *a))[1])
     with pytest.raises(CaptureError, match="reads a tensor on the host"):
         _run(SlotLoop(model, NoDraft(), max_batch_size=2, graphs="check"), reqs)
+
+
+def test_a_loop_refuses_int8_on_cuda(monkeypatch):
+    """int8 decodes on CPUs only: the guard refuses a CUDA device in one line and passes the CPU, and a
+    slot loop given an int8 verifier asks it for its own device (a CUDA device cannot be faked here;
+    tests/test_cuda.py refuses int8 there through the API)."""
+    from aggdec.decoding import slot_loop
+    from aggdec.model.precision import refuse_int8, with_precision
+
+    with pytest.raises(ValueError, match=r"^precision: int8 decodes on CPUs only [^\n]*$"):
+        refuse_int8(torch.device("cuda"))
+    refuse_int8(torch.device("cpu"))
+    asked = []
+    monkeypatch.setattr(slot_loop, "refuse_int8", asked.append)
+    model = tiny_model(seed=1, vocab=9)
+    SlotLoop(model)
+    assert asked == []
+    SlotLoop(with_precision(model, "int8"))
+    assert asked == [torch.device("cpu")]

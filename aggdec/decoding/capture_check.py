@@ -85,7 +85,8 @@ def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[
             yield from held(x, f"{path}.{k}", seen)
 
 
-def checked(step: Callable[[], object], owner: object, outputs: str | None = None, host_data: bool = True) -> object:
+def checked(step: Callable[[], object], owner: object, outputs: str | None = None,
+            host_data: bool = True) -> object:
     """Run `step()` under the rules above and return what it returns; every tensor `owner` holds
     afterwards must have existed before it, but for its attribute `outputs` (a tuple of tensors or
     None), which is copied into buffers of its own (allocated at the first step of its shapes) as a

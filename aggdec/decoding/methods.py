@@ -40,18 +40,8 @@ from aggdec.decoding.streams import decode_in_streams, stream_count
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
+from aggdec.thresholds import DRAFT_LONGEST, KEPT_BUDGETS, KEPT_BUFFERS, KEPT_LOOPS
 
-KEPT_BUDGETS = 16
-"""Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
-KEPT_LOOPS = 8
-"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
-their compiled steps: options used in turn compile once each, not at every switch."""
-KEPT_BUFFERS = 4
-"""Distinct options whose kept loops also keep their slot buffers (and CUDA graphs) between calls, the
-most recently used; older loops release theirs (`SlotLoop.release`). Options used in turn (greedy then
-IAD and back, a call's streams and its single loop) then allocate and capture once each, while what
-the loops hold stays bounded: 4 x max_batch_size slots of cache (64 slots of a gec-base-sized model
-at 256 positions: about 100 MB each)."""
 
 
 @dataclass
@@ -148,8 +138,8 @@ def wants_budget(opts: DecodeOptions, drafter: Drafter) -> bool:
 
 
 def new_budget(drafter: Drafter) -> DraftBudget:
-    """A fresh draft budget for `drafter`'s longest draft (DraftBudget.LONGEST where it has no cap)."""
-    return DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+    """A fresh draft budget for `drafter`'s longest draft (DRAFT_LONGEST where it has no cap)."""
+    return DraftBudget(drafter.max_draft or DRAFT_LONGEST)
 
 
 def compiles(context: DraftContext, opts: DecodeOptions) -> bool:

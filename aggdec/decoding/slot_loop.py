@@ -70,11 +70,12 @@ from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, take
 from aggdec.decoding.state import DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
+from aggdec.model.precision import refuse_int8
 from aggdec.model.projection import Constrain, OutputProjection
 from aggdec.model.slots import SlotCache, capacity, exact_span, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-from aggdec.thresholds import CPP_GEMM_SLOTS, GRAPH_MIN_SLOTS, RAGGED_SLOTS, SLOT_POSITIONS
+from aggdec.thresholds import CPP_GEMM_SLOTS, DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
@@ -92,10 +93,6 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     (`NoValidChoicesError`, and the step decoded eagerly)."""
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
 
-
-GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-"""Draft widths a captured run verifies (with 0 and the drafter's longest draft): the draft budget's
-length is rounded down to one of them, which verifies fewer draft tokens and changes no output."""
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "index")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
@@ -140,7 +137,8 @@ class SlotLoop:
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards).
-    Elsewhere steps run eagerly, packed (`packed`)."""
+    Elsewhere steps run eagerly, packed (`packed`). An int8 verifier on a CUDA device is refused
+    (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
@@ -152,6 +150,8 @@ class SlotLoop:
         self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
         self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
         self.device = next(model.parameters()).device
+        if model.output_int8 is not None:
+            refuse_int8(self.device)
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
@@ -175,11 +175,12 @@ class SlotLoop:
         # (masked bf16 products over a longer span sum in another order), so a fixed-shape step, which
         # reads the whole cache, decides as an eager one
         half = self.dtype in (torch.bfloat16, torch.float16)
-        self.cache_dtype = torch.float32 if half and self.device.type == "cpu" and decode_attention.load() else self.dtype
+        kernel = half and self.device.type == "cpu" and decode_attention.load()
+        self.cache_dtype = torch.float32 if kernel else self.dtype
         self._compiled = self._compile(slots) if compile else None
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = not compile and self.graphs is False
-        self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
+        self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         # slots a run narrows to at least: on CUDA graphs (and checked as such) GRAPH_MIN_SLOTS, compiled 2 (a
         # compiled step specializes a batch of 1), eager 1
         self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if compile else 1
@@ -380,8 +381,9 @@ class SlotLoop:
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
     def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
-        """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after one warm-up run whose effects are
-        undone, also where the warm-up or the capture raises (an eager retry then runs the step once)."""
+        """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
+        one warm-up run whose effects are undone, also where the warm-up or the capture raises (an eager
+        retry then runs the step once)."""
         mutable = [self.state.out, self.state.out_len, *(getattr(self, name) for name in self._whole_rows),
                    *self._drafter_tensors()]
         saved = [t.clone() for t in mutable]
@@ -591,7 +593,8 @@ class SlotLoop:
         ms = self.ms + self.fed_before * self.ms_per_fed
         counts = torch.stack([self.iterations, self.drafted, self.accepted], dim=1)
         return torch.cat([self.state.out[rows, self.stride: width].double(),
-                          self.hist[rows, : width - self.stride].double(), counts[rows].double(), ms[rows, None]], dim=1)
+                          self.hist[rows, : width - self.stride].double(), counts[rows].double(), ms[rows, None]],
+                         dim=1)
 
     # -- the loop --------------------------------------------------------------------------------
 

@@ -36,13 +36,10 @@ from collections.abc import Callable
 import torch
 
 from aggdec.model.linear import linear, prepack
-from aggdec.thresholds import TOP1_ROWS
+from aggdec.thresholds import REFINE_WIDTH, TOP1_ROWS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
-REFINE_WIDTH = 16
-"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
-whole fp32 row."""
 
 Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
 """constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
