@@ -1,7 +1,8 @@
-"""Every size threshold that picks which code path decodes, in one place (docs/design.md, "What runs
-where"). Each was measured on 2-core x86 CPUs (AVX-512 VNNI, AVX2); none changes an output: the
-paths on either side of a threshold compute the same tokens (beam search's chunked candidates up to
-the order of exactly equal values).
+"""Every size threshold that picks which code path decodes, and every other tuning constant of
+aggdec/decoding and aggdec/model (with the API's default chunk), in one place (docs/design.md, "What
+runs where"), each with the reason for its value. The thresholds were measured on 2-core x86 CPUs
+(AVX-512 VNNI, AVX2); none changes an output: the paths on either side of a threshold compute the
+same tokens (beam search's chunked candidates up to the order of exactly equal values).
 """
 
 ENCODE_AHEAD = 32

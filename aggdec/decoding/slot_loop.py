@@ -27,18 +27,19 @@ Each iteration, for every slot at once:
   padded layout through the CPU kernel) and takes the top-1 through the loop's `OutputProjection`
   (certified bf16 where chosen); it may read the host. *Fixed-shape*: every position of every slot,
   rows that draft fewer masked by their own counts, the acceptance rule at every position
-  (`acceptance.FixedScores`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
+  (`acceptance.FixedScores`, on fp32 logits from the loop's `OutputProjection`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
   symbolic shapes, frozen weights, compiled once a process), or captured as CUDA graphs on a GPU:
   every step the loop can take is captured once for its buffers (`capture_plan`: each slot count a
   run narrows to, each width of `GRAPH_WIDTHS`, largest first; each reads the whole cache and source
-  width) and replayed, nothing captured after that until the buffers grow (`graphs=True`, the default there;
-  `graphs="check"` runs each step eagerly under a replay's rules, `capture_check`, and refuses a
-  shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
+  width) and replayed, nothing captured after that until the buffers grow (`graphs=True`, the default
+  there; `graphs="check"` runs each step, admission and retirement eagerly under a replay's rules,
+  `capture_check`, and refuses a shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
   the top-1 there).
 - **Device-side bookkeeping.** The commit, eos and length rules, and every row statistic
   (iterations, drafted, accepted, accepted per call, decode time share) are batched tensor updates in
   place. After the step the host reads one small tensor: which slots finished, the output lengths
-  (for the next span) and the call's token counts (for the draft budget).
+  (for the next span) and the call's token counts (for the draft budget). Admission copies a refill
+  batch to the device once (`_admission`); retirement reads the finished rows once (`_retired`).
 
 Outputs are greedy's under exact top-1, whatever the backend, slot count and refill order.
 """
