@@ -32,13 +32,13 @@ from aggdec.decoding.methods import DraftContext, drafts_in_bf16, get_method
 from aggdec.decoding.options import DecodeOptions
 from aggdec.decoding.scheduler import pad_batch
 from aggdec.double_token import teacher_forcing
-from aggdec.model.precision import cpu_isa, cpu_warning, with_precision
+from aggdec.model.precision import cpu_isa, cpu_warning, refuse_int8, with_precision
 from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
 from aggdec.text import clean_text
-from aggdec.thresholds import AUTO_CERTIFIED_ROWS
+from aggdec.thresholds import AUTO_CERTIFIED_ROWS, CHUNK_SIZE
 
 __all__ = ["DecodeOptions", "TranslationResult", "Translator", "decode_options", "summarize"]
 
@@ -81,7 +81,7 @@ class Translator:
         self._models: dict[str, Transformer] = {"fp32": bundle.model}
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
-        self._slot_loops: dict = {}  # slot loops by options (methods.KEPT_LOOPS), with their compiled steps
+        self._slot_loops: dict = {}  # slot loops by options (thresholds.KEPT_LOOPS), with their compiled steps
 
     def verifier(self, precision: str = "fp32") -> Transformer:
         """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once; on a
@@ -93,8 +93,7 @@ class Translator:
                 if slow:
                     warnings.warn(slow, stacklevel=2)
             elif precision == "int8":
-                raise ValueError("precision: int8 decodes on CPUs only (CUDA's int8 product refuses calls of "
-                                 "fewer than 17 rows); on a GPU use fp32 or bf16")
+                refuse_int8(next(self.model.parameters()).device)
             self._models[precision] = with_precision(self.model, precision)
         return self._models[precision]
 
@@ -261,7 +260,7 @@ class Translator:
         return hyps
 
     def translate_iterable(self, source: Iterable[str], options: DecodeOptions | None = None, *,
-                           chunk_size: int = 1024, **kwargs) -> Iterator[TranslationResult]:
+                           chunk_size: int = CHUNK_SIZE, **kwargs) -> Iterator[TranslationResult]:
         """Stream results in input order, decoding `chunk_size` sentences at a time."""
         chunk: list[str] = []
         for s in source:

@@ -1,7 +1,8 @@
-"""Every size threshold that picks which code path decodes, in one place (docs/design.md, "What runs
-where"). Each was measured on 2-core x86 CPUs (AVX-512 VNNI, AVX2); none changes an output: the
-paths on either side of a threshold compute the same tokens (beam search's chunked candidates up to
-the order of exactly equal values).
+"""Every size threshold that picks which code path decodes, and every other tuning constant of
+aggdec/decoding and aggdec/model (with the API's default chunk), in one place (docs/design.md, "What
+runs where"), each with the reason for its value. The thresholds were measured on 2-core x86 CPUs
+(AVX-512 VNNI, AVX2); none changes an output: the paths on either side of a threshold compute the
+same tokens (beam search's chunked candidates up to the order of exactly equal values).
 """
 
 ENCODE_AHEAD = 32
@@ -58,6 +59,12 @@ GRAPH_MIN_SLOTS = 32
 fewer rows is bound by its kernel launches, not its rows, so narrowing further would save nothing and
 add graphs to capture at start (a CUDA device's figure: not measured yet, the GPU check's to confirm)."""
 
+SLOT_POSITIONS = 64
+"""Positions a loop's slot buffers hold at least, both the self-attention length and the source width
+(`slots.capacity`: powers of two from here). A short first call still gets buffers that later calls of
+ordinary sentences fit, so a loop allocates once for them (64 slots of gec-base: 32 MB of keys and values
+at this floor); a longer sentence doubles them (to at most the model's limit)."""
+
 RAGGED_SLOTS = 16
 """Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
 which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
@@ -67,3 +74,66 @@ the padding it skips."""
 CHUNKED_FROM = 32768
 """Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
 chunked search's five operators, whose fixed cost only a long row repays."""
+
+
+# -- decoding (aggdec/decoding): the slot loop, its kept loops, streams, the draft budget, IAD, beam --
+
+GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+"""Draft widths a captured run verifies (with 0 and the drafter's longest draft; `slot_loop.capture_plan`):
+the draft budget's length is rounded down to one of them, which verifies fewer draft tokens and changes no
+output."""
+
+KEPT_BUDGETS = 16
+"""Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
+
+KEPT_LOOPS = 8
+"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
+their compiled steps: options used in turn compile once each, not at every switch."""
+
+KEPT_BUFFERS = 4
+"""Distinct options whose kept loops also keep their slot buffers (and CUDA graphs) between calls, the
+most recently used; older loops release theirs (`SlotLoop.release`). Options used in turn (greedy then
+IAD and back, a call's streams and its single loop) then allocate and capture once each, while what
+the loops hold stays bounded: 4 x max_batch_size slots of cache (64 slots of a gec-base-sized model
+at 256 positions: about 100 MB each)."""
+
+MIN_STREAM_BATCH = 16
+"""The fewest rows a stream decodes at once (`max_batch_size // streams`) and the fewest requests it
+takes: below, one loop on all threads (`streams.stream_count`)."""
+
+DRAFT_LONGEST = 64
+"""The draft budget's `max_length` for drafters without a limit of their own (IAD without a draft cap),
+and the longest draft a slot loop verifies for them."""
+
+DRAFT_EXPLORE = 20
+"""After a challenger lost, the draft budget's next one waits until best-length blocks have run this many
+times the seconds it lost (its block's time less that of its tokens at the choice's rate), so trials
+cost at most about 1/DRAFT_EXPLORE of a run: on a wide batch one call drafting the longest length costs
+tens of greedy calls, and trials of it at a fixed interval would cost a large share of a long run."""
+
+DRAFT_COLD_TOKENS = 4096
+"""A cold draft budget's first drafting challenger drafts at most this many tokens over the rows of its
+widest call so far (64 a row up to 64 rows, 16 at 256): its first call at a new shape costs the most
+(product shapes oneDNN has not built kernels for yet)."""
+
+DRAFT_WARM = 2
+"""The draft budget's blocks are a quarter as long until this many comparisons were judged: a cold start
+finds out quickly what clearly does not pay."""
+
+IAD_MIN_DRAFT = 4
+"""The shortest per-row draft cap of IAD's adaptive caps (`InputCopy(adaptive=True)`), which halve after a
+draft rejected early: one- and two-token drafts cost a verifier call's positions for little gain."""
+
+CHUNKS = range(256, 63, -16)
+"""Chunk lengths beam search's `top_candidates` may cut rows into, the longest dividing the vocabulary
+first: whole vectors of 16 floats (lengths that are not reduced several times slower on the CPU)."""
+
+# -- the model (aggdec/model) and the API --
+
+REFINE_WIDTH = 16
+"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
+whole fp32 row."""
+
+CHUNK_SIZE = 1024
+"""Sentences `Translator.translate_iterable` decodes at a time by default: enough for the loop's slots to
+stay full (refills) and the encoder to run ahead, few enough that results stream."""

@@ -3,6 +3,7 @@
 import torch
 
 from aggdec.decoding.budget import DraftBudget
+from aggdec.thresholds import DRAFT_COLD_TOKENS
 
 
 def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> list[int]:
@@ -160,7 +161,7 @@ def test_from_none_the_last_drafting_length_is_tried_again():
 def test_a_cold_first_drafting_challenger_is_sized_by_the_rows():
     """From a cold start on none the first drafting challenger is the longest draft up to
     COLD_TOKENS over the batch: 64 at 1 row, 16 at 256 rows."""
-    for rows, first in ((1, 64), (256, DraftBudget.COLD_TOKENS // 256)):
+    for rows, first in ((1, 64), (256, DRAFT_COLD_TOKENS // 256)):
         budget = DraftBudget(64)
         lengths, length = [], budget.next_length(rows, 64)
         for _ in range(12):

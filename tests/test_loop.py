@@ -34,12 +34,18 @@ class GuideDrafter(NoDraft):
         self.guides, self.k, self.max_draft = guides, k, k
         self.longest = max(map(len, guides.values()), default=0) + 1
         self.rows = RowState()
+        # by request index, on the device (the CPU here): admission reads them through `DecodeState.index`
+        rows = max(guides, default=0) + 1
+        self.table = torch.zeros(rows, self.longest, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+        for i, g in guides.items():
+            self.table[i, : len(g)], self.lengths[i] = torch.tensor(g), len(g)
 
     def admit(self, state, slots):
-        self.rows.admit(state, slots, guide=torch.full((self.longest,), state.pad), length=0)
-        guides = [self.guides[r.index] if r else [] for r in (state.requests[s] for s in slots.tolist())]
-        self.rows.guide[slots] = torch.tensor([g + [state.pad] * (self.longest - len(g)) for g in guides])
-        self.rows.length[slots] = torch.tensor([len(g) for g in guides])
+        self.rows.admit(state, slots, guide=(state.pad, self.longest), length=0)
+        index = state.index[slots]
+        self.rows.guide[slots] = self.table[index]
+        self.rows.length[slots] = self.lengths[index]
 
     def propose(self, state, width=None):
         at = state.out_len[:, None] - 1 + torch.arange(width or self.k)[None]  # the guide at out_len - 1 on

@@ -25,6 +25,7 @@ from aggdec.decoding.slot_loop import SlotLoop, capture_plan, slot_count
 from aggdec.double_token import fold
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig
 from aggdec.model.heads import ProposalHeads
+from aggdec.thresholds import DRAFT_LONGEST
 
 KINDS = ["postnorm-sinusoidal-shared", "prenorm-learned-separate", "shallow-decoder-tied-output", "marian-like",
          "bart-like", "t5-like", "t5-gated-like"]
@@ -184,8 +185,9 @@ def test_a_double_token_verifier_decodes_in_pairs(seed, bs, k, budget, drafter):
         for run in range(2):  # a second run reuses the slots
             got = _run(loop, reqs)
             assert {i: h.tokens for i, h in got.items()} == greedy
-            # eager, a call's drafts are cut at its longest source (IAD's longest), which guides pass
-            same = graphs or drafter != "guide"
+            # eager, a call's drafts are cut at its longest source (IAD's longest), which guides pass: fixed
+            # shapes verify guides past it
+            same = not graphs or drafter != "guide"
             if same and (budget is None or (run == 0 and not graphs and bs & (bs - 1) == 0)):
                 stats = [(h.stats.iterations, h.stats.drafted, h.stats.accepted, h.stats.accepted_per_iter)
                          for i in greedy for h in (got[i], row[i])]
@@ -194,27 +196,43 @@ def test_a_double_token_verifier_decodes_in_pairs(seed, bs, k, budget, drafter):
         SlotLoop(model, prompt=(2, 5))
 
 
-def test_slots_are_reused_and_grown():
-    """A run that fits the last run's slots keeps their storage; a longer one gets larger buffers;
-    refills of every slot at once (one slot) keep the drafter's row tensors in place."""
+def test_slots_are_allocated_once_and_grown_by_doubling(monkeypatch):
+    """A loop allocates `slot_count(max_batch_size)` slots at its first run, whatever that run's size;
+    later runs that fit (fewer requests, one request) keep their storage, the drafter's row tensors
+    included; a longer or wider sentence gets buffers at least twice as long or wide, once, which the
+    next short run keeps (buffers from 8 positions here, so that the tiny model's limits allow growing)."""
+    from aggdec.decoding import slot_loop
+
+    monkeypatch.setattr(slot_loop, "SLOT_POSITIONS", 8)
     model = tiny_model()
     eos = model.cfg.eos
-    loop = SlotLoop(model, InputCopy(max_draft=3), max_batch_size=1)
-    short = [Request(index=i, src=[4 + i, 5, 6, eos], max_len=5) for i in range(3)]
-    _run(loop, short)
-    ptrs = (loop.cache.k[0].data_ptr(), loop.state.out.data_ptr(), loop.drafter.rows.resume.data_ptr())
-    _run(loop, short[:2])
-    assert (loop.cache.k[0].data_ptr(), loop.state.out.data_ptr(), loop.drafter.rows.resume.data_ptr()) == ptrs
-    long = [Request(index=0, src=[4] * 40 + [eos], max_len=60)]
+    loop = SlotLoop(model, InputCopy(max_draft=3), max_batch_size=6)
+    short = [Request(index=i, src=[4 + i, 5, 6, eos], max_len=5) for i in range(9)]
+    _run(loop, short[:3])
+    assert loop._whole_state.batch_size == 8 and loop.counters.allocations == 1
+    length, width = loop.cache.length, loop.cache.src_width
+
+    def ptrs():
+        return loop._whole_cache.k[0].data_ptr(), loop._whole_state.out.data_ptr(), loop.drafter.rows.resume.data_ptr()
+
+    before = ptrs()
+    for run in (short, short[:1], short[4:6]):
+        assert {i: h.tokens for i, h in _run(loop, run).items()} == {
+            r.index: naive_greedy(model, r.src, r.max_len) for r in run}
+        assert ptrs() == before and loop.counters.allocations == 1
+    long = [Request(index=0, src=[4] * width + [eos], max_len=length + 2)]
     got = _run(loop, long)
-    assert loop.cache.length >= 60 and got[0].tokens == naive_greedy(model, long[0].src, 60)
+    assert got[0].tokens == naive_greedy(model, long[0].src, long[0].max_len) and loop.counters.allocations == 2
+    assert loop.cache.length - 1 >= 2 * (length - 1) and loop.cache.src_width - 1 >= 2 * (width - 1)
+    _run(loop, short)
+    assert loop.counters.allocations == 2
 
 
 @pytest.mark.parametrize("drafter", [lambda m: NoDraft(), lambda m: InputCopy(max_draft=3, adaptive=True, min_draft=1),
                                      lambda m: _head_drafter("gad", m, 3)])
 def test_the_tail_narrows_to_the_live_rows(drafter):
     """Once no request waits, live rows move into the first slots and the steps run on the power of two
-    (at least 2) that holds them; outputs and statistics are as on all slots, and the next run gets
+    that holds them (eager: down to 1); outputs and statistics are as on all slots, and the next run gets
     every slot back."""
     model = tiny_model("prenorm-learned-separate", seed=2)
     rng = random.Random(5)
@@ -230,7 +248,7 @@ def test_the_tail_narrows_to_the_live_rows(drafter):
         sizes.clear()
         got = _run(loop, reqs)
         assert {i: h.tokens for i, h in got.items()} == ref
-        assert sizes[0] == 8 and sizes[-1] == 2 and sorted(sizes, reverse=True) == sizes
+        assert sizes[0] == 8 and sizes[-1] == 1 and sorted(sizes, reverse=True) == sizes
         for h in got.values():
             assert h.stats.iterations == len(h.stats.accepted_per_iter)
             assert h.stats.accepted == sum(h.stats.accepted_per_iter) <= h.stats.drafted
@@ -289,15 +307,14 @@ def test_budget_is_told_the_drafts_offered(seed):
     iteration, at every call."""
     model = tiny_model(KINDS[seed % len(KINDS)], seed=seed, vocab=9)
     reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos)
-    budget = OfferLog(seed, DraftBudget.LONGEST)
+    budget = OfferLog(seed, DRAFT_LONGEST)
     list(SlotLoop(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))
     assert all(offered is not None for _, _, offered in budget.log)
     assert any(0 < length < offered for length, _, offered in budget.log)  # some drafts were cut
 
 
 def test_slot_count():
-    assert [slot_count(64, n) for n in (1, 2, 3, 63, 64, 500)] == [1, 2, 4, 64, 64, 64]
-    assert slot_count(48, 100) == 64
+    assert [slot_count(n) for n in (0, 1, 2, 3, 48, 63, 64, 65)] == [1, 1, 2, 4, 64, 64, 64, 128]
 
 
 def test_math_attention_equals_the_kernel():
@@ -495,12 +512,12 @@ def test_compiled_step_equals_greedy():
     # trial of drafting that paid its compile lost, and greedy stayed chosen)
     built = torch._dynamo.utils.counters["frames"]["total"] - frames
     assert built > 0 and len(heard) == loop.counters.calls - built
-    # options used in turn keep their compiled steps: back to greedy's (its buffers released while
-    # IAD's loop held its own, then allocated anew), nothing compiles
-    assert greedy.cache is None and method.loop(opts, context, method.drafter(opts, context)) is greedy
-    frames = torch._dynamo.utils.counters["frames"]["total"]
+    # options used in turn keep their compiled steps and their buffers: back to greedy's, nothing compiles
+    # and nothing is allocated
+    assert greedy.cache is not None and method.loop(opts, context, method.drafter(opts, context)) is greedy
+    frames, allocations = torch._dynamo.utils.counters["frames"]["total"], greedy.counters.allocations
     assert {i: h.tokens for i, h in _run(greedy, reqs).items()} == ref
-    assert torch._dynamo.utils.counters["frames"]["total"] == frames
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames and greedy.counters.allocations == allocations
     wide = decode_options("iad", compile=True, max_batch_size=3)
     with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
         assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \
@@ -600,15 +617,14 @@ def test_every_slot_method_keeps_capture_discipline(method):
 
 
 def test_the_capture_plan_is_bounded_and_largest_first():
-    """Slot counts halving down to `fewest`, widths 0, the longest draft and the powers of two below it,
-    spans the powers of two from 32 below the cache's last position and that position, the whole source
-    width; the largest step first, each once."""
-    plan = capture_plan(128, 257, 65, 64, fewest=32)
-    assert len(plan) == len(set(plan)) == 3 * 8 * 4 and plan == sorted(plan, reverse=True)
-    assert plan[0] == (128, 64, 256, 64)
+    """Slot counts halving down to `fewest`, widths 0, the longest draft and the powers of two below it;
+    the largest step first, each once; no span or source width (a captured step reads the whole cache)."""
+    plan = capture_plan(128, 64, fewest=32)
+    assert len(plan) == len(set(plan)) == 3 * 8 and plan == sorted(plan, reverse=True)
+    assert plan[0] == (128, 64)
     assert {k[0] for k in plan} == {128, 64, 32} and {k[1] for k in plan} == {0, 1, 2, 4, 8, 16, 32, 64}
-    assert {k[2] for k in plan} == {32, 64, 128, 256} and {k[3] for k in plan} == {64}
-    assert capture_plan(4, 17, 9, 3) == [(n, w, 16, 8) for n in (4, 2) for w in (3, 2, 1, 0)]
+    assert capture_plan(4, 3, fewest=2) == [(n, w) for n in (4, 2) for w in (3, 2, 1, 0)]
+    assert capture_plan(4, 3, fewest=32) == [(4, w) for w in (3, 2, 1, 0)]  # fewer slots than the floor: all
 
 
 def test_capture_discipline_finds_host_reads_and_state_allocated_in_a_step():
@@ -632,3 +648,103 @@ def test_capture_discipline_finds_host_reads_and_state_allocated_in_a_step():
     with pytest.raises(CaptureError, match="rows._tensors\\['resume'\\]"):
         _run(SlotLoop(model, Keeps(max_draft=3, substitution=True), max_batch_size=2, graphs="check"), reqs)
     assert _run(SlotLoop(model, Keeps(max_draft=3, substitution=True), max_batch_size=2), reqs)  # eager runs it
+
+
+@pytest.mark.parametrize("drafter, most", [(NoDraft, 8), (InputCopy, 16)], ids=["greedy", "iad"])
+def test_a_captured_loop_plans_few_steps(drafter, most):
+    """A captured loop over 64 slots plans (slots, width) steps only, the slot counts it narrows to
+    (64, 32: `GRAPH_MIN_SLOTS`) times its widths (IAD's 64-token drafts: 0 and the powers of two to
+    64): at most 16 for IAD, 8 for greedy. Checked as a captured run takes them (`graphs="check"`),
+    every step it runs is in the plan, runs of 100 and 3 requests run on 64 and 32 slots (the
+    tail narrowed to 32), and the outputs are naive greedy's."""
+    model = tiny_model("prenorm-learned-separate", seed=1, vocab=9)
+    reqs = _requests(random.Random(8), 100, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    loop = SlotLoop(model, drafter(), max_batch_size=64, graphs="check")
+    keys = []
+    step = loop._step
+    loop._step = lambda width, *rest: (keys.append((loop.state.batch_size, width)), step(width, *rest))[1]
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    assert len(loop._plan) <= most and set(keys) <= set(loop._plan) and {n for n, _ in keys} == {64, 32}
+    keys.clear()
+    assert {i: h.tokens for i, h in _run(loop, reqs[:3]).items()} == {r.index: ref[r.index] for r in reqs[:3]}
+    assert {n for n, _ in keys} == {32} and loop.counters.allocations == 1
+
+
+@pytest.mark.parametrize("bs", [1, 64])
+def test_a_bf16_verifier_decides_alike_at_every_batch_shape(bs):
+    """A bf16 verifier's fixed-shape step (`graphs="check"`), which reads the whole cache, decides as eager
+    greedy: IAD there, verifying (slots, width + 1) positions a call, is eager greedy's output at one
+    position a row, at 1 and 64 slots. Both take the top-1 from fp32 logits (the loop's `OutputProjection`:
+    bf16 logits round near ties into exact ones), and attention over an fp32 slot cache reads each row's
+    own keys (masked bf16 products over the whole cache summed in another order than over the exact span,
+    and a row differed)."""
+    from aggdec.model.precision import with_precision
+
+    model = with_precision(tiny_model("postnorm-sinusoidal-shared", seed=3, vocab=200, d_model=32), "bf16")
+    reqs = _requests(random.Random(9), 64, 200, model.cfg.eos, max_src=20)
+    greedy = {i: h.tokens for i, h in _run(SlotLoop(model, NoDraft(), max_batch_size=1), reqs).items()}
+    loop = SlotLoop(model, InputCopy(max_draft=8), max_batch_size=bs, graphs="check")
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == greedy
+    hidden = torch.randn(5, 32, dtype=torch.bfloat16)
+    logits = loop.projection.logits(hidden)  # what the fixed step's acceptance reads
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ model.output_weight.float().T, rtol=1e-6, atol=1e-6)
+
+
+def test_capture_discipline_covers_admission_and_retirement(monkeypatch):
+    """In check mode, admission and retirement run under a replay's rules too, outside the loop's one
+    packed copy of a refill batch and its one read of the retired rows: a drafter's `admit` that reads
+    the host, copies host data of its own, or keeps its rows in new tensors (which captured steps would
+    not see) is refused, and so is a host read added to retirement; eagerly all of them decode."""
+    from aggdec.decoding.capture_check import CaptureError
+
+    class Reads(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            state.src_len[slots].max().item()
+
+    class Copies(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            self.rows.start[slots] = torch.tensor([-1] * slots.numel())
+
+    class Keeps(InputCopy):
+        def admit(self, state, slots):
+            super().admit(state, slots)
+            self.rows.resume = self.rows.resume.clone()
+
+    model = tiny_model(seed=1, vocab=9)
+    reqs = _requests(random.Random(2), 6, model.cfg.src_vocab, model.cfg.eos)
+    ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+    for drafter, error in ((Reads, "reads a tensor on the host"), (Copies, "builds a tensor from host data"),
+                           (Keeps, "rows._tensors\\['resume'\\]")):
+        with pytest.raises(CaptureError, match=error):
+            _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2, graphs="check"), reqs)
+        eager = SlotLoop(model, drafter(max_draft=3), max_batch_size=2)
+        assert {i: h.tokens for i, h in _run(eager, reqs).items()} == ref
+    assert {i: h.tokens for i, h in _run(SlotLoop(model, InputCopy(max_draft=3), max_batch_size=2, graphs="check"),
+                                         reqs).items()} == ref
+    retired = SlotLoop._retired
+    monkeypatch.setattr(SlotLoop, "_retired", lambda self, *a: (self.iterations.sum().item(), retired(self, *a))[1])
+    with pytest.raises(CaptureError, match="reads a tensor on the host"):
+        _run(SlotLoop(model, NoDraft(), max_batch_size=2, graphs="check"), reqs)
+
+
+def test_a_loop_refuses_int8_on_cuda(monkeypatch):
+    """int8 decodes on CPUs only: the guard refuses a CUDA device in one line and passes the CPU, and a
+    slot loop given an int8 verifier asks it for its own device (a CUDA device cannot be faked here;
+    tests/test_cuda.py refuses int8 there through the API)."""
+    from aggdec.decoding import slot_loop
+    from aggdec.model.precision import refuse_int8, with_precision
+
+    with pytest.raises(ValueError, match=r"^precision: int8 decodes on CPUs only [^\n]*$"):
+        refuse_int8(torch.device("cuda"))
+    refuse_int8(torch.device("cpu"))
+    asked = []
+    monkeypatch.setattr(slot_loop, "refuse_int8", asked.append)
+    model = tiny_model(seed=1, vocab=9)
+    SlotLoop(model)
+    assert asked == []
+    SlotLoop(with_precision(model, "int8"))
+    assert asked == [torch.device("cpu")]

@@ -106,8 +106,10 @@ class VerifierScores:
 
 class FixedScores:
     """`VerifierScores` at every position of every slot, with no host reads (the slot loop's step): logits
-    (B, T, V) constrained in place on first use; top1 (B, T) by `constrained_top1` unless they were. `rules`:
-    `constrain_logits`' arguments after the logits. Memoized by hand (TorchDynamo breaks at `cached_property`)."""
+    (B, T, V), fp32 (float64 for a float64 verifier) whatever the verifier's precision, so that the top-1
+    is the one an eager step takes at any batch shape, constrained in place on first use; top1 (B, T) by
+    `constrained_top1` unless they were. `rules`: `constrain_logits`' arguments after the logits. Memoized
+    by hand (TorchDynamo breaks at `cached_property`)."""
 
     def __init__(self, logits: torch.Tensor, *rules):
         self.raw, self.rules, self._logits, self._top1 = logits, rules, None, None

@@ -12,7 +12,7 @@ Most blocks run the best length found so far; now and then a block tries a chall
 quarter less or a quarter more, at least one token; from none, first the last length chosen before
 it, since one token often costs more than it gains where a longer draft pays), and its rate is
 compared with the mean rate of the best-length blocks just before and just after it. A cold budget
-starts on the plain path (none), its first challenger the longest draft, shortened to `COLD_TOKENS`
+starts on the plain path (none), its first challenger the longest draft, shortened to `DRAFT_COLD_TOKENS`
 over the batch's rows, and a quarter as long at each later trial from none after it lost (short
 drafts can pay where long ones do not): where drafting pays (batch 1) it takes over after one comparison; where it
 does not (wide batches on a CPU, where a call at 64 tokens a row over 256 rows costs tens of greedy
@@ -28,9 +28,9 @@ kept greedy from ever being tried again. No challenger is tried while a batch dr
 a run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks
 starts at one block and doubles (quadruples past a 20% loss, up to `max_gap` blocks) each time a
 challenger loses by more than 5%, and after a loss the next trial also waits until best-length
-blocks have run `EXPLORE` times the seconds it lost, so a run where drafting clearly does not pay
+blocks have run `DRAFT_EXPLORE` times the seconds it lost, so a run where drafting clearly does not pay
 spends little on finding that out again. Challenger blocks are half as long as the others,
-and all blocks a quarter until `WARM` comparisons were judged, so that a cold start is short (a
+and all blocks a quarter until `DRAFT_WARM` comparisons were judged, so that a cold start is short (a
 warm-up whose batch drained judged nothing and leaves the budget cold). A budget can be kept across
 runs of the same options (`aggdec.api` does), so that later runs start from what earlier ones
 measured. Per-row acceptance statistics are the loop's (`RowStats`).
@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from aggdec.thresholds import DRAFT_COLD_TOKENS, DRAFT_EXPLORE, DRAFT_LONGEST, DRAFT_WARM
 
 UNKNOWN_OFFER = 1 << 30
 """`Block.longest` where the drafts offered are unknown: as if every draft had been cut."""
@@ -63,23 +65,7 @@ class DraftBudget:
     over them, so fewer calls measure as well, and a run of few wide calls spends fewer of them
     exploring). The loop calls `next_length` before each call and `record` after it."""
 
-    LONGEST = 64
-    """`max_length` for drafters without a limit of their own (IAD without a draft cap)."""
-    EXPLORE = 20
-    """After a challenger lost, the next one waits until best-length blocks have run this many times
-    the seconds it lost (its block's time less that of its tokens at the choice's rate), so trials
-    cost at most about 1/EXPLORE of a run: on a wide batch one call drafting the longest length costs
-    tens of greedy calls, and trials of it at a fixed interval would cost a large share of a long
-    run."""
-    COLD_TOKENS = 4096
-    """A cold budget's first drafting challenger drafts at most this many tokens over the rows of its
-    widest call so far (64 a row up to 64 rows, 16 at 256): its first call at a new shape costs the
-    most (product shapes oneDNN has not built kernels for yet)."""
-    WARM = 2
-    """Blocks are a quarter as long until this many comparisons were judged: a cold start finds out
-    quickly what clearly does not pay."""
-
-    def __init__(self, max_length: int = 64, *, block: int = 16, row_calls: int = 128, max_gap: int = 32):
+    def __init__(self, max_length: int = DRAFT_LONGEST, *, block: int = 16, row_calls: int = 128, max_gap: int = 32):
         self.max_length = max_length
         self.block, self.row_calls, self.max_gap = block, row_calls, max_gap
         self.choice = 0  # the best length so far: a cold budget starts on the plain path
@@ -87,7 +73,7 @@ class DraftBudget:
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
         self.calls = 0
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
-        self._owed = 0.0  # seconds of best-length blocks to run before the next challenger (`EXPLORE`)
+        self._owed = 0.0  # seconds of best-length blocks to run before the next challenger (`DRAFT_EXPLORE`)
         self._current = 0  # the length of the block being measured
         self._tokens = self._seconds = 0.0
         self._count = self._judged = 0
@@ -129,7 +115,7 @@ class DraftBudget:
         """Calls per block: `block`, fewer on wide batches (at least `row_calls` row-calls and 2 calls);
         a quarter of that while warming up, a half for challengers (most lose)."""
         full = max(2, min(self.block, math.ceil(self.row_calls / max(self._rows[1], 1))))
-        if self._judged < self.WARM:
+        if self._judged < DRAFT_WARM:
             return max(1, full // 4)
         return full if self._current == self.choice else max(1, full // 2)
 
@@ -150,14 +136,14 @@ class DraftBudget:
                 rate = sum(b.rate for b in pair) / len(pair)
                 if self._judge(challenger, math.log(c.rate / rate)):
                     return self.choice
-                self._owed = self.EXPLORE * c.seconds * max(0.0, 1.0 - c.rate / rate)  # the time it lost
+                self._owed = DRAFT_EXPLORE * c.seconds * max(0.0, 1.0 - c.rate / rate)  # the time it lost
         self._owed -= block.seconds
         self._before = block
         self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
         if (self._since >= self._gap and self._owed <= 0
                 and 1.25 * block.fewest >= self._widest):  # not while a batch drains
             if self.choice == 0 and not self._judged:  # cold: the first drafting challenger's tokens
-                self._drafting = min(self._drafting, max(1, self.COLD_TOKENS // max(self._widest, 1)))
+                self._drafting = min(self._drafting, max(1, DRAFT_COLD_TOKENS // max(self._widest, 1)))
             challengers = self._challengers()
             if challengers:
                 self._since = 0
@@ -191,7 +177,7 @@ class DraftBudget:
 
     def _challengers(self) -> list[int]:
         """None, a step less and a step more; the step is a quarter of the current length, at least one
-        token; from none, first the last length that drafted (`_close` sizes it by `COLD_TOKENS` while
+        token; from none, first the last length that drafted (`_close` sizes it by `DRAFT_COLD_TOKENS` while
         cold; `_judge` quarters it each time it loses to none, so that short drafts are tried where long
         ones do not pay). Not those set aside as drafting alike (`_close`)."""
         c = self.choice

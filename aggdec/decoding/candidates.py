@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from aggdec.thresholds import CHUNKED_FROM
-
-CHUNKS = range(256, 63, -16)
-"""Chunk lengths `top_candidates` may cut rows into, the longest dividing the vocabulary first: whole
-vectors of 16 floats (lengths that are not reduced several times slower on the CPU)."""
+from aggdec.thresholds import CHUNKED_FROM, CHUNKS
 
 
 def chunk_for(vocab: int) -> int | None:

@@ -4,6 +4,12 @@ A replay runs the captured kernels on their captured buffers with no host betwee
 reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`) would replay the
 value read at capture, and what the step allocates lives in the graph's pool, rewritten by the next
 replay: state carried to a later step must be a buffer allocated before it, updated in place.
+
+Admission and retirement run between replays, on the same buffers, under the same rules (`checked`
+with `host_data=False`): the loop's one packed host -> device copy of a refill batch and its one read
+of the retired rows are made outside them, so a drafter's `admit` that reads the host, builds a tensor
+from host data (`torch.tensor`, a list index: a copy per call) or keeps its rows in new tensors (which
+the captured steps would not see) fails in check mode.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+HOST_DATA = {"tensor", "as_tensor", "asarray", "from_numpy"}
 SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "_unique2", "unique_dim"}
 
 
@@ -24,10 +31,26 @@ class CaptureError(RuntimeError):
 
 
 class _NoHostReads(TorchFunctionMode):
+    """No host read; with `host_data=False` also no tensor built from host data (a factory from Python
+    data, an index that is a list)."""
+
+    def __init__(self, host_data: bool = True):
+        super().__init__()
+        self.host_data = host_data
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            raise CaptureError(f"the step reads a tensor on the host ({func.__name__}): a replay would not")
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            raise CaptureError(f"the step reads a tensor on the host ({name}): a replay would not")
+        if not self.host_data and (name in HOST_DATA or (name in ("__getitem__", "__setitem__") and _lists(args[1]))):
+            raise CaptureError(f"admission or retirement builds a tensor from host data ({name}): a copy of its "
+                               "own, not the loop's one packed copy")
         return func(*args, **(kwargs or {}))
+
+
+def _lists(index: object) -> bool:
+    """Whether an index holds a Python list (indexing with it copies the list to the device)."""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
 
 
 class _NoSyncingOps(TorchDispatchMode):
@@ -42,14 +65,15 @@ class _NoSyncingOps(TorchDispatchMode):
 
 def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) of every tensor `obj` holds through objects of aggdec's classes (and their
-    subclasses), dataclasses, lists, tuples and dicts (not through modules: their weights are no
-    step's state)."""
+    subclasses), dataclasses, lists, tuples and dicts (not through modules, nor oneDNN's packed
+    weights, which have no storage: weights are no step's state)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, torch.nn.Module):
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield path, obj
+        if not obj.is_mkldnn:
+            yield path, obj
     elif isinstance(obj, (list, tuple)):
         for i, x in enumerate(obj):
             yield from held(x, f"{path}[{i}]", seen)
@@ -61,15 +85,18 @@ def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[
             yield from held(x, f"{path}.{k}", seen)
 
 
-def checked(step: Callable[[], object], owner: object, outputs: str) -> None:
-    """Run `step()` under the rules above; every tensor `owner` holds afterwards must have existed
-    before it, but for its attribute `outputs` (a tuple of tensors or None), which is copied into
-    buffers of its own (allocated at the first step of its shapes) as a replay's outputs are."""
+def checked(step: Callable[[], object], owner: object, outputs: str | None = None,
+            host_data: bool = True) -> object:
+    """Run `step()` under the rules above and return what it returns; every tensor `owner` holds
+    afterwards must have existed before it, but for its attribute `outputs` (a tuple of tensors or
+    None), which is copied into buffers of its own (allocated at the first step of its shapes) as a
+    replay's outputs are. `host_data=False` (admission, retirement): no tensor built from host data."""
     before = {t.untyped_storage().data_ptr() for _, t in held(owner)}
-    with _NoHostReads(), _NoSyncingOps():
-        step()
-    out = getattr(owner, outputs)
-    setattr(owner, outputs, None)
+    with _NoHostReads(host_data), _NoSyncingOps():
+        result = step()
+    out = getattr(owner, outputs) if outputs else None
+    if outputs:
+        setattr(owner, outputs, None)
     for path, t in held(owner):
         if t.numel() and t.untyped_storage().data_ptr() not in before:
             raise CaptureError(f"the step left a tensor it allocated in {path.lstrip('.')}: a replay rewrites "
@@ -83,3 +110,4 @@ def checked(step: Callable[[], object], owner: object, outputs: str) -> None:
             dst.copy_(src)
         setattr(owner, "_static_" + outputs, static)
         setattr(owner, outputs, static[key])
+    return result

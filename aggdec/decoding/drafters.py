@@ -72,9 +72,9 @@ class RowState:
 
     `admit(state, slots, name=fill, ...)` starts fresh tensors when a new batch starts (the batch
     size changed, or every slot was admitted and the tensors are not exactly the fills) and otherwise
-    sets the refilled slots to their fill in place (the tensors keep their storage); a fill
-    is a scalar (a (B,) tensor of its type) or a tensor (rows of that shape). The tensors are
-    attributes: `rows.cap`, `rows.cap = ...`.
+    sets the refilled slots to their fill in place (the tensors keep their storage; no host data is
+    copied: an admission's one copy is the loop's); a fill is a Python scalar (a (B,) tensor of its
+    type) or (scalar, width) (a (B, width) tensor). The tensors are attributes: `rows.cap`, `rows.cap = ...`.
     """
 
     def __init__(self) -> None:
@@ -97,11 +97,12 @@ class RowState:
         if fresh:
             self._tensors.clear()
         for name, fill in fills.items():
-            row = torch.as_tensor(fill, device=state.out.device)
+            value, shape = (fill[0], (fill[1],)) if isinstance(fill, tuple) else (fill, ())
             if fresh:
-                self._tensors[name] = row.expand(b, *row.shape).clone()
+                dtype = torch.as_tensor(value).dtype
+                self._tensors[name] = torch.full((b, *shape), value, dtype=dtype, device=state.out.device)
             else:
-                self._tensors[name][slots] = row
+                self._tensors[name].index_fill_(0, slots, value)
         return fresh
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -122,8 +123,7 @@ class StateDrafter:
         self.rows = RowState()
 
     def admit(self, state: DecodeState, slots: torch.Tensor) -> None:
-        self.rows.admit(state, slots, ready=False,
-                        pending=torch.full((self.max_draft,), state.pad, dtype=torch.long))
+        self.rows.admit(state, slots, ready=False, pending=(state.pad, self.max_draft))
 
     def propose(self, state: DecodeState, width: int) -> DraftBatch:
         """The first `width` pending drafts of the ready rows (offered: all `max_draft`)."""

@@ -12,7 +12,7 @@ from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
-from aggdec.thresholds import HOST_MATCH_ROWS, MATCH_DEPTH
+from aggdec.thresholds import HOST_MATCH_ROWS, IAD_MIN_DRAFT, MATCH_DEPTH
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
@@ -92,7 +92,7 @@ class InputCopy:
     name = "iad"
     from_states = False
 
-    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = 4,
+    def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = IAD_MIN_DRAFT,
                  substitution: bool = False, nearest_match: bool = False, skip_prefix: bool = False):
         if max_draft is not None and max_draft < 1:
             raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")

@@ -40,13 +40,8 @@ from aggdec.decoding.streams import decode_in_streams, stream_count
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
+from aggdec.thresholds import DRAFT_LONGEST, KEPT_BUDGETS, KEPT_BUFFERS, KEPT_LOOPS
 
-KEPT_BUDGETS = 16
-"""Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
-KEPT_LOOPS = 8
-"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
-their compiled steps: options used in turn compile once each, not at every switch. Only the last
-used holds its buffers."""
 
 
 @dataclass
@@ -107,12 +102,13 @@ class Method:
             loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
                             max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
                             compile=compiles(context, opts), projection=context.projection)
-        for other, kept in context.slot_loops.items():  # one call's loops hold buffers (max_batch_size rows)
-            if other[0] != opts:
-                kept.release()
         context.slot_loops[key] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
         while len(context.slot_loops) > KEPT_LOOPS:
             context.slot_loops.pop(next(iter(context.slot_loops)))
+        recent = list(dict.fromkeys(o for o, _ in reversed(context.slot_loops)))[:KEPT_BUFFERS]
+        for (other, _), kept in context.slot_loops.items():
+            if other not in recent:
+                kept.release()
         loop.budget = budget
         return loop
 
@@ -142,8 +138,8 @@ def wants_budget(opts: DecodeOptions, drafter: Drafter) -> bool:
 
 
 def new_budget(drafter: Drafter) -> DraftBudget:
-    """A fresh draft budget for `drafter`'s longest draft (DraftBudget.LONGEST where it has no cap)."""
-    return DraftBudget(drafter.max_draft or DraftBudget.LONGEST)
+    """A fresh draft budget for `drafter`'s longest draft (DRAFT_LONGEST where it has no cap)."""
+    return DraftBudget(drafter.max_draft or DRAFT_LONGEST)
 
 
 def compiles(context: DraftContext, opts: DecodeOptions) -> bool:

@@ -5,7 +5,7 @@ batch at a time (docs/design.md, "Encode-ahead refills"); and the counters of a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,24 +59,31 @@ class EncodeAhead:
         self.cross: CrossKV | None = None  # cross K/V of pending requests encoded ahead of admission
         self.rows: dict[int, int] = {}  # id(request) -> its row in cross
 
-    def place(self, reqs: list[Request], queue: list[Request], put: Callable[[list[int], CrossKV], None]) -> None:
-        """Call put(indices into reqs, their cross K/V trimmed to their width), once or twice."""
-        device = next(self.model.parameters()).device
+    def take(self, reqs: list[Request]) -> tuple[list[Request], list[int], CrossKV | None]:
+        """(reqs with those encoded ahead first, in their order; those's rows in the cross K/V encoded
+        ahead, which they leave; that cross K/V). Host work only."""
         hit = [i for i, r in enumerate(reqs) if id(r) in self.rows]
-        miss = [i for i, r in enumerate(reqs) if id(r) not in self.rows]
-        if hit:
-            rows = torch.tensor([self.rows.pop(id(reqs[i])) for i in hit], device=device)
-            put(hit, self.cross.take(rows, trim=True))
-        if miss:
-            longest = max(len(reqs[i].src) for i in miss)  # the queue's are no longer
-            count = max(self.batch, ahead_count(longest)) if self.default else self.batch
-            ahead = queue[-1: -1 - max(0, count - len(miss)): -1]  # admitted next (pop order)
-            batch = [reqs[i] for i in miss] + ahead
-            memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
-            self.counters.encoded_rows += len(batch)
-            cross = self.model.cross_kv(memory, src_pad)
-            put(miss, cross.take(torch.arange(len(miss), device=device), trim=True))
-            self.cross, self.rows = cross, {id(r): len(miss) + j for j, r in enumerate(ahead)}
+        hits = set(hit)
+        ordered = [reqs[i] for i in hit] + [r for i, r in enumerate(reqs) if i not in hits]
+        return ordered, [self.rows.pop(id(reqs[i])) for i in hit], self.cross
+
+    def encode(self, reqs: list[Request], queue: list[Request]) -> CrossKV | None:
+        """The cross K/V of `reqs` (none encoded ahead; rows in their order, as wide as the widest), encoded
+        now together with the next requests of `queue` (pop order), which then wait as cross K/V; None
+        for no request."""
+        if not reqs:
+            return None
+        device = next(self.model.parameters()).device
+        longest = max(len(r.src) for r in reqs)  # the queue's are no longer
+        count = max(self.batch, ahead_count(longest)) if self.default else self.batch
+        ahead = queue[-1: -1 - max(0, count - len(reqs)): -1]  # admitted next (pop order)
+        batch = reqs + ahead
+        memory, src_pad = self.model.encode(pad_batch([r.src for r in batch], self.model.cfg.pad, device))
+        self.counters.encoded_rows += len(batch)
+        cross = self.model.cross_kv(memory, src_pad)
+        self.cross, self.rows = cross, {id(r): len(reqs) + j for j, r in enumerate(ahead)}
+        return CrossKV(k=[t[: len(reqs), :longest] for t in cross.k], v=[t[: len(reqs), :longest] for t in cross.v],
+                       src_pad=cross.src_pad[: len(reqs), :longest])
 
 
 def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
@@ -103,7 +110,8 @@ class LoopCounters:
     """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
     padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
     captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
-    eagerly), by a captured slot loop."""
+    eagerly), by a captured slot loop; allocations: the slot buffers a loop allocated (its first run,
+    a longer or wider one than its buffers hold, a run after `release`)."""
 
     calls: int = 0
     fed: int = 0
@@ -111,3 +119,4 @@ class LoopCounters:
     encoded_rows: int = 0
     captures: int = 0
     capture_failures: int = 0
+    allocations: int = 0

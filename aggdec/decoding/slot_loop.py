@@ -13,29 +13,33 @@ Each iteration, for every slot at once:
   6. Retire and refill: finished rows are read once and leave; their slots take pending requests
      (continuous batching), encoded ahead of admission (`scheduler`).
 
-- **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two, fewer for a
-  short run) and a `SlotCache` allocated once per run: self-attention K/V up to the longest output
-  any request may reach, cross K/V up to the widest source. A row stays in its slot; a finished
-  row's slot is overwritten by a refill. Once no request waits and half the slots or more are empty,
-  the live rows move into the first slots and the steps run on the power of two that holds them.
+- **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two) and a
+  `SlotCache`, allocated at its first run and kept: self-attention K/V up to the longest output any
+  request may reach, cross K/V up to the widest source, each a power of two (`slots.capacity`), grown
+  (at least doubled, with new buffers) only for a longer sentence. A run with fewer requests than
+  slots runs on the power of two that holds them (the first slots of the same buffers); a row stays
+  in its slot; a finished row's slot is overwritten by a refill. Once no request waits and half the
+  slots or more are empty, the live rows move into the first slots and the steps run on the power of
+  two that holds them.
 - **One step, three backends** (chosen when the loop is built, docs/design.md "What runs where"):
   *eager, packed* (the CPU's default, `packed`): the step computes only the live slots' real
   positions (`Transformer.decode_slots(valid=)`: linear layers on those positions, attention on the
   padded layout through the CPU kernel) and takes the top-1 through the loop's `OutputProjection`
   (certified bf16 where chosen); it may read the host. *Fixed-shape*: every position of every slot,
   rows that draft fewer masked by their own counts, the acceptance rule at every position
-  (`acceptance.FixedScores`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
+  (`acceptance.FixedScores`, on fp32 logits from the loop's `OutputProjection`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
   symbolic shapes, frozen weights, compiled once a process), or captured as CUDA graphs on a GPU:
-  every step a run can take is captured when the run starts (`capture_plan`: each slot count the tail
-  narrows to, each width of `GRAPH_WIDTHS`, each span of `GRAPH_SPANS`, the whole source width;
-  largest first) and replayed, nothing captured after that (`graphs=True`, the default there;
-  `graphs="check"` runs each step eagerly under a replay's rules, `capture_check`, and refuses a
-  shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
+  every step the loop can take is captured once for its buffers (`capture_plan`: each slot count a
+  run narrows to, each width of `GRAPH_WIDTHS`, largest first; each reads the whole cache and source
+  width) and replayed, nothing captured after that until the buffers grow (`graphs=True`, the default
+  there; `graphs="check"` runs each step, admission and retirement eagerly under a replay's rules,
+  `capture_check`, and refuses a shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
   the top-1 there).
 - **Device-side bookkeeping.** The commit, eos and length rules, and every row statistic
   (iterations, drafted, accepted, accepted per call, decode time share) are batched tensor updates in
   place. After the step the host reads one small tensor: which slots finished, the output lengths
-  (for the next span) and the call's token counts (for the draft budget).
+  (for the next span) and the call's token counts (for the draft budget). Admission copies a refill
+  batch to the device once (`_admission`); retirement reads the finished rows once (`_retired`).
 
 Outputs are greedy's under exact top-1, whatever the backend, slot count and refill order.
 """
@@ -63,15 +67,16 @@ from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
-from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, pad_batch, take
+from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, take
 from aggdec.decoding.state import DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
+from aggdec.model.precision import refuse_int8
 from aggdec.model.projection import Constrain, OutputProjection
-from aggdec.model.slots import SlotCache, bucket, leading
+from aggdec.model.slots import SlotCache, capacity, exact_span, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-from aggdec.thresholds import CPP_GEMM_SLOTS, GRAPH_MIN_SLOTS, RAGGED_SLOTS
+from aggdec.thresholds import CPP_GEMM_SLOTS, DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
@@ -90,43 +95,37 @@ def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
     return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
 
 
-GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-"""Draft widths a captured run verifies (with 0 and the drafter's longest draft): the draft budget's
-length is rounded down to one of them, which verifies fewer draft tokens and changes no output."""
-
-GRAPH_SPANS = (32, 64, 128, 256, 512, 1024, 2048)
-"""Key spans a captured run reads (with the cache's whole length): a call reads the shortest that
-holds its longest row, at most twice that row's length."""
-
-STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len")
+STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "index")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
 
-
-def slot_count(max_batch_size: int, requests: int) -> int:
-    """Slots for a run: the power of two at or above min(max_batch_size, requests)."""
-    n = max(1, min(max_batch_size, requests))
-    return 1 << (n - 1).bit_length()
+ADMISSION = 5
+"""Columns of an admitted row before its source (`SlotLoop._admission`): slot, source length, length limit,
+row in the cross K/V encoded ahead, request index."""
 
 
-def capture_plan(slots: int, length: int, src_width: int, max_draft: int,
-                 fewest: int = 2) -> list[tuple[int, int, int, int]]:
-    """The (slots, width, span, source width) of every step a captured run over `slots` slots, a cache
-    of `length` positions and `src_width` source positions can take, largest first: the slot counts
-    the run's tail narrows to (halving down to `fewest`), the widths 0, `max_draft` and the
-    `GRAPH_WIDTHS` below it, the `GRAPH_SPANS` below the cache's length and that length (its last
-    position is never read), the whole source width: 3 x 8 x 4 = 96 steps for 128 slots narrowing
-    to 32 (`GRAPH_MIN_SLOTS`), IAD's 64-token drafts and 256 positions."""
-    counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= max(2, fewest)]
+def slot_count(rows: int) -> int:
+    """The power of two at or above `rows` (at least 1): a loop's slots for max_batch_size rows, and
+    the slots a run of fewer requests, or a run's tail, runs on."""
+    return 1 << (max(rows, 1) - 1).bit_length()
+
+
+def capture_plan(slots: int, max_draft: int, fewest: int) -> list[tuple[int, int]]:
+    """The (slots, width) of every step a captured loop over `slots` slots can take, largest first: the
+    slot counts a run narrows to (halving down to `fewest`), the widths 0, `max_draft` and the
+    `GRAPH_WIDTHS` below it. A captured step reads the whole cache and source width, each row masked by
+    its own counts, so neither is a dimension of the plan: 2 x 8 = 16 steps for IAD's 64-token
+    drafts over 64 slots narrowing to 32 (`GRAPH_MIN_SLOTS`), 2 for greedy."""
+    counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= fewest]
     widths = sorted({0, max_draft, *(w for w in GRAPH_WIDTHS if w < max_draft)}, reverse=True)
-    spans = sorted({length - 1, *(s for s in GRAPH_SPANS if s < length - 1)}, reverse=True)
-    return [(n, w, s, src_width - 1) for n in counts for w in widths for s in spans]
+    return [(n, w) for n in counts for w in widths]
 
 
 class SlotLoop:
     """Decode requests with `model` as verifier, `drafter` proposing (default: none, greedy) and
     `acceptance` deciding (default: exact top-1), on fixed slots (module docstring).
 
-    `max_batch_size` bounds the active rows; `max_tokens`, if set, bounds the sum of active source
+    `max_batch_size` bounds the active rows and sizes the slots (allocated at the first run and kept:
+    later runs of any size reuse them, `release` frees them); `max_tokens`, if set, bounds the sum of active source
     lengths (a row is always admitted into an empty batch). With `refill=False` the loop waits for
     the whole batch to finish before admitting more (static batching, for comparison).
     `projection` computes an eager step's top-1 and logits (default: plain fp32); one built with
@@ -139,7 +138,8 @@ class SlotLoop:
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards).
-    Elsewhere steps run eagerly, packed (`packed`)."""
+    Elsewhere steps run eagerly, packed (`packed`). An int8 verifier on a CUDA device is refused
+    (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
@@ -151,6 +151,8 @@ class SlotLoop:
         self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
         self.max_batch_size, self.max_tokens, self.min_len, self.budget = max_batch_size, max_tokens, min_len, budget
         self.device = next(model.parameters()).device
+        if model.output_int8 is not None:
+            refuse_int8(self.device)
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
@@ -165,21 +167,31 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        slots = slot_count(max_batch_size, max_batch_size)
+        slots = slot_count(max_batch_size)
         # attention over each row's own keys (the masked products where the kernel cannot be built)
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
+        # a half-precision model's CPU slot cache holds fp32 keys and values, which the kernel reads: its
+        # attention over each row's own keys gives a row the same states whatever the span a step reads
+        # (masked bf16 products over a longer span sum in another order), so a fixed-shape step, which
+        # reads the whole cache, decides as an eager one
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        kernel = half and self.device.type == "cpu" and decode_attention.load()
+        self.cache_dtype = torch.float32 if kernel else self.dtype
         self._compiled = self._compile(slots) if compile else None
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = not compile and self.graphs is False
-        self.max_draft = DraftBudget.LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
-        self._fewest = GRAPH_MIN_SLOTS if self.graphs is True else 2  # slots a run's tail narrows to at least
+        self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
+        # slots a run narrows to at least: on CUDA graphs (and checked as such) GRAPH_MIN_SLOTS, compiled 2 (a
+        # compiled step specializes a batch of 1), eager 1
+        self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if compile else 1
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
         self._after = self.drafter.from_states
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
-        self._graph_states: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._captured: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_states: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._whole_cache = self._whole_state = None  # the slot buffers (`_allocate`)
 
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
@@ -234,9 +246,11 @@ class SlotLoop:
         else:
             valid = active[:, None].expand(b, t)
         hidden = self.model.decode_slots(block, self.cache, generated, span, src_width, self.ragged, valid)
-        if not self.packed:
-            scores = FixedScores(self.model.output_logits(hidden), generated[:, None] + offs, st.max_len[:, None],
-                                 cfg.pad, cfg.eos, self.min_len, self.forced)
+        if not self.packed:  # fp32 logits (the projection's; a compiled step's are the fp32 model's own)
+            logits = (self.model.output_logits(hidden) if self._compiled is not None
+                      else self.projection.logits(hidden.flatten(0, -2)).view(b, t, -1))
+            scores = FixedScores(logits, generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
+                                 self.min_len, self.forced)
         elif t == 1 and valid is None:  # one position a slot: each slot's own
             scores = VerifierScores(self.projection, hidden.view(b, -1), self._constrain(generated, st.max_len),
                                     shape=(b, t))
@@ -313,10 +327,11 @@ class SlotLoop:
                 self._compiled = None
             finally:
                 inductor_config.freezing = frozen
-        key = (self.state.batch_size, width, span, src_width)
+        key = (self.state.batch_size, width)
         if self.graphs == "check":
-            if key not in self._plan:
-                raise CaptureError(f"step {key} is not in the capture plan: a captured run would capture it")
+            if key not in self._plan or (span, src_width) != (self.cache.length - 1, self.cache.src_width - 1):
+                raise CaptureError(f"step {key} reading {span} positions and {src_width} source positions is not "
+                                   "in the capture plan (the whole cache): a captured run would capture it")
             checked(lambda: self._step(width, span, src_width), self, "_states")
             return
         graph = self._captured.get(key) if self.graphs else None
@@ -328,8 +343,8 @@ class SlotLoop:
             self._states = self._graph_states[key]
 
     def _capture_plan(self) -> None:
-        """Capture every step of `capture_plan` not captured yet (a run reusing the last one's buffers
-        reuses its graphs), largest first: each slot count's steps on the narrowed slots, then all
+        """Capture every step of `capture_plan` not captured yet (a run reusing the loop's buffers
+        reuses their graphs), largest first: each slot count's steps on the narrowed slots, then all
         slots again. A step whose capture fails is counted (`LoopCounters.capture_failures`) and runs
         eagerly; the state is as it was either way."""
         whole = self._whole_state.batch_size
@@ -366,9 +381,10 @@ class SlotLoop:
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
 
-    def _capture(self, key: tuple[int, int, int, int]) -> torch.cuda.CUDAGraph:
-        """Capture the step for `key`, on the model's device, after one warm-up run whose effects are
-        undone, also where the warm-up or the capture raises (an eager retry then runs the step once)."""
+    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
+        """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
+        one warm-up run whose effects are undone, also where the warm-up or the capture raises (an eager
+        retry then runs the step once)."""
         mutable = [self.state.out, self.state.out_len, *(getattr(self, name) for name in self._whole_rows),
                    *self._drafter_tensors()]
         saved = [t.clone() for t in mutable]
@@ -376,12 +392,13 @@ class SlotLoop:
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
+                whole = (key[1], self.cache.length - 1, self.cache.src_width - 1)
                 with torch.cuda.stream(side):
-                    self._step(*key[1:])
+                    self._step(*whole)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    self._step(*key[1:])
+                    self._step(*whole)
             finally:
                 for t, s in zip(mutable, saved):
                     t.copy_(s)
@@ -399,21 +416,29 @@ class SlotLoop:
     # -- slots -----------------------------------------------------------------------------------
 
     def _allocate(self, requests: list[Request]) -> None:
-        """Slots for a run: the last run's buffers (and captured steps) where they are large enough,
-        reset in place; else new ones."""
+        """The loop's slot buffers for a run of `requests`: those it holds, reset in place, where their
+        cache is long and wide enough (captured steps stay valid); else new ones, at least twice as long
+        or wide (`slots.capacity`), counted in `LoopCounters.allocations`. Always `slot_count(max_batch_size)`
+        slots: a run of fewer requests narrows to its own (`run`)."""
         cfg = self.model.cfg
-        b = slot_count(self.max_batch_size, len(requests))
         # one position more than any span or width reads: a read is never the whole buffer, so a
         # compiled step's shapes stay symbolic (prefix == whole buffer would be specialized)
-        length = bucket(max(r.max_len for r in requests) + self.max_draft + 2 + self.stride) + 1
-        src_width = bucket(max(len(r.src) for r in requests), cfg.max_source_positions) + 1
-        cache = getattr(self, "_whole_cache", None)
-        if (cache is not None and self._whole_state.batch_size == b and cache.length >= length
-                and cache.src_width >= src_width):
+        need = max(r.max_len for r in requests) + self.max_draft + 2 + self.stride
+        need_src = max(len(r.src) for r in requests)
+        cache = self._whole_cache
+        if cache is not None and cache.length - 1 >= need and cache.src_width - 1 >= need_src:
             self._reset()
             return
-        dev = self.device
-        self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.dtype, dev)
+        longest = cfg.max_target_positions + self.max_draft + 2 + self.stride  # what any request may need
+        length = min(capacity(need, SLOT_POSITIONS), capacity(longest, SLOT_POSITIONS)) + 1
+        src_width = min(capacity(need_src, SLOT_POSITIONS), capacity(cfg.max_source_positions, SLOT_POSITIONS)) + 1
+        if cache is not None:  # grown: never shorter or narrower than before
+            length, src_width = max(length, cache.length), max(src_width, cache.src_width)
+        b, dev = slot_count(self.max_batch_size), self.device
+        self.release()  # the old buffers go before the new ones are made
+        self.counters.allocations += 1
+        self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.cache_dtype,
+                               dev)
         out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
         out[:, : self.stride] = self.starts
         self.state = DecodeState(
@@ -422,7 +447,11 @@ class SlotLoop:
             out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
             requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride,
-            fixed=not self.packed)
+            fixed=not self.packed, index=torch.zeros(b, dtype=torch.long, device=dev))
+        # a refill batch's packed rows, on the device (the one copy of an admission, `_admission`): slot,
+        # source length, length limit, row in the cross K/V encoded ahead, request index, source
+        self._admitted = torch.empty((b, ADMISSION + src_width), dtype=torch.long, device=dev)
+        self._pinned = torch.empty_like(self._admitted, device="cpu").pin_memory() if dev.type == "cuda" else None
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
@@ -433,13 +462,12 @@ class SlotLoop:
         self._zero = torch.zeros(1, dtype=torch.long, device=dev)
         self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
-        self._captured, self._pool, self._graph_states = {}, None, {}
-        self._plan = capture_plan(b, length, src_width, self.max_draft, self._fewest)
-        self._widths, self._spans = (sorted({key[i] for key in self._plan}) for i in (1, 2))  # once, not per call
+        self._plan = capture_plan(b, self.max_draft, self._fewest)
+        self._widths = sorted({w for _, w in self._plan})  # once, not per call
         self._reset()
 
     def release(self) -> None:
-        """Free the run buffers and the CUDA graphs captured on them; a compiled step stays. The next run
+        """Free the slot buffers and the CUDA graphs captured on them; a compiled step stays. The next run
         allocates anew (and captures anew)."""
         self.cache = self.state = self._whole_cache = self._whole_state = None
         self._whole_rows, self._whole_drafter, self._captured, self._graph_states, self._pool = {}, {}, {}, {}, None
@@ -464,8 +492,8 @@ class SlotLoop:
         movers = [s for s in live if s >= n]
         holes = [s for s in range(n) if s not in taken][: len(movers)]
         if movers:
-            st, dev = self._whole_state, self.device
-            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            st = self._whole_state
+            src, dst = torch.tensor([movers, holes], device=self.device)  # one copy
             for t in (*(getattr(st, name) for name in STATE_ROWS), *self._whole_cache.tensors(),
                       *self._whole_rows.values(), *self._whole_drafter.values()):
                 t[dst] = t[src]
@@ -491,40 +519,83 @@ class SlotLoop:
             self._whole_drafter = self.drafter.rows.tensors()
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
-        """Place `reqs` into free `slots`: cross K/V from those encoded ahead or encoded now with the
-        next `encode_batch` pending requests (`scheduler.EncodeAhead`), fresh rows in place."""
-        cfg, st, dev = self.model.cfg, self.state, self.device
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        self._refills.place(reqs, queue, lambda which, cross: self.cache.place(idx[which], cross))
-        src = pad_batch([r.src for r in reqs], cfg.pad)
-        st.src[idx] = torch.nn.functional.pad(src, (0, st.src.shape[1] - src.shape[1]), value=cfg.pad).to(dev)
+        """Place `reqs` into free `slots`: their rows packed on the host and copied at once (`_admission`),
+        cross K/V from those encoded ahead or encoded now with the next `encode_batch` pending requests
+        (`scheduler.EncodeAhead`, the encoder's own pass), then fresh rows in place on the device (`_admit`,
+        under a replay's rules in check mode)."""
+        st = self.state
+        reqs, rows, ahead = self._refills.take(reqs)
+        width, hit = st.src.shape[1], len(rows)
+        admitted = self._admission([[s, len(r.src), r.max_len, a, r.index, *r.src, *[st.pad] * (width - len(r.src))]
+                                    for s, r, a in zip(slots, reqs, rows + [0] * (len(reqs) - hit))])
+        fresh = self._refills.encode(reqs[hit:], queue)
         for s, r in zip(slots, reqs):
             st.requests[s] = r
-        st.src_len[idx] = torch.tensor([len(r.src) for r in reqs], device=dev)
-        st.max_len[idx] = torch.tensor([r.max_len for r in reqs], device=dev)
-        st.out[idx, self.stride:] = cfg.pad
-        st.out_len[idx] = self.stride
+        widest = max((len(r.src) for r in reqs[:hit]), default=0)
+        admit = functools.partial(self._admit, admitted, hit, ahead, widest, fresh)
+        checked(admit, self, host_data=False) if self.graphs == "check" else admit()
+
+    def _admission(self, rows: list[list[int]]) -> torch.Tensor:
+        """`rows` (int64, `ADMISSION` columns and a source each) on the device: one tensor built on the host,
+        one copy (on CUDA through pinned memory, not waited for: the next admission comes after a step's
+        read of its summary, which waits for the copy)."""
+        host = torch.tensor(rows, dtype=torch.long)
+        if self._pinned is None:
+            return host.to(self.device)
+        pinned, admitted = self._pinned[: len(rows)], self._admitted[: len(rows)]
+        pinned.copy_(host)
+        return admitted.copy_(pinned, non_blocking=True)
+
+    def _admit(self, admitted: torch.Tensor, hit: int, ahead, widest: int, fresh) -> None:
+        """Fresh rows for the refills of `admitted` (`_admission`'s rows): cross K/V, the first `hit` from
+        `ahead` (`widest` source positions), the others `fresh`; source, limits, outputs, statistics and the
+        drafter's rows, in place, with no host read."""
+        st = self.state
+        idx = admitted[:, 0].contiguous()
+        if hit:
+            self.cache.place(idx[:hit], ahead.take(admitted[:hit, 3].contiguous(), width=widest))
+        if fresh is not None:
+            self.cache.place(idx[hit:], fresh)
+        st.src.index_copy_(0, idx, admitted[:, ADMISSION:])
+        for t, column in ((st.src_len, 1), (st.max_len, 2), (st.index, 4)):
+            t.index_copy_(0, idx, admitted[:, column])
+        st.out.index_fill_(0, idx, st.pad)
+        st.out[:, : self.stride].index_copy_(0, idx, self.starts.expand(idx.shape[0], -1))
+        st.out_len.index_fill_(0, idx, self.stride)
         for t in (self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
-            t[idx] = 0
-        self.active[idx] = True
+            t.index_fill_(0, idx, 0)
+        self.active.index_fill_(0, idx, True)
         if self.max_draft:
             self.drafter.admit(st, idx)
 
     def _retire(self, slots: list[int], out_len: list[int]) -> Iterator[Hypothesis]:
-        """Read the finished rows once and yield their hypotheses."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        """Read the finished rows once (one tensor, gathered on the device from the step's done flags,
+        under a replay's rules in check mode) and yield their hypotheses."""
         width = max(out_len[s] for s in slots)
-        out = self.state.out[idx, self.stride: width].tolist()  # without the start
-        iters, drafted, accepted = (t[idx].tolist() for t in (self.iterations, self.drafted, self.accepted))
-        # the last call's time share is added here (the step adds each call's share at the next one)
-        ms = (self.ms[idx] + self.fed_before[idx] * self.ms_per_fed).tolist()
-        hist = self.hist[idx, : max(iters)].tolist()
+        gather = functools.partial(self._retired, len(slots), width)
+        values = (checked(gather, self, host_data=False) if self.graphs == "check" else gather()).tolist()
+        n = width - self.stride  # output columns; a row's iterations are at most its tokens
         for j, s in enumerate(slots):
-            stats = RowStats(iterations=iters[j], drafted=drafted[j], accepted=accepted[j],
-                             accepted_per_iter=hist[j][: iters[j]], decode_ms=ms[j])
-            tokens = unfold(out[j], self.model.cfg.eos) if self.stride > 1 else out[j][: out_len[s] - 2]  # no eos
+            row = [int(v) for v in values[j][: 2 * n + 3]]
+            out, hist, (iters, drafted, accepted) = row[:n], row[n: 2 * n], row[2 * n:]
+            stats = RowStats(iterations=iters, drafted=drafted, accepted=accepted, accepted_per_iter=hist[:iters],
+                             decode_ms=values[j][-1])
+            tokens = unfold(out, self.model.cfg.eos) if self.stride > 1 else out[: out_len[s] - 2]  # no eos
             yield Hypothesis(index=self.state.requests[s].index, tokens=tokens, stats=stats)
             self.state.requests[s] = None
+
+    def _retired(self, count: int, width: int) -> torch.Tensor:
+        """(count, ...) float64: the `count` finished slots' rows, in slot order (the done flags of the step's
+        summary sorted, no host index): outputs without the start up to `width`, accepted per call, iterations,
+        drafted, accepted, decode time (ms; the last call's share added here, the step adds each call's share
+        at the next one)."""
+        n = self.state.batch_size
+        rows = torch.argsort(self._summary[:n], descending=True, stable=True)[:count]
+        ms = self.ms + self.fed_before * self.ms_per_fed
+        counts = torch.stack([self.iterations, self.drafted, self.accepted], dim=1)
+        return torch.cat([self.state.out[rows, self.stride: width].double(),
+                          self.hist[rows, : width - self.stride].double(), counts[rows].double(), ms[rows, None]],
+                         dim=1)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -540,7 +611,11 @@ class SlotLoop:
             self._capture_plan()
         self._refills.reset()
         THREADS.start()
-        n = self.state.batch_size  # the slots the steps run on: all of them until the queue is empty
+        # the slots the steps run on: the power of two that holds the requests (all slots where they
+        # fill them) until the queue is empty
+        n = min(self.state.batch_size, max(self._fewest, slot_count(len(queue))))
+        if n < self.state.batch_size:
+            self._narrow(n)
         free = list(range(n))
         src_len = [0] * n  # host copy of each occupied slot's source length
         out_len = [self.stride] * n
@@ -557,16 +632,14 @@ class SlotLoop:
                         src_len[s], out_len[s] = len(r.src), self.stride
             t0 = time.perf_counter()
             live = [s for s in range(n) if src_len[s]]
-            if self.graphs:  # the captured shapes (`capture_plan`)
-                src_width = self.cache.src_width - 1
+            if self.graphs:  # the captured shapes (`capture_plan`), reading the whole cache
+                src_width, span = self.cache.src_width - 1, self.cache.length - 1
                 width = max(w for w in self._widths if w <= length)
-                reach = max(out_len[s] for s in live) + width
-                span = next((s for s in self._spans if s >= reach), self.cache.length - 1)
             else:  # eager, or compiled with symbolic shapes: the exact sizes, no padding read
-                src_width = bucket(max(src_len), self.cache.src_width - 1, exact=True)
+                src_width = exact_span(max(src_len), self.cache.src_width - 1)
                 # no draft copied from the source is longer than it (a head's drafts keep their length)
                 width = length if self._after else min(length, src_width)
-                span = bucket(max(out_len[s] for s in live) + width, self.cache.length - 1, exact=True)
+                span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
             built = self._programs() if self._compiled is not None else 0
             self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
@@ -598,9 +671,9 @@ class SlotLoop:
                     src_len[s] = 0
                 free = sorted(free + finished)
                 live = [s for s in range(n) if src_len[s]]
-                # the tail, half the slots or more empty: the power of two that holds the live rows, at least
-                # 2 (a compiled step specializes a batch of 1), on CUDA graphs GRAPH_MIN_SLOTS
-                fewer = max(self._fewest, 1 << (len(live) - 1).bit_length()) if live else n
+                # the tail, half the slots or more empty: the power of two that holds the live rows (`_fewest`
+                # at least)
+                fewer = max(self._fewest, slot_count(len(live))) if live else n
                 if not queue and fewer < n:
                     placed = self._compact(live, fewer)
                     n = self.state.batch_size

@@ -27,6 +27,8 @@ class DecodeState:
              whose generated tokens are a folded stream of (head, tail) pairs.
     fixed:   the step is one fixed-shape program (compiled, captured, checked): drafters must not read
              the host; False in an eager step, where they may.
+    index:   (B,) int64, the index of the request each slot holds (`Request.index`; any for an empty
+             slot): a drafter's per-request data, on the device, at admission (the slot loop's).
     """
 
     src: torch.Tensor
@@ -40,6 +42,7 @@ class DecodeState:
     eos: int
     stride: int = 1
     fixed: bool = True
+    index: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

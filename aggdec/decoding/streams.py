@@ -22,11 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.threads import THREADS
-
-MIN_STREAM_BATCH = 16
-"""The fewest rows a stream decodes at once (`max_batch_size // streams`) and the fewest requests it
-takes: below, one loop on all threads."""
-
+from aggdec.thresholds import MIN_STREAM_BATCH
 
 def stream_count(threads: int, max_batch_size: int, requests: int) -> int:
     """Streams for a call: one per thread of the process's own count (`THREADS.own_threads()`), while

@@ -41,10 +41,10 @@ class CrossKV:
         """(B,) int64: each row's real source positions; made once, as `keep`."""
         return self.keep.sum(dim=-1).view(-1)
 
-    def take(self, rows: torch.Tensor, trim: bool = False) -> "CrossKV":
-        """The given rows (1-D index tensor), in that order; `trim` also drops source positions that
-        are padding in every one of them."""
-        width = int((~self.src_pad[rows]).sum(dim=1).max()) if trim and rows.numel() else self.src_pad.shape[1]
+    def take(self, rows: torch.Tensor, width: int | None = None) -> "CrossKV":
+        """The given rows (1-D index tensor), in that order; `width`: only the first `width` source
+        positions (the caller's count of their widest: no host read)."""
+        width = self.src_pad.shape[1] if width is None else width
         return CrossKV(k=[t[:, :width].index_select(0, rows) for t in self.k],
                        v=[t[:, :width].index_select(0, rows) for t in self.v],
                        src_pad=self.src_pad[:, :width].index_select(0, rows))

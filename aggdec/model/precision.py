@@ -55,6 +55,15 @@ _SLOW = {  # (precision, isa) -> why it is slow there, measured (docs/design.md,
 }
 
 
+def refuse_int8(device: torch.device) -> None:
+    """Raise ValueError (one line) where int8 decoding cannot run on `device`: a CUDA device, whose int8
+    product (`torch._int_mm`) refuses calls of fewer than 17 rows. The API checks it before converting a
+    verifier; a slot loop given an int8 verifier checks it itself."""
+    if device.type == "cuda":
+        raise ValueError("precision: int8 decodes on CPUs only (CUDA's int8 product refuses calls of fewer than 17 "
+                         "rows); on a GPU use fp32 or bf16")
+
+
 def cpu_isa(capabilities: Mapping[str, Any] | None = None) -> str:
     """The class (`ISAS`) of a CPU with these capability flags (default: this CPU's, from
     `torch.cpu.get_capabilities()`; an older torch without it gives "other"): "amx" (AMX tiles),

@@ -36,13 +36,10 @@ from collections.abc import Callable
 import torch
 
 from aggdec.model.linear import linear, prepack
-from aggdec.thresholds import TOP1_ROWS
+from aggdec.thresholds import REFINE_WIDTH, TOP1_ROWS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
-REFINE_WIDTH = 16
-"""Most candidates `OutputProjection.top1` refines from the fp32 weight rows before it recomputes a
-whole fp32 row."""
 
 Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
 """constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
@@ -65,7 +62,10 @@ def certified_pays(device: torch.device) -> bool:
 
 class OutputProjection:
     """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, plus a bf16 copy for the certified
-    top-1. With the certified top-1, a bias (V,) is folded in as one more column of the weight against
+    top-1. A half-precision verifier's weight (bf16, fp16) is kept as an fp32 copy and its states are
+    multiplied in fp32: its logits and top-1 are fp32's, so that no tie made by rounding the logits to
+    16 bits (whose rounding follows the product's summation order, which the call's shape picks) decides
+    a token. With the certified top-1, a bias (V,) is folded in as one more column of the weight against
     a constant 1 appended to every hidden state, so that the bound above covers it unchanged; the
     plain fp32 path adds it in the product.
 
@@ -84,6 +84,8 @@ class OutputProjection:
         if certify and (weight.dtype != torch.float32 or int8 is not None):
             raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
         self.int8 = int8
+        if int8 is None and weight.dtype in (torch.bfloat16, torch.float16):  # fp32 logits (class docstring)
+            weight, bias = weight.detach().float(), None if bias is None else bias.detach().float()
         self.with_bias = bias is not None and certify  # folded into the weight
         self.bias = None if bias is None or certify else bias.detach()
         if self.with_bias:
@@ -120,13 +122,13 @@ class OutputProjection:
         return torch.cat([hidden, hidden.new_ones(hidden.shape[0], 1)], dim=1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, D) -> fp32 logits (N, V)."""
+        """hidden (N, D) -> fp32 logits (N, V) (float64 for a float64 verifier)."""
         return self._logits(self._extend(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self.int8(hidden)
-        return linear(hidden, self.weight, self.bias, packed=self.packed)
+        return linear(hidden.to(self.weight.dtype), self.weight, self.bias, packed=self.packed)
 
     def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
         """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""

@@ -3,9 +3,11 @@
 `SlotCache` holds, for `slots` rows, the self-attention keys/values of every decoder layer up to
 `length` positions and the cross-attention keys/values up to `src_width` source positions, all
 allocated once. A decoder call writes its block at each row's own positions (`positions`), reads a
-prefix of `span` key positions (a bucket above the longest row) and `width` source positions, and
-masks the rest per row, so the call is one fixed-shape tensor program for a given
-(slots, block width, span, width): capturable as a CUDA graph, compilable, and free of host reads.
+prefix of `span` key positions and `width` source positions, and masks the rest per row by its own
+counts, so the call is one fixed-shape tensor program for a given (slots, block width, span, width):
+capturable as a CUDA graph (which reads the whole buffers: its shape is (slots, block width) alone),
+compilable, and free of host reads. Buffers are sized in powers of two (`capacity`), so that a
+loop that meets longer sentences grows them a bounded number of times.
 Finished rows are overwritten in place by refills (`place`); no row selection or concatenation of the
 cache ever happens.
 """
@@ -15,10 +17,6 @@ from __future__ import annotations
 import torch
 
 from aggdec.model.cache import CrossKV
-
-SPANS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-"""Bucket sizes for key spans and source widths: few distinct shapes (one CUDA graph each), at most
-half again the length they cover."""
 
 
 def leading(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -30,12 +28,17 @@ def leading(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]), t.stride())
 
 
-def bucket(n: int, limit: int | None = None, exact: bool = False) -> int:
-    """The smallest bucket >= n (n itself beyond the largest), at most `limit`. `exact`: n itself, at
-    least 2 (a compiled program specializes sizes 0 and 1), at most `limit`: where shapes need not
-    repeat, attention reads no padding past the longest row."""
-    b = max(n, 2) if exact else next((s for s in SPANS if s >= n), n)
-    return b if limit is None else max(min(b, limit), min(n, limit))
+def capacity(need: int, floor: int) -> int:
+    """Positions a buffer is allocated with to hold `need`: the power of two at or above it, at least
+    `floor` (a power of two). A buffer grown to the next capacity at least doubles, so a loop grows it
+    at most log2(largest / floor) times."""
+    return max(floor, 1 << (max(need, 1) - 1).bit_length())
+
+
+def exact_span(n: int, limit: int) -> int:
+    """The positions an eager or compiled step reads to cover `n`: n itself, at least 2 (a compiled
+    program specializes sizes 0 and 1), at most `limit`: no padding past the longest row is read."""
+    return min(max(n, 2), limit)
 
 
 class SlotCache:

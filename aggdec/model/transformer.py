@@ -508,9 +508,10 @@ class Transformer(nn.Module):
         double-token model: the end of its pair) within the first `span` positions, and to the first
         `width` source positions where `cache.src_keep` (a prefix of each row). Returns the final
         states (B,T,D). Nothing here reads a tensor to the host, and the shapes depend only on
-        (B, T, span, width). `ragged` where the CPU kernel is loaded (`decode_attention.usable`):
-        attention reads each row's visible keys only; else masked products over the `span` and
-        `width` prefixes. `valid` (B,T) bool, optional (eager decoding, which may read the host): the
+        (B, T, span, width). `ragged` where the CPU kernel is loaded (`decode_attention.usable` for the
+        cache's dtype): attention reads each row's visible keys only, so its result does not depend on
+        `span` or `width` (a half-precision model's cache may be fp32 for it: attention then runs in
+        fp32); else masked products over the `span` and `width` prefixes. `valid` (B,T) bool, optional (eager decoding, which may read the host): the
         positions that matter, a prefix of each row's block; then only they are computed (linear
         layers, norms and FFN on N = valid.sum() tokens, attention on the padded layout) and
         written, and the result is (N,D) in row-major order.
@@ -565,10 +566,11 @@ class Transformer(nn.Module):
         cross_keep (B,1,1,S) marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU
         kernel over each row's own keys (`decode_attention`; counts; `rows` its row map); else
         masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
-        if ragged:
+        if ragged:  # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
             counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
-            return (lambda mha, q, k, v, sees, rows=None, bias=None:
-                    decode_attention.attend(q, k, v, sees, mha.heads, rows, bias, mha.scale), *counts)
+            return (lambda mha, q, k, v, sees, rows=None, bias=None: decode_attention.attend(
+                q.to(k.dtype), k, v, sees, mha.heads, rows, None if bias is None else bias.to(k.dtype),
+                mha.scale).to(q.dtype), *counts)
         keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
         return (lambda mha, q, k, v, sees, rows=None, bias=None: mha.core(q, k, v, sees, math, bias)), keep, cross_keep
 
