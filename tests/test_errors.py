@@ -180,9 +180,9 @@ def test_missing_extras_name_the_install_command_for_this_copy(tmp_path, monkeyp
     from aggdec import extras
 
     monkeypatch.chdir(REPO)
-    assert extras.install_hint("gec") == "pip install -e '.[gec]'"
+    assert extras.install_hint("gec") == "pip install --no-build-isolation -e '.[gec]'"
     monkeypatch.chdir(tmp_path)
-    assert extras.install_hint("report") == f"pip install -e '{REPO}[report]'"
+    assert extras.install_hint("report") == f"pip install --no-build-isolation -e '{REPO}[report]'"
     monkeypatch.setattr(extras, "SOURCE_TREE", tmp_path / "site-packages")
     assert extras.install_hint("gec") == "pip install 'aggdec[gec]'"
 
