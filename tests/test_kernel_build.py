@@ -5,6 +5,7 @@ environment (compilers, caches, ATEN_CPU_CAPABILITY) is the process's."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -68,18 +69,42 @@ def test_a_decode_loads_the_kernel_without_a_compiler(tmp_path):
     assert not any((tmp_path / "extensions").iterdir())
 
 
+def _copy_installed_from(tmp_path: Path, checkout: Path) -> dict[str, str]:
+    """A copy of the package without its kernel libraries in `tmp_path` (as a job's working_dir is),
+    first on the path of an environment where aggdec is installed editable from `checkout` (its
+    dist-info, as pip writes it) -> that environment."""
+    shutil.copytree(REPO / "aggdec", tmp_path / "aggdec", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    info = tmp_path / "aggdec-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aggdec\nVersion: 0.1.0\n")
+    (info / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True}, "url": checkout.as_uri()}))
+    return _env(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "tests")]))
+
+
 def test_a_missing_kernel_is_one_warning_and_masked_products(tmp_path):
-    """A copy of the package whose kernel libraries were not built: `load` is False with one warning
+    """The package installed without its kernel libraries built: `load` is False with one warning
     line that names the library and the command that builds it, and the decode still gives greedy's
     output (masked products)."""
-    shutil.copytree(REPO / "aggdec", tmp_path / "aggdec", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    env = _env(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "tests")]))
+    env = _copy_installed_from(tmp_path, tmp_path)
     done = _decode("eager", env, tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["kernel", "False", "compiled", "False", "decoded"], done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if "decode-attention" in line]
     assert len(lines) == 1 and "_decode_attention_" in lines[0] and "not built" in lines[0], done.stderr
     assert "pip install --no-build-isolation -e ." in lines[0]
+
+
+def test_a_copy_without_the_libraries_loads_the_installed_ones(tmp_path):
+    """A copy of the package without its libraries (a job's working_dir, uploaded without what git
+    ignores) where aggdec is installed editable from this checkout: the kernel is this checkout's."""
+    env = _copy_installed_from(tmp_path, REPO)
+    script = "import torch; from aggdec.model import decode_attention as d; print(d.load(), *torch.ops.loaded_libraries)"
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from aggdec.model import decode_attention
+
+    assert done.stdout.split() == ["True", str(decode_attention.library(torch.backends.cpu.get_cpu_capability()))]
 
 
 def _x86_with(capability: str) -> bool:

@@ -32,8 +32,11 @@ which computes every padded key too and costs more set-up than one row's arithme
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
+from importlib import metadata
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import torch
 
@@ -81,17 +84,35 @@ def load() -> bool:
 
 
 def load_library(capability: str) -> None:
-    """Load the library built for an ATen CPU capability (`library`) and register its shapes for
-    torch.compile. A process loads one: the operator's namespace is registered once. Raises
+    """Load the library built for an ATen CPU capability (`library`, else its copy in the installed
+    aggdec: `_installed`) and register its shapes for torch.compile. A process loads one: the
+    operator's namespace is registered once. Raises
     FileNotFoundError where it was not built, OSError where it does not link with this torch,
     RuntimeError where it was built from another version of the source (its operator is not `OP`)."""
-    path = library(capability)
-    if not path.is_file():
+    path = next((p for p in (library(capability), _installed(library(capability))) if p and p.is_file()), None)
+    if path is None:
         raise FileNotFoundError("not built")
     torch.ops.load_library(str(path))
     if not hasattr(torch.ops.aggdec, OP):
         raise RuntimeError(f"built from another version of {SOURCE.name}")
     torch.library.register_fake(f"aggdec::{OP}")(_shape)
+
+
+def _installed(path: Path) -> Path | None:
+    """`path`, a file of this copy of the package, in the aggdec installed in this environment, if
+    any: the checkout of an editable install (its direct_url.json), else the installed files. A job
+    submitted with the Jobs API runs a checkout uploaded without its built libraries (they are
+    git-ignored, which Ray's upload follows), on a cluster whose environment has aggdec installed."""
+    try:
+        dist = metadata.distribution("aggdec")
+    except metadata.PackageNotFoundError:
+        return None
+    origin = json.loads(dist.read_text("direct_url.json") or "{}")
+    if origin.get("dir_info", {}).get("editable") and origin.get("url", "").startswith("file://"):
+        root = Path(unquote(urlsplit(origin["url"]).path))
+    else:
+        root = Path(dist.locate_file(""))
+    return root / path.relative_to(Path(__file__).parents[2])
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
