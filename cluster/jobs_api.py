@@ -5,8 +5,8 @@ files), so the cluster runs this checkout's code; the cluster image must provide
 (torch, sentencepiece, safetensors, click, pyarrow, ray[data]) or `pip` must list them.
 Entry point: `PYTHON -m cli run SPEC ...` (the same as `aggdec run`, without needing the package
 installed on the cluster), PYTHON being this interpreter where the cluster runs on this machine
-(its processes then run in this environment whatever their PATH), and elsewhere `python` from the
-PATH of the cluster's processes (`job_python`). Inside the job RAY_ADDRESS is set, so `run` joins
+(`local`: the job then runs in the environment it was submitted from, whatever the PATH of the
+cluster's processes), and elsewhere `python` from that PATH (`job_python`). Inside the job RAY_ADDRESS is set, so `run` joins
 the cluster.
 """
 
@@ -35,14 +35,28 @@ def _client(address: str):
 
 
 def local(address: str) -> bool:
-    """Whether the cluster at `address` (http(s)://HOST:PORT, [ray://]HOST:PORT or 'auto') runs on
-    this machine: HOST is a loopback address or one of this machine's own (one it can bind), or the
-    address is 'auto' (a cluster started here)."""
-    if address == "auto":
-        return True
+    """Whether the cluster at `address` (http(s)://HOST:PORT, HOST:PORT or 'auto') runs on this
+    machine: HOST is this machine (`this_machine`; 'auto' is a cluster started here) and so is the
+    head node, by the IP the cluster reports for it (a forwarded port, such as `ray dashboard`'s or
+    `kubectl port-forward`'s, is on this machine while the cluster is not). False where the cluster
+    does not say."""
     host = urlsplit(address if "://" in address else f"//{address}").hostname
+    if address != "auto" and not (host and this_machine(host)):
+        return False
+    from ray.util.state import list_nodes
+
     try:
-        found = socket.getaddrinfo(host, None) if host else []
+        nodes = list_nodes(address=address, detail=True, timeout=10)
+    except Exception:  # noqa: BLE001 - a cluster that does not answer the State API: not known to be here
+        return False
+    return any(node.is_head_node and this_machine(node.node_ip) for node in nodes)
+
+
+def this_machine(host: str) -> bool:
+    """Whether `host` (a name or an IP address) is this machine: a loopback address, or an address of
+    one of its interfaces (one it can bind)."""
+    try:
+        found = socket.getaddrinfo(host, None)
     except OSError:  # a name that does not resolve here
         return False
     for family, _, _, _, sockaddr in found:

@@ -42,8 +42,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def ray_head(env: dict[str, str], num_cpus: int = 2, start_timeout_s: float = 120) -> Iterator[Head]:
     """A head started with `env` (its PATH is that of the cluster's processes), up once its Jobs API
-    answers; stopped, with everything it started, on exit."""
+    answers and it lists its node; stopped, with everything it started, on exit."""
     from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_nodes
 
     ports = {name: free_port() for name in PORTS}
     temp = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: Ray's socket paths are under it
@@ -58,7 +59,8 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, start_timeout_s: float = 12
         while True:
             try:
                 JobSubmissionClient(dashboard).list_jobs()
-                break
+                if list_nodes(address=dashboard, timeout=5):  # the head node registered too
+                    break
             except Exception:  # noqa: BLE001 - not up yet
                 if head.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the Ray head did not start: {(temp / 'start.log').read_text()[-2000:]}")

@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 def test_a_job_submitted_from_an_interpreter_off_the_path_runs_with_it(tiny_model_dir, tmp_path):
     """`aggdec submit` run by this interpreter, whose bin directory is on no PATH, to a head on this
     machine whose PATH finds first a python without aggdec's dependencies (a bare venv): the job runs
-    `python -m cli` with this interpreter and succeeds, with the CPU kernel of the aggdec installed
-    for it (the uploaded checkout has none), and the command says nothing about the cluster's python."""
+    `python -m cli` with this interpreter (`jobs_api.local`: the head reports an IP of this machine)
+    and succeeds, with the CPU kernel of the aggdec installed for it (the uploaded checkout has
+    none), and the command says nothing about the cluster's python."""
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # a real python, without click, pyarrow, torch
     path = os.pathsep.join([str(bare / "bin"), "/usr/bin", "/bin"])
@@ -59,17 +60,14 @@ def test_a_job_submitted_from_an_interpreter_off_the_path_runs_with_it(tiny_mode
     assert "decode-attention kernel is not available" not in logs + said
 
 
-def test_which_clusters_are_on_this_machine():
-    """Loopback addresses and names, this machine's name and its own addresses are local, in each
-    address form; an address of no interface here, or a name that does not resolve, is not."""
-    here = socket.gethostname()
+def test_which_hosts_are_this_machine():
+    """Loopback addresses and names, this machine's name and its own addresses are this machine; an
+    address of no interface here, or a name that does not resolve, is not (and no cluster there is local)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("198.51.100.1", 9))  # no packet is sent: only the interface that route would take
         own = s.getsockname()[0]
-    for address in ("http://127.0.0.1:8265", "http://localhost:8265", "127.0.0.2:6379", "ray://[::1]:10001",
-                    f"http://{here}:8265", f"{own}:6379", "auto"):
-        assert jobs_api.local(address), address
-        assert jobs_api.job_python(address) == sys.executable
-    for address in ("http://198.51.100.1:8265", "203.0.113.7:6379", "http://no-such-host.invalid:8265"):
-        assert not jobs_api.local(address), address
-        assert jobs_api.job_python(address) == "python"
+    for host in ("127.0.0.1", "localhost", "127.0.0.2", "::1", socket.gethostname(), own):
+        assert jobs_api.this_machine(host), host
+    for host in ("198.51.100.1", "203.0.113.7", "no-such-host.invalid"):
+        assert not jobs_api.this_machine(host), host
+        assert jobs_api.job_python(f"http://{host}:8265") == "python"
