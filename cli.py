@@ -551,7 +551,7 @@ def submit_cmd(spec, address, pip, submission_id, take_over_lease, sets, input_p
     except ValueError:
         spec_arg = spec
     run_args = [a for o in overrides for a in ("--set", o)] + (["--take-over-lease"] if take_over_lease else [])
-    python = jobs_api.job_python(address)
+    python = _jobs_call(lambda address, _: jobs_api.job_python(address), address, None)
     job_id = _jobs_call(lambda address, _: jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None,
                                                             submission_id=submission_id, python=python), address, None)
     click.echo(job_id)

@@ -39,11 +39,15 @@ def local(address: str) -> bool:
     machine: HOST is this machine (`this_machine`; 'auto' is a cluster started here) and so is the
     head node, by the IP the cluster reports for it (a forwarded port, such as `ray dashboard`'s or
     `kubectl port-forward`'s, is on this machine while the cluster is not). False where the cluster
-    does not say."""
+    does not say; ConnectionError (one line) where nothing answers at a local address (`check_dashboard`)."""
     host = urlsplit(address if "://" in address else f"//{address}").hostname
     if address != "auto" and not (host and this_machine(host)):
         return False
     from ray.util.state import list_nodes
+
+    from cluster.connection import check_dashboard
+
+    check_dashboard(address)  # before Ray's client, which retries for minutes where no cluster answers
 
     try:
         nodes = list_nodes(address=address, detail=True, timeout=10)

@@ -34,6 +34,8 @@ CASES = {
                                    "a dashboard's address"),
     "submit, nothing answers": (["submit", "examples/correct.toml", "--output", "s3://b/o", "--address",
                                  "http://127.0.0.1:1"], "no Ray dashboard answers there"),
+    "submit, a GCS address where nothing answers": (["submit", "examples/correct.toml", "--output", "s3://b/o",
+                                                     "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
     "status, nothing answers": (["status", "raysubmit_x", "--address", "http://127.0.0.1:1"],
                                 "no Ray dashboard answers there"),
     "status, a GCS address where nothing answers": (["status", "raysubmit_x", "--address", "127.0.0.1:1"],
