@@ -53,7 +53,7 @@ FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfm
 """Compiler flags by ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`), those ATen
 builds its own vectorized kernels with; any other capability has the library of ATen's portable
 vectors. `setup.py` builds these (on x86) with `CFLAGS` and `-DAGGDEC_OP=<OP>`."""
-CFLAGS = ["-O3", "-fopenmp"]
+CFLAGS = ["-O3", "-fopenmp", "-g0"]  # -g0: without the debug information Python's flags ask for, a fifth faster
 REBUILD = "pip install --no-build-isolation -e ."
 """How a checkout builds the libraries (the Makefile's setup); the build links against the installed torch."""
 
