@@ -567,13 +567,14 @@ def _jobs_call(fn, address: str, job_id: str | None):
     try:
         return fn(address, job_id)
     except ConnectionError as e:  # jobs_api's probe of the address, or the Jobs SDK's
-        raise Failure(f"--address {e}" if str(e).startswith(address) else f"{address}: {e}") from None
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise Failure(f"--address {text}" if text.startswith(address) else f"{address}: {text}") from None
     except Exception as e:  # noqa: BLE001 - the Jobs SDK raises RuntimeError, ValueError, ...
         text = str(e)
         if job_id and "does not exist" in text:
             raise Failure(f"{job_id}: no such job at {address}") from e
         if "Version check returned 404" in text:
-            raise Failure(f"{address}: something answers there, but not a Ray dashboard (it has no /api/version)") from e
+            raise Failure(f"{address}: something answers there, but not a Ray dashboard (no /api/version)") from e
         raise Failure(f"{address}: {text.splitlines()[0] if text else type(e).__name__}") from e
 
 

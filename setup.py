@@ -49,7 +49,8 @@ class BuildKernels(BuildExtension.with_options(use_ninja=False, no_python_abi_su
 def extension(capability: str) -> CppExtension:
     path = kernel.library(capability).relative_to(ROOT)
     return CppExtension(".".join(path.with_suffix("").parts), [str(kernel.SOURCE.relative_to(ROOT))],
-                        extra_compile_args=[*kernel.CFLAGS, f"-DAGGDEC_OP={kernel.OP}", *kernel.FLAGS.get(capability, [])],
+                        extra_compile_args=[*kernel.CFLAGS, f"-DAGGDEC_OP={kernel.OP}",
+                                            *kernel.FLAGS.get(capability, [])],
                         extra_link_args=["-fopenmp"], optional=True)
 
 

@@ -6,8 +6,8 @@ files), so the cluster runs this checkout's code; the cluster image must provide
 Entry point: `PYTHON -m cli run SPEC ...` (the same as `aggdec run`, without needing the package
 installed on the cluster), PYTHON being this interpreter where the cluster runs on this machine
 (`local`: the job then runs in the environment it was submitted from, whatever the PATH of the
-cluster's processes), and elsewhere `python` from that PATH (`job_python`). Inside the job RAY_ADDRESS is set, so `run` joins
-the cluster.
+cluster's processes), and elsewhere `python` from that PATH (`job_python`). Inside the job
+RAY_ADDRESS is set, so `run` joins the cluster.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ def not_ray():
 
 
 CASES = {
-    "run, nothing answers": (["run", "examples/correct.toml", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
+    "run, nothing answers": (["run", "examples/correct.toml", "--address", "127.0.0.1:1"],
+                             "no Ray cluster answers there"),
     "run, not a GCS": (["run", "examples/correct.toml", "--address", "{not_ray}"], "not a Ray cluster's GCS"),
     "run, a dashboard's address": (["run", "examples/correct.toml", "--address", "http://127.0.0.1:1"],
                                    "a dashboard's address"),

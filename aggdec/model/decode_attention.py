@@ -86,9 +86,9 @@ def load() -> bool:
 def load_library(capability: str) -> None:
     """Load the library built for an ATen CPU capability (`library`, else its copy in the installed
     aggdec: `_installed`) and register its shapes for torch.compile. A process loads one: the
-    operator's namespace is registered once. Raises
-    FileNotFoundError where it was not built, OSError where it does not link with this torch,
-    RuntimeError where it was built from another version of the source (its operator is not `OP`)."""
+    operator's namespace is registered once. Raises FileNotFoundError where it was not built,
+    OSError where it does not link with this torch, RuntimeError where it was built from another
+    version of the source (its operator is not `OP`)."""
     path = next((p for p in (library(capability), _installed(library(capability))) if p and p.is_file()), None)
     if path is None:
         raise FileNotFoundError("not built")
