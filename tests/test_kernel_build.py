@@ -98,7 +98,8 @@ def test_a_copy_without_the_libraries_loads_the_installed_ones(tmp_path):
     """A copy of the package without its libraries (a job's working_dir, uploaded without what git
     ignores) where aggdec is installed editable from this checkout: the kernel is this checkout's."""
     env = _copy_installed_from(tmp_path, REPO)
-    script = "import torch\nfrom aggdec.model import decode_attention as d\nprint(d.load(), *torch.ops.loaded_libraries)"
+    script = ("import torch\nfrom aggdec.model import decode_attention\n"
+              "print(decode_attention.load(), *torch.ops.loaded_libraries)")
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
