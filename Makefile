@@ -13,15 +13,17 @@ run: setup
 test: setup-dev
 	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider
 
+# The package builds the CPU attention kernel against the torch installed first (setup.py):
+# without build isolation, which would build it against another copy of torch.
 setup:
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[gec,report]'
+	$(PIP) install torch==2.13.0 'setuptools>=68'
+	$(PIP) install --no-build-isolation -e '.[gec,report]'
 
 # fairseq (for the parity tests) builds against the installed torch; it pulls a torchaudio that
 # cannot load with torch 2.13 and is not needed, so it is removed again (with it installed,
 # transformers cannot import its model classes; the HF import tests need both).
 setup-dev:
-	$(PIP) install torch==2.13.0 cython numpy wheel
+	$(PIP) install torch==2.13.0 'setuptools>=68' cython numpy wheel
 	MAX_JOBS=2 $(PIP) install --no-build-isolation fairseq-fixed==0.12.3.1
 	$(PIP) uninstall -y torchaudio
-	$(PIP) install -e '.[dev,gec,report,hf]'
+	$(PIP) install --no-build-isolation -e '.[dev,gec,report,hf]'

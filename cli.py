@@ -422,12 +422,17 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
     import torch
 
     from aggdec.model.precision import cpu_isa, cpu_warning
-    from cluster.connection import connect, disconnect
+    from cluster.connection import check_reachable, connect, disconnect
     from jobs.preflight import check_job
     from jobs.run import run_job
     from jobs.spec import SpecError
 
     say = _echo_err
+    try:  # first: where no cluster answers, that is the one line (connect checks again)
+        if address or os.environ.get("RAY_ADDRESS"):
+            check_reachable(address or os.environ["RAY_ADDRESS"])
+    except ConnectionError as e:
+        raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
     try:
         shards = check_job(job, warn=say, take_over_lease=take_over_lease)  # inputs, output, model: before Ray starts
     except SpecError as e:
@@ -546,23 +551,30 @@ def submit_cmd(spec, address, pip, submission_id, take_over_lease, sets, input_p
     except ValueError:
         spec_arg = spec
     run_args = [a for o in overrides for a in ("--set", o)] + (["--take-over-lease"] if take_over_lease else [])
-    try:
-        job_id = jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None, submission_id=submission_id)
-    except Exception as e:  # noqa: BLE001 - as _jobs_call
-        raise Failure(f"{address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    python = _jobs_call(lambda address, _: jobs_api.job_python(address), address, None)
+    job_id = _jobs_call(lambda address, _: jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None,
+                                                            submission_id=submission_id, python=python), address, None)
     click.echo(job_id)
+    if python != sys.executable:
+        click.echo(f"note: the cluster runs the job with its own `{python}` (the first on its processes' PATH), which "
+                   "needs aggdec's dependencies (or --pip)", err=True)
     click.echo(f"output: {output}", err=True)
     click.echo(f"follow with: aggdec logs {job_id} --address {address} --follow", err=True)
 
 
-def _jobs_call(fn, address: str, job_id: str):
-    """A Jobs API call whose failures (unknown job, unreachable address) become one-line errors."""
+def _jobs_call(fn, address: str, job_id: str | None):
+    """A Jobs API call whose failures (unknown job, an address where no cluster answers) become one-line errors."""
     try:
         return fn(address, job_id)
-    except Exception as e:  # noqa: BLE001 - the Jobs SDK raises RuntimeError, ConnectionError, ValueError, ...
+    except ConnectionError as e:  # jobs_api's probe of the address, or the Jobs SDK's
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise Failure(f"--address {text}" if text.startswith(address) else f"{address}: {text}") from None
+    except Exception as e:  # noqa: BLE001 - the Jobs SDK raises RuntimeError, ValueError, ...
         text = str(e)
-        if "does not exist" in text or "404" in text:
+        if job_id and "does not exist" in text:
             raise Failure(f"{job_id}: no such job at {address}") from e
+        if "Version check returned 404" in text:
+            raise Failure(f"{address}: something answers there, but not a Ray dashboard (no /api/version)") from e
         raise Failure(f"{address}: {text.splitlines()[0] if text else type(e).__name__}") from e
 
 

@@ -15,10 +15,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 RAY_AUTH_LOGGER = "ray._private.authentication"
 PROBE_TIMEOUT_S = 5.0
-"""How long connecting to a HOST:PORT address may take before the cluster is taken to be unreachable."""
+"""How long connecting to a HOST:PORT address, and then its answer, may take before the cluster is
+taken to be unreachable."""
 
 
 def quiet_ray() -> None:
@@ -59,8 +61,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
             quiet: bool = False) -> Connection:
     """Initialize Ray once. `num_cpus` only applies to an embedded local Ray. `quiet`: Ray's and Ray
     Data's own messages below warnings, its progress bars and its workers' output stay in Ray's log
-    directory instead of the terminal. Raises ConnectionError (one line) where a HOST:PORT address
-    (or RAY_ADDRESS) accepts no connection within PROBE_TIMEOUT_S, or no cluster runs for 'auto'."""
+    directory instead of the terminal. Raises ConnectionError (one line) where no Ray cluster answers
+    at a HOST:PORT address (or RAY_ADDRESS; `check_reachable`), or no cluster runs for 'auto'."""
     import ray
 
     if quiet:
@@ -98,16 +100,64 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
 
 
 def check_reachable(address: str) -> None:
-    """Raise ConnectionError naming `address` where it has the form [ray://]HOST:PORT and nothing
-    accepts a TCP connection there within PROBE_TIMEOUT_S ('auto' and other forms are Ray's)."""
+    """Raise ConnectionError (one line, naming `address`) unless a Ray cluster answers at `address`
+    within about 2 x PROBE_TIMEOUT_S: for HOST:PORT, a TCP connection and then the GCS's answer to a
+    request for the cluster's id (an address where something else answers, such as a dashboard's
+    port, would have ray.init retry for minutes, its log lines on the terminal); for ray://HOST:PORT
+    (Ray Client), a TCP connection. An http(s):// address (a dashboard's) is refused; 'auto' and
+    other forms are Ray's."""
+    if address.startswith(("http://", "https://")):
+        raise ConnectionError(f"{address}: a dashboard's address (aggdec submit, status, logs, stop); a job joins "
+                              "a cluster at HOST:PORT of the head's GCS (port 6379 by default)")
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit() or "://" in host:
         return
+    host = host.strip("[]")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as e:
         raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or check "
                               "the address (HOST:PORT of the head's GCS, port 6379 by default)") from None
+    other = None if address.startswith("ray://") else _not_a_gcs(host, int(port))
+    if other:
+        raise ConnectionError(f"{address}: something answers there, but not a Ray cluster's GCS ({other}); check "
+                              "the address (HOST:PORT of the head's GCS, port 6379 by default)")
+
+
+def check_dashboard(address: str) -> None:
+    """For the Jobs API: raise ConnectionError (one line, naming `address`) where `address`,
+    http(s)://HOST[:PORT], accepts no TCP connection within PROBE_TIMEOUT_S (Ray's client would wait
+    for the operating system's timeout); any other address is a cluster's, whose dashboard Ray's
+    client looks up through its GCS: `check_reachable`."""
+    if not address.startswith(("http://", "https://")):
+        check_reachable(address)
+        return
+    url = urlsplit(address)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname or "", port), timeout=PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"{address}: no Ray dashboard answers there ({getattr(e, 'strerror', None) or e}); "
+                              "start the cluster, or check the address (http://HEAD:8265 by default)") from None
+
+
+def _not_a_gcs(host: str, port: int) -> str | None:
+    """None where a Ray GCS answers at host:port within PROBE_TIMEOUT_S (an authentication error is
+    its answer too), else the gRPC status that came instead. Not checked (None) where Ray uses TLS."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:  # as Ray connects
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return f"gRPC {e.code().name}"
+    return None
 
 
 def disconnect(conn: Connection | None = None) -> None:

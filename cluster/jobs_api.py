@@ -3,23 +3,83 @@
 The job's runtime_env uploads the repository (working_dir = repo root, minus outputs and VCS
 files), so the cluster runs this checkout's code; the cluster image must provide the dependencies
 (torch, sentencepiece, safetensors, click, pyarrow, ray[data]) or `pip` must list them.
-Entry point: `python -m cli run SPEC ...` (the same as `aggdec run`, without needing the package
-installed on the cluster). Inside the job RAY_ADDRESS is set, so `run` joins the cluster.
+Entry point: `PYTHON -m cli run SPEC ...` (the same as `aggdec run`, without needing the package
+installed on the cluster), PYTHON being this interpreter where the cluster runs on this machine
+(`local`: the job then runs in the environment it was submitted from, whatever the PATH of the
+cluster's processes), and elsewhere `python` from that PATH (`job_python`). Inside the job
+RAY_ADDRESS is set, so `run` joins the cluster.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
+import socket
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXCLUDES = [".git", "out", "runs", "bench/results", "**/__pycache__", "*.egg-info", ".pytest_cache", ".whl"]
 
 
 def _client(address: str):
+    """Ray's client for the Jobs API at `address`; ConnectionError (one line) where nothing answers
+    there (`check_dashboard`)."""
     from ray.job_submission import JobSubmissionClient
 
+    from cluster.connection import check_dashboard
+
+    check_dashboard(address)
     return JobSubmissionClient(address)
+
+
+def local(address: str) -> bool:
+    """Whether the cluster at `address` (http(s)://HOST:PORT, HOST:PORT or 'auto') runs on this
+    machine: HOST is this machine (`this_machine`; 'auto' is a cluster started here) and so is the
+    head node, by the IP the cluster reports for it (a forwarded port, such as `ray dashboard`'s or
+    `kubectl port-forward`'s, is on this machine while the cluster is not). False where the cluster
+    does not say; ConnectionError (one line) where nothing answers at a local address (`check_dashboard`)."""
+    host = urlsplit(address if "://" in address else f"//{address}").hostname
+    if address != "auto" and not (host and this_machine(host)):
+        return False
+    from ray.util.state import list_nodes
+
+    from cluster.connection import check_dashboard
+
+    check_dashboard(address)  # before Ray's client, which retries for minutes where no cluster answers
+
+    try:
+        nodes = list_nodes(address=address, detail=True, timeout=10)
+    except Exception:  # noqa: BLE001 - a cluster that does not answer the State API: not known to be here
+        return False
+    return any(node.is_head_node and this_machine(node.node_ip) for node in nodes)
+
+
+def this_machine(host: str) -> bool:
+    """Whether `host` (a name or an IP address) is this machine: a loopback address, or an address of
+    one of its interfaces (one it can bind)."""
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:  # a name that does not resolve here
+        return False
+    for family, _, _, _, sockaddr in found:
+        if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
+            return True
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def job_python(address: str) -> str:
+    """The interpreter a job submitted to `address` runs with: this one (`sys.executable`, the
+    environment the user submits from) on a cluster on this machine (`local`); elsewhere `python`,
+    the first on the PATH of the cluster's processes."""
+    return sys.executable if local(address) else "python"
 
 
 def runtime_env(pip: list[str] | None = None, working_dir: Path = REPO_ROOT) -> dict:
@@ -29,19 +89,20 @@ def runtime_env(pip: list[str] | None = None, working_dir: Path = REPO_ROOT) -> 
     return env
 
 
-def entrypoint(spec: str, run_args: list[str] | tuple[str, ...] = ()) -> str:
-    """The shell command the cluster runs: `python -m cli run SPEC ARGS...` (quoted)."""
-    return " ".join(shlex.quote(a) for a in ["python", "-m", "cli", "run", spec, *run_args])
+def entrypoint(spec: str, run_args: list[str] | tuple[str, ...] = (), python: str = "python") -> str:
+    """The shell command the cluster runs: `PYTHON -m cli run SPEC ARGS...` (quoted)."""
+    return " ".join(shlex.quote(a) for a in [python, "-m", "cli", "run", spec, *run_args])
 
 
 def submit(address: str, spec: str, run_args: list[str] | tuple[str, ...] = (), *, pip: list[str] | None = None,
-           submission_id: str | None = None, working_dir: Path = REPO_ROOT) -> str:
+           submission_id: str | None = None, working_dir: Path = REPO_ROOT, python: str | None = None) -> str:
     """Submit `aggdec run SPEC` to the Ray dashboard at `address` (http://HEAD:8265). -> job id.
 
     `spec` is a path relative to the repository root (the job's working directory) or absolute on
-    the cluster.
+    the cluster. `python`: the interpreter the job runs with, default `job_python(address)`.
     """
-    return _client(address).submit_job(entrypoint=entrypoint(spec, run_args), submission_id=submission_id,
+    command = entrypoint(spec, run_args, python or job_python(address))
+    return _client(address).submit_job(entrypoint=command, submission_id=submission_id,
                                        runtime_env=runtime_env(pip, working_dir),
                                        metadata={"tool": "aggdec", "spec": spec})
 

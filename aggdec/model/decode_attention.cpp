@@ -1,9 +1,13 @@
 // Attention of a few decoder queries per row over each query's own number of keys (CPU).
 // The operator aggdec::<OP>; its contract is in aggdec/model/decode_attention.py.
-#include <torch/extension.h>
+// ATen's headers alone (not torch/extension.h, which doubles the build's time): no Python here
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -167,7 +171,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-// the operator's name, AGGDEC_OP, is set by the build (decode_attention.py: OP)
+// the operator's name, AGGDEC_OP, is set by the build (setup.py: decode_attention.OP)
 #define AGGDEC_STR(x) #x
 #define AGGDEC_NAME(x) AGGDEC_STR(x)
 

@@ -19,19 +19,24 @@ A step's rows sit at every length up to the longest (slots refill), and TorchInd
 a handful of queries per row reduce each key's dot product across a vector; the kernel reads only
 each row's own keys, one task per (row, query, head) spread over ATen's threads.
 
-The kernel is C++ (`decode_attention.cpp`), compiled on first use with `torch.utils.cpp_extension`
-for this CPU's vector instruction set (ATen's own choice, `FLAGS`), and cached per machine; a process
-loads it once (`load`, about 0.1 s once built). Where it cannot be built (no C++ compiler or
-ninja), `load` warns once and returns False, and callers keep the masked softmax, which computes
-every padded key too and costs more set-up than one row's arithmetic (docs/design.md, "Attention
-over each row's own keys").
+The kernel is C++ (`decode_attention.cpp`), compiled when the package is installed (`setup.py`:
+one library per CPU capability, `library`, each with the flags ATen builds its own vectorized
+kernels with, `FLAGS`); a process loads the one for this CPU's capability, ATen's own choice
+(`load`, about 0.1 s), and never compiles it. Where it is missing or cannot be loaded (installed
+without a C++ compiler, a torch other than the one it was built against, a source changed since),
+`load` warns once, saying how to rebuild it, and returns False, and callers keep the masked softmax,
+which computes every padded key too and costs more set-up than one row's arithmetic
+(docs/design.md, "Attention over each row's own keys").
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
+from importlib import metadata
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import torch
 
@@ -46,37 +51,68 @@ _loaded: bool | None = None  # None: not tried yet
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
          "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"]}
 """Compiler flags by ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`), those ATen
-builds its own vectorized kernels with; any other capability builds ATen's portable vectors."""
+builds its own vectorized kernels with; any other capability has the library of ATen's portable
+vectors. `setup.py` builds these (on x86) with `CFLAGS` and `-DAGGDEC_OP=<OP>`."""
+CFLAGS = ["-O3", "-fopenmp", "-g0"]  # -g0: without the debug information Python's flags ask for, a fifth faster
+REBUILD = "pip install --no-build-isolation -e ."
+"""How a checkout builds the libraries (the Makefile's setup); the build links against the installed torch."""
+
+
+def library(capability: str) -> Path:
+    """The library built for an ATen CPU capability, next to this file: its own for a capability of
+    `FLAGS`, the portable one for any other."""
+    return Path(__file__).with_name(f"_decode_attention_{capability.lower() if capability in FLAGS else 'portable'}.so")
 
 
 def load() -> bool:
-    """Build (first time on a machine: about 20 s) and load the kernel for this CPU; True once it is
-    registered as `torch.ops.aggdec.<OP>`. Never raises: False, with one warning, where it
-    cannot."""
+    """Load the kernel built for this CPU's capability (ATen's: `torch.backends.cpu.get_cpu_capability()`,
+    which ATEN_CPU_CAPABILITY can lower); True once it is registered as `torch.ops.aggdec.<OP>`.
+    Never compiles and never raises: False, with one warning a process, where the library is missing
+    or cannot be loaded."""
     global _loaded
     if _loaded is None:
+        capability = torch.backends.cpu.get_cpu_capability()
         try:
-            build(torch.backends.cpu.get_cpu_capability())
+            load_library(capability)
             _loaded = True
-        except Exception as e:  # a failed build: no compiler, no ninja, an unexpected toolchain
-            warnings.warn(f"aggdec: the CPU decode-attention kernel could not be built ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); attention runs as masked products",
-                          stacklevel=2)
+        except Exception as e:  # not built, built against another torch, or from another source
+            warnings.warn(f"aggdec: the CPU decode-attention kernel is not available ({library(capability).name}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); attention runs as masked "
+                          f"products; rebuild it by reinstalling aggdec (`{REBUILD}` in its checkout)", stacklevel=2)
             _loaded = False
     return _loaded
 
 
-def build(capability: str) -> None:
-    """Compile the kernel for an ATen CPU capability (`FLAGS`) into this machine's extension cache
-    (one library per capability), load it and register its shapes for torch.compile. A process
-    builds one: the operator's namespace is registered once."""
-    from torch.utils.cpp_extension import load_inline
-
-    flags = FLAGS.get(capability, [])
-    name = "aggdec_decode_attention_" + (capability.lower() if flags else "portable")
-    load_inline(name, SOURCE.read_text(), is_python_module=False,
-                extra_cflags=["-O3", "-fopenmp", f"-DAGGDEC_OP={OP}", *flags], extra_ldflags=["-fopenmp"])
+def load_library(capability: str) -> None:
+    """Load the library built for an ATen CPU capability (`library`, else its copy in the installed
+    aggdec: `_installed`) and register its shapes for torch.compile. A process loads one: the
+    operator's namespace is registered once. Raises FileNotFoundError where it was not built,
+    OSError where it does not link with this torch, RuntimeError where it was built from another
+    version of the source (its operator is not `OP`)."""
+    path = next((p for p in (library(capability), _installed(library(capability))) if p and p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError("not built")
+    torch.ops.load_library(str(path))
+    if not hasattr(torch.ops.aggdec, OP):
+        raise RuntimeError(f"built from another version of {SOURCE.name}")
     torch.library.register_fake(f"aggdec::{OP}")(_shape)
+
+
+def _installed(path: Path) -> Path | None:
+    """`path`, a file of this copy of the package, in the aggdec installed in this environment, if
+    any: the checkout of an editable install (its direct_url.json), else the installed files. A job
+    submitted with the Jobs API runs a checkout uploaded without its built libraries (they are
+    git-ignored, which Ray's upload follows), on a cluster whose environment has aggdec installed."""
+    try:
+        dist = metadata.distribution("aggdec")
+    except metadata.PackageNotFoundError:
+        return None
+    origin = json.loads(dist.read_text("direct_url.json") or "{}")
+    if origin.get("dir_info", {}).get("editable") and origin.get("url", "").startswith("file://"):
+        root = Path(unquote(urlsplit(origin["url"]).path))
+    else:
+        root = Path(dist.locate_file(""))
+    return root / path.relative_to(Path(__file__).parents[2])
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
