@@ -1,4 +1,5 @@
-"""How long a process waits for another one's TorchInductor compile: `bound_locks`.
+"""Where TorchInductor keeps what aggdec compiles, and how long a process waits for another one's
+compile: `prepare` (both, before a compile is set up).
 
 What aggdec compiles at run time is TorchInductor's (a compiled slot-loop step, `compile = true`;
 int8 products). Inductor (torch 2.13: `_inductor/codecache.py`, `cpp_builder.py`, `cpu_vec_isa.py`)
@@ -8,6 +9,13 @@ compile killed midway (SIGKILL, an actor stopped) holds nobody up, and the next 
 lock over. A live owner, another process compiling the same program, is waited for up to
 `torch._inductor.codecache.LOCK_TIMEOUT` (TORCHINDUCTOR_FILE_LOCK_TIMEOUT, 600 s by default), after
 which the compile fails (the slot loop then decodes eagerly, int8 products run op by op).
+
+Inductor's cache of compiled graphs is not keyed by the vector instruction set it generated code
+for: a program generated for AVX-512 (16 floats a vector) and found again by a process whose ISA is
+AVX2 (`ATEN_CPU_CAPABILITY=avx2`, or a cache directory shared by machines of two CPU classes) is
+rebuilt from its AVX-512 source with AVX2's flags and computes garbage in its vectors' tails
+(measured with torch 2.13 on an AMX Xeon: int8 products and compiled steps wrong, every test of
+them failing). `cache_per_isa` gives each ISA a directory of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +27,30 @@ import warnings
 LOCK_TIMEOUT_S = 60
 """The longest wait for another process's lock on a program, unless TORCHINDUCTOR_FILE_LOCK_TIMEOUT is set."""
 _WAIT_RECORD = "Lock %s not acquired on %s, waiting %s seconds ..."  # filelock's debug record while it polls
+
+
+_BASE: list[str] = []  # the cache directory as first found in this process, before `cache_per_isa`
+
+
+def prepare(timeout_s: float = LOCK_TIMEOUT_S) -> None:
+    """`cache_per_isa` and `bound_locks`: call where a compile is set up, before it runs."""
+    cache_per_isa()
+    bound_locks(timeout_s)
+
+
+def cache_per_isa() -> str:
+    """Point TorchInductor's cache (TORCHINDUCTOR_CACHE_DIR, or its default) at a subdirectory named
+    for the vector ISA Inductor generates code for in this process (`pick_vec_isa`, which follows
+    ATEN_CPU_CAPABILITY) and return it. Programs compiled before the first call stay where they are."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if not _BASE:
+        _BASE.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    isa = "-".join(str(pick_vec_isa()).split()) or "novec"
+    path = os.path.join(_BASE[0], f"isa-{isa}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
 
 
 def bound_locks(timeout_s: float = LOCK_TIMEOUT_S) -> None:

@@ -1,18 +1,14 @@
 """Corpus jobs beyond one machine: a real multi-node Ray cluster (ray.cluster_utils), a node lost
 mid-job under `aggdec run` (every row once, one line about it on the terminal), input and output
-on a real S3 API server on 127.0.0.1 (moto), reruns after an input changed, and the Jobs API
-against a Ray head started here."""
+on a real S3 API server on 127.0.0.1 (moto), and reruns after an input changed. (The Jobs API: tests/test_jobs_api_env.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -226,79 +222,3 @@ def ray_local():
         yield
     finally:
         ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ray_head():
-    """A Ray head with a dashboard (the Jobs API's server) on ports and a temp dir of its own, started
-    by `ray start --block` in a process group of its own and stopped by its handle (never `ray stop`,
-    which stops every Ray on the machine). Its PATH leads to no Python with aggdec's dependencies (a
-    job must run with the interpreter that submitted it). -> the dashboard's address."""
-    from ray.job_submission import JobSubmissionClient
-
-    port, dash = _free_port(), _free_port()
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # a short path: Ray's unix sockets live under it
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH="/usr/bin:/bin")
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2", f"--temp-dir={temp}",
-                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert head.poll() is None, "ray start --head exited"
-            try:
-                JobSubmissionClient(address).list_jobs()
-                break
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(1)
-        yield address
-    finally:
-        head.terminate()  # `--block` stops the processes it started on SIGTERM
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, 9)
-            head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def test_jobs_api_submit_status_logs_stop(ray_head, tiny_model_dir, tmp_path):
-    from click.testing import CliRunner
-
-    from cli import main
-
-    address = ray_head
-    inp = write_corpus(tmp_path / "in", shards=2, rows=5, seed=12)
-    out = tmp_path / "out"
-    runner = CliRunner()
-    res = runner.invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", address,
-                               "--output", str(out), "--input", str(inp), "--model", str(tiny_model_dir),
-                               "--method", "greedy", "--set", "input.id_column=none"])
-    assert res.exit_code == 0, res.output
-    job_id = res.stdout.strip().splitlines()[0]
-    assert f"output: {out}" in res.stderr
-    deadline = time.time() + 240
-    status = ""
-    while time.time() < deadline:
-        status = json.loads(runner.invoke(main, ["status", job_id, "--address", address]).stdout)["status"]
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            break
-        time.sleep(1)
-    logs = runner.invoke(main, ["logs", job_id, "--address", address]).stdout
-    assert status == "SUCCEEDED", logs
-    assert "10 rows (10 ok" in logs
-    assert read_outputs(out).num_rows == 10
-    stopped = runner.invoke(main, ["stop", job_id, "--address", address])
-    assert stopped.exit_code == 0 and "not running" in stopped.stdout
-    missing = runner.invoke(main, ["submit", str(REPO / "examples" / "correct.toml"), "--address", address])
-    assert missing.exit_code == 2 and "--output" in missing.output

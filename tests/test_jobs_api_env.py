@@ -1,8 +1,10 @@
-"""The Jobs API from the environment the user is in: a job submitted to a cluster on this machine
-runs with the submitting interpreter, whatever python the cluster's PATH finds first."""
+"""The Jobs API against a Ray head started here, from the environment the user is in: a job
+submitted to a cluster on this machine runs with the submitting interpreter, whatever python the
+cluster's PATH finds first; status, logs and stop of it from the command line."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
@@ -29,7 +31,8 @@ def test_a_job_submitted_from_an_interpreter_off_the_path_runs_with_it(tiny_mode
     machine whose PATH finds first a python without aggdec's dependencies (a bare venv): the job runs
     `python -m cli` with this interpreter (`jobs_api.local`: the head reports an IP of this machine)
     and succeeds, with the CPU kernel of the aggdec installed for it (the uploaded checkout has
-    none), and the command says nothing about the cluster's python."""
+    none), and the command says nothing about the cluster's python; `status`, `logs` and `stop`
+    report on it, and a submission without an output names --output."""
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # a real python, without click, pyarrow, torch
     path = os.pathsep.join([str(bare / "bin"), "/usr/bin", "/bin"])
@@ -52,6 +55,16 @@ def test_a_job_submitted_from_an_interpreter_off_the_path_runs_with_it(tiny_mode
             time.sleep(1)
         logs = jobs_api.logs(head.dashboard, job_id)
         said = "".join(f.read_text(errors="replace") for f in head.temp_dir.glob("session_*/logs/*") if f.is_file())
+        cli = {name: subprocess.run([sys.executable, "-m", "cli", *args], env=env, cwd=REPO, capture_output=True,
+                                    text=True, timeout=120)
+               for name, args in (("status", ["status", job_id, "--address", head.dashboard]),
+                                  ("logs", ["logs", job_id, "--address", head.dashboard]),
+                                  ("stop", ["stop", job_id, "--address", head.dashboard]),
+                                  ("no output", ["submit", "examples/correct.toml", "--address", head.dashboard]))}
+    assert json.loads(cli["status"].stdout)["status"] == "SUCCEEDED"
+    assert "10 rows (10 ok" in cli["logs"].stdout
+    assert cli["stop"].returncode == 0 and "not running" in cli["stop"].stdout
+    assert cli["no output"].returncode == 2 and "--output" in cli["no output"].stderr
     assert info["status"] == "SUCCEEDED", logs
     assert info["entrypoint"].startswith(f"{shlex.quote(sys.executable)} -m cli run examples/correct.toml")
     assert "10 rows (10 ok" in logs

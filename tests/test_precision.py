@@ -4,7 +4,10 @@ verify exact with respect to the converted verifier, and the option end to end."
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -58,6 +61,32 @@ def test_op_by_op_products_are_row_invariant_and_match_the_compiled_ones():
         full = fn(x, *args[name])
         assert torch.equal(fn(x[4:5], *args[name]), full[4:5]) and torch.equal(fn(x[10:40], *args[name]), full[10:40])
         assert torch.allclose(full, precision.kernel(name)(x, *args[name]), rtol=1e-5, atol=1e-4)
+
+
+def test_compiled_products_are_right_whatever_isa_compiled_them_first(tmp_path):
+    """Two processes sharing one TorchInductor cache directory, the first at this CPU's own vector ISA
+    and the second at AVX2's (`ATEN_CPU_CAPABILITY=avx2`, as an AVX2 machine sharing the directory
+    would be): each one's compiled int8 products equal the op-by-op ones (programs are kept per ISA,
+    `aggdec.compile_cache`; one generated for 16-float vectors and built for 8 computes garbage)."""
+    script = """
+import torch
+from aggdec.model import precision
+from aggdec.model.precision import Int8Weight
+torch.manual_seed(1)
+w, b, x = torch.randn(300, 96), torch.randn(300), torch.randn(70, 96) * 3
+q = Int8Weight(w, b)
+got = precision.kernel("bias")(x, q.qweight_t, q.scale, b)
+assert precision.kernel("bias") is not precision._VARIANTS["bias"], "not compiled"
+torch.testing.assert_close(got, precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b), rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+    for capability in (None, "avx2"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (capability, done.stderr[-2000:])
 
 
 def test_with_precision_converts_a_copy():

@@ -165,7 +165,7 @@ def kernel(name: str) -> Callable:
 
 def _compiled() -> dict[str, Callable] | None:
     """The compiled variants, or None (with a warning) where TorchInductor cannot build the probe."""
-    compile_cache.bound_locks()  # another process's compile of the same program is waited for 60 s at most
+    compile_cache.prepare()  # a cache per vector ISA; another process's compile waited for 60 s at most
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _VARIANTS.items()}
     try:
         compiled["plain"](torch.ones(2, 16), torch.ones(16, 16, dtype=torch.int8), torch.ones(16))
