@@ -30,6 +30,9 @@ class Drafter(Protocol):
     `from_states`: True where it drafts from the verifier's states of the call that just ran (the
     draft head, proposal heads): the loop then calls `observe` after its step, where the next call
     drafts. `rows`: its per-row tensors (`RowState`), which the loop narrows and moves with its slots.
+    `source_bound` (optional, default False): True where every draft is a copy of the row's source
+    (IAD), so none is longer than it: an eager loop then verifies no more draft positions than the
+    longest live source has. Any other drafter's drafts are verified as long as the call's length.
     """
 
     name: str

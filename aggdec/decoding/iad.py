@@ -91,6 +91,7 @@ class InputCopy:
 
     name = "iad"
     from_states = False
+    source_bound = True  # its drafts are copies of the source
 
     def __init__(self, max_draft: int | None = None, adaptive: bool = False, min_draft: int = IAD_MIN_DRAFT,
                  substitution: bool = False, nearest_match: bool = False, skip_prefix: bool = False):

@@ -188,6 +188,7 @@ class SlotLoop:
         self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if compile else 1
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
         self._after = self.drafter.from_states
+        self._source_bound = getattr(self.drafter, "source_bound", False)  # optional (`Drafter`)
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
         self._graph_states: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -639,8 +640,8 @@ class SlotLoop:
                 width = max(w for w in self._widths if w <= length)
             else:  # eager, or compiled with symbolic shapes: the exact sizes, no padding read
                 src_width = exact_span(max(src_len), self.cache.src_width - 1)
-                # no draft copied from the source is longer than it (a head's drafts keep their length)
-                width = length if self._after else min(length, src_width)
+                # no draft copied from the source is longer than it (other drafters' keep their length)
+                width = min(length, src_width) if self._source_bound else length
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
             built = self._programs() if self._compiled is not None else 0
             self._full = len(live) == n  # every slot holds a row (an eager step may read this)
