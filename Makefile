@@ -9,9 +9,9 @@ PIP ?= $(PYTHON) -m pip
 run: setup
 	aggdec run
 
-## Set up and run the default test suite.
+## Set up and run the default test suite, two tests at a time (pytest-xdist).
 test: setup-dev
-	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider
+	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider -n 2
 
 # The package builds the CPU attention kernel against the torch installed first (setup.py):
 # without build isolation, which would build it against another copy of torch.

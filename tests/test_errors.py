@@ -130,7 +130,7 @@ def _foreground() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir, tmp_path, signum):
     psutil = pytest.importorskip("psutil")
     inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=3)

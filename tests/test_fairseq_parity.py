@@ -163,7 +163,7 @@ def _ours(bundle, corpus: Path, setting: str) -> dict[str, dict[int, str]]:
     return {k: {h.index: _text(bundle, h.tokens) for h in hyps} for k, hyps in runs.items()}
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("setting", [pytest.param(k, marks=pytest.mark.slow) if "tight" in k else k for k in SETTINGS])
 def test_matches_fairseq_generate(trained, corpus, setting):
     name, data, ckpt = trained
     bundle = load_fairseq(ckpt, data, trust=True)

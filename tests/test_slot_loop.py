@@ -445,7 +445,7 @@ def test_the_loop_loads_the_attention_kernel_when_built(monkeypatch):
     assert built == [torch.backends.cpu.get_cpu_capability()]
 
 
-@pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like"])
+@pytest.mark.parametrize("kind", ["prenorm-learned-separate", pytest.param("t5-gated-like", marks=pytest.mark.slow)])
 def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
     """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel (T5: with its relative
     position bias): naive greedy's output, with the slots refilled and the tail narrowed (one program
