@@ -29,6 +29,25 @@ LOCK_TIMEOUT_S = 60
 _WAIT_RECORD = "Lock %s not acquired on %s, waiting %s seconds ..."  # filelock's debug record while it polls
 
 
+ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+"""ATen's CPU capabilities on x86, lowest first."""
+
+
+def lowered_isa() -> str | None:
+    """One line where ATEN_CPU_CAPABILITY lowers ATen's capability below this CPU's own (AVX2 on a
+    CPU with AVX-512, DEFAULT on one with AVX2), else None. There a TorchInductor-compiled decoder
+    step decodes wrongly (torch 2.13, measured on an AMX Xeon under `ATEN_CPU_CAPABILITY=avx2`: every
+    output of a 16-slot greedy step empty, with or without ONEDNN_MAX_CPU_ISA=AVX2 and a fresh
+    cache), while each CPU class at its own capability decodes right: the slot loop decodes eagerly."""
+    import torch
+
+    have = torch.backends.cpu.get_cpu_capability()
+    own = "AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
+    if have in ISA_ORDER and ISA_ORDER.index(have) < ISA_ORDER.index(own):
+        return f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')} lowers ATen to {have} on a CPU with {own}"
+    return None
+
+
 _BASE: list[str] = []  # the cache directory as first found in this process, before `cache_per_isa`
 
 

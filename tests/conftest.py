@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from aggdec.compile_cache import lowered_isa
+
+compiles = pytest.mark.skipif(lowered_isa() is not None, reason=f"{lowered_isa()}: the slot loop does not compile")
+"""Marks a test of compiled decoder steps: skipped where ATEN_CPU_CAPABILITY lowers ATen's ISA below
+this CPU's own (`lowered_isa`), where the loop decodes eagerly instead."""
+
 WORDS = ("the cat dog house school go goes went she he they we is are was were a an to of in on at with for and "
          "but run runs ran big small red green quick slow happy sad today yesterday teacher student book books "
          "read reads write wrote people city country morning evening because although very much many little "

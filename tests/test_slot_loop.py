@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import compiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_loop import GuideDrafter, RandomBudget, _decode, _requests
@@ -445,6 +446,36 @@ def test_the_loop_loads_the_attention_kernel_when_built(monkeypatch):
     assert built == [torch.backends.cpu.get_cpu_capability()]
 
 
+def test_no_compiled_step_where_atens_isa_is_lowered():
+    """Under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512, where a compiled step decodes wrongly
+    (`compile_cache.lowered_isa`), `compile=True` gives one warning and eager steps, greedy's output."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cpu._is_avx512_supported():
+        pytest.skip("this CPU has no AVX-512 for ATEN_CPU_CAPABILITY=avx2 to lower")
+    script = """
+import random, warnings
+from test_slot_loop import _requests, _run
+from tiny_models import naive_greedy, tiny_model
+from aggdec.decoding.slot_loop import SlotLoop
+model = tiny_model("prenorm-learned-separate", seed=2, vocab=9)
+reqs = _requests(random.Random(5), 6, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    loop = SlotLoop(model, max_batch_size=4, compile=True)
+assert loop._compiled is None and len([w for w in said if "lowers ATen to AVX2" in str(w.message)]) == 1
+assert {i: h.tokens for i, h in _run(loop, reqs).items()} == {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
+print("ok")
+"""
+    tests = os.path.dirname(__file__)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@compiles
 @pytest.mark.parametrize("kind", ["prenorm-learned-separate", pytest.param("t5-gated-like", marks=pytest.mark.slow)])
 def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
     """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel (T5: with its relative
@@ -461,6 +492,7 @@ def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
     assert loop._compiled is not None
 
 
+@compiles
 def test_compiled_steps_keep_their_own_weights():
     """fp32 models (TorchInductor's own GEMMs, weights frozen into each step): two loops compiled in
     one process on models of the same shapes decode as their own model does eagerly, run after run."""
@@ -474,6 +506,7 @@ def test_compiled_steps_keep_their_own_weights():
             assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
 
 
+@compiles
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span, source width
     and narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached
@@ -523,6 +556,7 @@ def test_compiled_step_equals_greedy():
             "SlotLoop"
 
 
+@compiles
 def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
     """`compile = true` takes gad, gad++ (with a minimum block) and blockwise top-k to the slot loop with
     the options' own acceptance rule, on a double-token verifier too."""
@@ -550,6 +584,7 @@ def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
     assert isinstance(loop, SlotLoop) and loop._compiled is not None and loop.stride == 2
 
 
+@compiles
 @pytest.mark.slow  # compiles of a greedy and a drafting step: about a minute each on 2 busy cores
 def test_compiled_double_token_steps_equal_greedy():
     """A compiled step on a double-token verifier (greedy, IAD by whole pairs) gives the model's greedy
@@ -565,6 +600,7 @@ def test_compiled_double_token_steps_equal_greedy():
     assert torch._dynamo.utils.counters["frames"]["ok"] >= 2 and not torch._dynamo.utils.counters["graph_break"]
 
 
+@compiles
 @pytest.mark.slow  # a compile of a drafting step: about 2 minutes on 2 busy cores
 def test_compiled_gad_plus_equals_the_eager_loop():
     """`compile = true` with method gad++ (top-beta/tau and a minimum block, at a fixed draft length)

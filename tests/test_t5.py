@@ -172,6 +172,7 @@ def test_every_method_decodes_a_t5(t5_dirs, layout, tmp_path):
     assert all(r.status in ("ok", "truncated_output") and r.tokens for r in beam)
 
 
+@compiles
 @pytest.mark.slow  # two compiles; tests/test_slot_loop.py compiles a float64 T5 layout's step in the default run
 def test_compiled_steps_decode_a_t5(t5_dirs):
     """The slot loop's TorchInductor-compiled step (greedy at 4 slots; IAD at 2, its drafts verified

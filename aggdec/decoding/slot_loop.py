@@ -168,6 +168,10 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
+        if compile and (lowered := compile_cache.lowered_isa()):
+            warnings.warn(f"aggdec: compile: {lowered}, where a compiled step decodes wrongly; decoding eagerly",
+                          stacklevel=2)
+            compile = False
         slots = slot_count(max_batch_size)
         # attention over each row's own keys (the masked products where the kernel cannot be built)
         self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
