@@ -21,7 +21,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it
 
 import hf_models  # noqa: E402
-from conftest import synthetic_sentences  # noqa: E402
+from conftest import compiles, synthetic_sentences  # noqa: E402
 from hf_models import TASK_PREFIX  # noqa: E402
 
 from aggdec import checkpoint  # noqa: E402
