@@ -1,8 +1,8 @@
 """A Ray head for tests, with a dashboard (the Jobs API), that stops only what it started.
 
-`ray stop` would stop every Ray on the machine (other tests', other users'); `ray_head` runs
-`ray start --head --block` in a session of its own, on free ports and in a temporary directory of
-its own, and at the end kills that session's processes and their descendants (SIGKILL: a SIGTERM
+Ray's own command for stopping a cluster stops every Ray on the machine (other tests', other
+users'); `ray_head` runs `ray start --head --block` in a session of its own, on free ports and in a
+temporary directory of its own, and at the end kills that session's processes and their descendants (SIGKILL: a SIGTERM
 has the head drain for 30 s first).
 """
 
