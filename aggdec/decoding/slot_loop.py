@@ -455,10 +455,13 @@ class SlotLoop:
             max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
             requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride,
             fixed=not self.packed, index=torch.zeros(b, dtype=torch.long, device=dev))
-        # a refill batch's packed rows, on the device (the one copy of an admission, `_admission`): slot,
-        # source length, length limit, row in the cross K/V encoded ahead, request index, source
-        self._admitted = torch.empty((b, ADMISSION + src_width), dtype=torch.long, device=dev)
-        self._pinned = torch.empty_like(self._admitted, device="cpu").pin_memory() if dev.type == "cuda" else None
+        # on CUDA, a refill batch's packed rows in pinned host memory and on the device (the one copy of an
+        # admission, `_admission`): slot, source length, length limit, row in the cross K/V encoded ahead,
+        # request index, source
+        self._pinned = self._admitted = None
+        if dev.type == "cuda":
+            self._admitted = torch.empty((b, ADMISSION + src_width), dtype=torch.long, device=dev)
+            self._pinned = torch.empty_like(self._admitted, device="cpu").pin_memory()
         count = torch.zeros(b, dtype=torch.long, device=dev)
         self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
                             "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
