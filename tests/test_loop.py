@@ -222,8 +222,8 @@ def _reference_match(x: list[int], o: list[int], anchor: int = -1) -> int:
 @given(src=st.lists(st.integers(4, 7), max_size=12), outs=st.lists(st.lists(st.integers(4, 7), max_size=10), min_size=1, max_size=4),
        anchor_seed=st.integers(0, 10**6))
 def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
-    """The fixed-shape and host suffix matches equal the brute-force definition, row by row (also with
-    anchors)."""
+    """The fixed-shape suffix match equals the brute-force definition, row by row (also with anchors), and
+    the host match equals it at every depth."""
     from tiny_models import tiny_model as _m
 
     from aggdec.decoding.state import DecodeState
@@ -243,12 +243,13 @@ def test_input_copy_match_is_algorithm_1(src, outs, anchor_seed):
     BOS = -1
     want = [_reference_match([BOS] + s, [BOS] + o) for o in outs]
     assert InputCopy().match(state, width + 1).tolist() == want  # a depth that covers the whole output
-    assert InputCopy().match_rows(state).tolist() == want  # the host version (eager steps, few rows)
     rng = random.Random(anchor_seed)
-    anchors = [rng.randint(-1, len(s) + 1) for _ in outs]
-    got = InputCopy().match(state, width + 1, torch.tensor(anchors)).tolist()
-    assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors)]
-    assert InputCopy().match_rows(state, torch.tensor(anchors)).tolist() == got
+    anchors = torch.tensor([rng.randint(-1, len(s) + 1) for _ in outs])
+    got = InputCopy().match(state, width + 1, anchors).tolist()
+    assert got == [_reference_match([BOS] + s, [BOS] + o, a) for o, a in zip(outs, anchors.tolist())]
+    for depth in (1, 2, 3, width + 1):  # the host match (eager steps, few rows) finds what the tensor one finds
+        for anchor in (None, anchors):
+            assert InputCopy().match_rows(state, depth, anchor).tolist() == InputCopy().match(state, depth, anchor).tolist()
     # suffixes longer than the depth count as no match
     short = InputCopy().match(state, 2).tolist()
     assert all(g in (w, -1) for g, w in zip(short, want))

@@ -9,7 +9,7 @@ from tiny_models import CONFIGS, tiny_model
 
 from aggdec.model import decode_attention
 from aggdec.model.config import ModelConfig
-from aggdec.model.slots import SlotCache
+from aggdec.model.slots import SlotCache, Tokens
 
 KINDS = sorted(CONFIGS)
 
@@ -36,11 +36,12 @@ def _slots(model, src, length=40):
     return cache
 
 
-def _decode(model, cache, block, start, valid=None):
-    """Logits of `block` written at each slot's `start` (eagerly, packed at `valid` where given)."""
+def _decode(model, cache, block, start, keep=None):
+    """Logits of `block` written at each slot's `start`: (B,T,V), or (N,V) at the `keep` positions alone."""
     ragged = decode_attention.usable(block.device, cache.k[0].dtype)
-    hidden = model.decode_slots(block, cache, start, cache.length - 1, cache.src_width - 1, ragged, valid)
-    return model.output_logits(hidden)
+    tokens = Tokens.of(block, start, keep)
+    logits = model.output_logits(model.decode_slots(tokens, cache, cache.length - 1, cache.src_width - 1, ragged))
+    return logits if keep is not None else tokens.grid(logits, 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -188,9 +189,9 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_packed_valid_positions_equal_padded(kind):
-    """decode_slots(valid=...) computes only a prefix of each slot's block, packed, and equals the
-    padded computation there; later calls see the same cache either way."""
+def test_the_live_positions_alone_equal_every_position(kind):
+    """decode_slots of a prefix of each slot's block (an eager step's tokens) equals it over every position
+    of every slot (a fixed-shape step's) there; later calls see the same cache either way."""
     import random
 
     model = tiny_model(kind)

@@ -11,14 +11,23 @@ from aggdec import api
 from aggdec.api import Translator
 from aggdec.decoding.acceptance import constrain_logits
 from aggdec.model.precision import Int8Weight
-from aggdec.model.projection import OutputProjection
+from aggdec.model.projection import OutputProjection, Rules
 from aggdec.thresholds import AUTO_CERTIFIED_ROWS, TOP1_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _no_rules(z, at):
-    pass
+class _NoRules:
+    """Rules that change nothing (duck-typed `Rules`)."""
+
+    def mask(self, z, rows=None):
+        return z
+
+    def override(self, top1):
+        return top1
+
+
+_no_rules = _NoRules()
 
 
 def _weights(seed: int, vocab: int = 3000, dim: int = 256) -> torch.Tensor:
@@ -134,13 +143,8 @@ def test_constraints_apply_before_certification():
     out_index = torch.tensor([0, 5, 5, 0])
     max_len = torch.tensor([10, 5, 10, 10])
 
-    def rules(z, at):
-        idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-        constrain_logits(z, idx, lim, pad=1, eos=2, min_len=1)
-
-    got = proj.top1(h, rules)
-    ref = F.linear(h, w)
-    rules(ref, None)
+    got = proj.top1(h, Rules(out_index, max_len, pad=1, eos=2, min_len=1))
+    ref = constrain_logits(F.linear(h, w), out_index, max_len, pad=1, eos=2, min_len=1)
     assert torch.equal(got, ref.argmax(-1))
     assert int(got[0]) != 1 and int(got[1]) == 2  # pad never wins; eos forced at max_len
 
@@ -160,15 +164,11 @@ def test_plain_top1_over_many_positions_applies_each_rows_rules(int8):
     max_len = torch.randint(3, 12, (n,), generator=g)
     forced = torch.tensor([5, 6])
 
-    def rules(z, at):
-        idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-        constrain_logits(z, idx, lim, pad=1, eos=2, min_len=2, forced=forced)
-
     int8_weight = Int8Weight(w, b) if int8 else None
     proj = OutputProjection(w, certify=False, bias=b, int8=int8_weight)
-    ref = int8_weight(h) if int8 else F.linear(h, w, b)
-    rules(ref, None)
-    got = proj.top1(h, rules)
+    ref = constrain_logits(int8_weight(h) if int8 else F.linear(h, w, b), out_index, max_len, pad=1, eos=2, min_len=2,
+                           forced=forced)
+    got = proj.top1(h, Rules(out_index, max_len, pad=1, eos=2, min_len=2, forced=forced))
     assert torch.equal(got, ref.argmax(-1))
     assert (got != 1).all() and (got[out_index == 0] == 5).all() and (got[(out_index >= max_len) & (out_index >= 2)] == 2).all()
 

@@ -10,120 +10,55 @@ The row commits d_1 .. d_m, p_m: m + 1 tokens.
 
 `ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
 Criteria read the verifier through `VerifierScores`: top-1 only (cheap, possibly certified bf16)
-or full logits (computed in fp32 on first use). One definition of each rule serves both layouts of
-the loop's step: an eager step's packed positions (`valid` a mask) and a fixed-shape step's (`valid`
-None: every position of every slot, `FixedScores`, no host reads).
+or full logits (computed in fp32 on first use), at the call's verified tokens (`Tokens`: an eager
+step's live positions, a fixed-shape step's every position; one code for both).
 """
 
 from __future__ import annotations
 
-import math
-from functools import cached_property
 from typing import Protocol
 
 import torch
 
-from aggdec.model.projection import Constrain, OutputProjection
+from aggdec.model.projection import OutputProjection, Rules
+from aggdec.model.slots import Tokens
 
 
 def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor, pad: int, eos: int,
-                     min_len: int = 1, forced: torch.Tensor | None = None, fixed: bool = False) -> torch.Tensor:
-    """Apply fairseq-generate's per-step rules, in place, to verifier logits.
-
-    logits (..., V); out_index (...) int64 is the output index each position predicts (0 = first
-    target token); max_len (...) the row's limit at each position. Rules: pad is never produced;
-    eos is forbidden before `min_len` tokens; at index max_len only eos is allowed. forced (F,)
-    int64, optional: the token at output index i < F is forced[i] (a model's forced first tokens,
-    aggdec.conventions), with logit 0 and every other token -inf, as Hugging Face's forced-token
-    logits processors. fixed: no host reads (every rule applied without asking whether a position
-    needs it: the slot loop's step).
-    """
-    neg = -math.inf
-    logits[..., pad] = neg
-    if min_len > 0:
-        logits[..., eos].masked_fill_(out_index < min_len, neg)
-    force = out_index >= max_len  # (...)
-    if fixed or bool(force.any()):
-        eos_col = logits[..., eos].clone()
-        logits.masked_fill_(force[..., None], neg)
-        logits[..., eos] = torch.where(force, eos_col, logits[..., eos])
-    if forced is not None and forced.numel():
-        at = out_index < forced.numel()
-        if fixed or bool(at.any()):
-            token = forced[out_index.clamp(max=forced.numel() - 1)]  # (...)
-            logits.masked_fill_(at[..., None], neg)
-            logits.scatter_(-1, token[..., None], torch.where(at, 0.0, logits.gather(-1, token[..., None])[..., 0])[..., None])
-    return logits
-
-
-def constrained_top1(logits: torch.Tensor, out_index: torch.Tensor, max_len: torch.Tensor, pad: int, eos: int,
                      min_len: int = 1, forced: torch.Tensor | None = None) -> torch.Tensor:
-    """The argmax (...) of `logits` (..., V) under `constrain_logits`' rules, with no host reads (a
-    fixed-shape program, for the slot loop): pad and early eos are masked in the logits (in place),
-    the length limit and forced tokens override the argmax instead of rewriting whole rows."""
-    logits[..., pad] = -math.inf
-    if min_len > 0:
-        logits[..., eos].masked_fill_(out_index < min_len, -math.inf)
-    pred = torch.where(out_index >= max_len, eos, logits.argmax(dim=-1))
-    if forced is not None and forced.numel():
-        pred = torch.where(out_index < forced.numel(), forced[out_index.clamp(max=forced.numel() - 1)], pred)
-    return pred
+    """fairseq-generate's per-step rules (`Rules`), in place, on verifier logits (..., V), with no host
+    read: out_index (...) int64 the output index each position predicts, max_len (...) its row's limit."""
+    return Rules(out_index, max_len, pad, eos, min_len, forced).apply(logits)
 
 
 class VerifierScores:
-    """The verifier's scores at the N verified positions (the valid positions, row-major).
+    """The verifier's scores at the N verified tokens of a call (`Tokens`, in their order).
 
-    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly (certified bf16 or fp32,
-    as `projection` decides). logits (N, V) fp32: the constrained logits, computed on first use.
-    `shape` (B, T), where N = B * T: both in that layout, as `FixedScores`' (every position of every row).
+    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly (certified bf16 or fp32, as
+    `projection` decides). logits (N, V) fp32 (float64 for a float64 verifier): the constrained logits,
+    computed on first use. Memoized by hand (TorchDynamo breaks at `cached_property`).
     """
 
-    def __init__(self, projection: OutputProjection | None, hidden: torch.Tensor | None,
-                 constrain: Constrain | None, logits: torch.Tensor | None = None,
-                 shape: tuple[int, int] | None = None):
-        self.projection, self.hidden, self.constrain, self.shape = projection, hidden, constrain, shape
-        if logits is not None:
-            self.logits = logits  # fills the cached property
+    def __init__(self, projection: OutputProjection | None, hidden: torch.Tensor | None, rules: Rules | None,
+                 logits: torch.Tensor | None = None):
+        self.projection, self.hidden, self.rules = projection, hidden, rules
+        self._logits, self._top1 = logits, None
 
     @classmethod
     def of(cls, logits: torch.Tensor) -> "VerifierScores":
         """Scores over given constrained logits (N, V)."""
         return cls(None, None, None, logits)
 
-    @cached_property
-    def logits(self) -> torch.Tensor:
-        z = self.projection.logits(self.hidden)
-        self.constrain(z, None)
-        return z if self.shape is None else z.view(*self.shape, -1)
-
-    @cached_property
-    def top1(self) -> torch.Tensor:
-        if "logits" in self.__dict__:  # already computed (GAD++): their argmax is free
-            return self.logits.argmax(dim=-1)
-        top1 = self.projection.top1(self.hidden, self.constrain)
-        return top1 if self.shape is None else top1.view(self.shape)
-
-
-class FixedScores:
-    """`VerifierScores` at every position of every slot, with no host reads (the slot loop's step): logits
-    (B, T, V), fp32 (float64 for a float64 verifier) whatever the verifier's precision, so that the top-1
-    is the one an eager step takes at any batch shape, constrained in place on first use; top1 (B, T) by
-    `constrained_top1` unless they were. `rules`: `constrain_logits`' arguments after the logits. Memoized
-    by hand (TorchDynamo breaks at `cached_property`)."""
-
-    def __init__(self, logits: torch.Tensor, *rules):
-        self.raw, self.rules, self._logits, self._top1 = logits, rules, None, None
-
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            self._logits = constrain_logits(self.raw, *self.rules, fixed=True)
+            self._logits = self.rules.apply(self.projection.logits(self.hidden))
         return self._logits
 
     @property
     def top1(self) -> torch.Tensor:
-        if self._top1 is None:
-            self._top1 = (constrained_top1(self.raw, *self.rules) if self._logits is None
+        if self._top1 is None:  # from the logits where they were computed (GAD++): their argmax is free
+            self._top1 = (self.projection.top1(self.hidden, self.rules) if self._logits is None
                           else self._logits.argmax(dim=-1))
         return self._top1
 
@@ -133,26 +68,15 @@ class Acceptance(Protocol):
         """The rule and its parameters, for output signatures."""
 
     def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, scores: VerifierScores,
-               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decide per row.
+               tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide per row, with no host read.
 
-        draft (B,K) int64; num_draft (B,); valid (B,K+S) bool, True at positions t < num_draft[b] + S,
-        S being the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair
-        at positions m, m + 1); scores: the verifier at the valid positions in row-major order
-        (N = valid.sum()); position t predicts the token after draft token t (t = 0: after the last).
-        valid None: scores at every position (B, K+S), and no host reads (`FixedScores`).
+        draft (B,K) int64; num_draft (B,); tokens: the call's verified tokens on the grid (B, K+S), S being
+        the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair at
+        positions m, m + 1), at least those at offsets t < num_draft[b] + S of each live row; scores: the
+        verifier at those tokens; offset t predicts the token after draft token t (t = 0: after the last).
         Returns (accepted (B,) int64, bonus (B,) int64).
         """
-
-
-def unpack(values: torch.Tensor, valid: torch.Tensor | None, fill) -> torch.Tensor:
-    """Scatter packed per-position values (N, ...) back to valid's layout (B, K+S, ...), `fill` elsewhere
-    (valid None: values already in that layout, returned as they are)."""
-    if valid is None:
-        return values
-    out = values.new_full((*valid.shape, *values.shape[1:]), fill)
-    out[valid] = values
-    return out
 
 
 def _prefix_len(ok: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
@@ -170,8 +94,8 @@ class ExactMatch:
     def describe(self) -> str:
         return self.name
 
-    def accept(self, draft, num_draft, scores, valid):
-        pred = unpack(scores.top1, valid, -1)  # (B, K+S)
+    def accept(self, draft, num_draft, scores, tokens):
+        pred = tokens.grid(scores.top1, -1)  # (B, K+S)
         m = _prefix_len(pred[:, : draft.shape[1]] == draft, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -196,20 +120,17 @@ class TopKTolerance:
     def describe(self) -> str:
         return f"top{self.beta}-tau{self.tau}"
 
-    def accept(self, draft, num_draft, scores, valid):
-        # nothing to check (a plain greedy step): top-1 without full logits
-        if draft.shape[1] == 0 or (valid is not None and not bool((num_draft > 0).any())):
-            return ExactMatch().accept(draft, num_draft, scores, valid)
-        logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V) or (B, K+1, V)
+    def accept(self, draft, num_draft, scores, tokens):
+        if draft.shape[1] == 0:  # nothing to check (a plain greedy step): top-1 without full logits
+            return ExactMatch().accept(draft, num_draft, scores, tokens)
+        logp = torch.log_softmax(scores.logits.float(), dim=-1)  # (N, V)
         top = logp.topk(self.beta, dim=-1)
-        # the token each position would be checked against: the next draft token (or none)
-        s = (logp.shape[1] if valid is None else valid.shape[1]) - draft.shape[1]
-        nxt = torch.nn.functional.pad(draft, (0, s), value=-1)
-        nxt = nxt if valid is None else nxt[valid]
-        in_top = (top.indices == nxt[..., None]).any(-1)
-        gap = top.values[..., 0] - logp.gather(-1, nxt.clamp(min=0)[..., None])[..., 0]
-        ok = unpack(in_top & (gap <= self.tau) & gap.isfinite(), valid, False)[:, : draft.shape[1]]  # never a -inf
-        pred = unpack(top.indices[..., 0], valid, -1)
+        # the token each position is checked against: the next draft token (or none)
+        nxt = tokens.at(torch.nn.functional.pad(draft, (0, tokens.shape[1] - draft.shape[1]), value=-1))
+        in_top = (top.indices == nxt[:, None]).any(-1)
+        gap = top.values[:, 0] - logp.gather(-1, nxt.clamp(min=0)[:, None])[:, 0]
+        ok = tokens.grid(in_top & (gap <= self.tau) & gap.isfinite(), False)[:, : draft.shape[1]]  # never a -inf
+        pred = tokens.grid(top.indices[:, 0], -1)
         m = _prefix_len(ok, num_draft)
         return m, pred.gather(1, m[:, None]).squeeze(1)
 
@@ -233,8 +154,8 @@ class MinBlock:
     def describe(self) -> str:
         return f"minblock{self.min_block}+{self.inner.describe()}"
 
-    def accept(self, draft, num_draft, scores, valid):
-        m, bonus = self.inner.accept(draft, num_draft, scores, valid)
+    def accept(self, draft, num_draft, scores, tokens):
+        m, bonus = self.inner.accept(draft, num_draft, scores, tokens)
         forced = num_draft.clamp(max=self.min_block)
-        after = unpack(scores.top1, valid, -1).gather(1, forced[:, None])[:, 0]  # the top-1 after the forced prefix
+        after = tokens.grid(scores.top1, -1).gather(1, forced[:, None])[:, 0]  # the top-1 after the forced prefix
         return torch.maximum(m, forced), torch.where(forced > m, after, bonus)

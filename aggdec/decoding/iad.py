@@ -27,20 +27,20 @@ def _nearest(last: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     return dist.masked_fill(~last, last.shape[1] * 4).argmin(dim=1)
 
 
-def _match_row(x: list[int], out: list[int], anchor: int) -> int:
-    """`InputCopy.match` of one row at any depth: x = (BOS mark, source...), out = (BOS mark, output...)."""
+def _match_row(x: list[int], out: list[int], anchor: int, depth: int) -> int:
+    """`InputCopy.match` of one row: x = (BOS mark, source...), out = (BOS mark, output...)."""
     j = len(out) - 1
     ends = [i for i, t in enumerate(x) if t == out[j]]
-    repeated: list[int] = []  # the end positions of the longest suffix that occurs several times
-    q = 0
-    while len(ends) > 1 and q < j:
-        repeated = ends
-        q += 1
-        ends = [i for i in ends if i >= q and x[i - q] == out[j - q]]
+    q = 0  # the suffix has q + 1 tokens
+    while len(ends) > 1 and q < min(j, depth - 1):
+        longer = [i for i in ends if i > q and x[i - q - 1] == out[j - q - 1]]
+        if not longer:
+            break
+        ends, q = longer, q + 1
     if len(ends) == 1:
         return ends[0]
-    if anchor >= 0 and repeated:
-        return min(repeated, key=lambda i: 2 * abs(i - anchor) - (i > anchor))  # as _nearest
+    if anchor >= 0 and len(ends) > 1:  # the longest suffix that occurs several times
+        return min(ends, key=lambda i: 2 * abs(i - anchor) - (i > anchor))  # as _nearest
     return -1
 
 
@@ -148,12 +148,12 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
-    def match_rows(self, state: DecodeState, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`match` on the host, row by row in Python, from one read of the state, at any depth: where the
-        step may read the host (`state.fixed` False), up to HOST_MATCH_ROWS rows."""
+    def match_rows(self, state: DecodeState, depth: int = MATCH_DEPTH, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """`match`, the same positions, computed on the host row by row in Python from one read of the state:
+        where the step may read the host (`state.fixed` False), up to HOST_MATCH_ROWS rows."""
         src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
         anchors = anchor.tolist() if anchor is not None else [-1] * len(src)
-        pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a)
+        pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a, depth)
                for x, n, o, m, a in zip(src, src_len, out, out_len, anchors)]
         return torch.tensor(pos, dtype=torch.long, device=state.out.device)
 

@@ -55,14 +55,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from aggdec.decoding.acceptance import (
-    Acceptance,
-    ExactMatch,
-    FixedScores,
-    VerifierScores,
-    constrain_logits,
-    unpack,
-)
+from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores
 from aggdec import compile_cache
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.capture_check import CaptureError, checked
@@ -73,8 +66,8 @@ from aggdec.decoding.state import DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
 from aggdec.model.precision import refuse_int8
-from aggdec.model.projection import Constrain, OutputProjection
-from aggdec.model.slots import SlotCache, capacity, exact_span, leading
+from aggdec.model.projection import OutputProjection, Rules
+from aggdec.model.slots import SlotCache, Tokens, capacity, exact_span, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
 from aggdec.thresholds import CPP_GEMM_SLOTS, DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
@@ -162,8 +155,6 @@ class SlotLoop:
             raise ValueError("a double-token model takes no forced first tokens")
         self.counters = LoopCounters()
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
-        self.projection = projection or OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
-                                                         int8=model.output_int8)
         self.dtype, self.refill = next(model.parameters()).dtype, refill
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
@@ -186,6 +177,12 @@ class SlotLoop:
         self._compiled = self._compile(slots) if compile else None
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = not compile and self.graphs is False
+        # the top-1: `projection`'s on eager steps; fixed-shape ones, which read no host, its plain fp32 twin
+        # (the same token: a certified one's bound reads the host)
+        if projection is None or (projection.certify and not self.packed):
+            projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
+                                          int8=model.output_int8)
+        self.projection = projection
         self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         # slots a run narrows to at least: on CUDA graphs (and checked as such) GRAPH_MIN_SLOTS, compiled 2 (a
         # compiled step specializes a batch of 1), eager 1
@@ -211,16 +208,6 @@ class SlotLoop:
                 raise ValueError(f"request {r.index}: source must have 1..{cfg.max_source_positions} tokens")
         return queue
 
-    def _constrain(self, out_index: torch.Tensor, max_len: torch.Tensor) -> Constrain:
-        """fairseq's rules for verified positions with these output indices and limits (`constrain_logits`),
-        as `VerifierScores` takes them: on all of them, or on the positions `at`."""
-        cfg = self.model.cfg
-
-        def constrain(z: torch.Tensor, at: torch.Tensor | None) -> None:
-            idx, lim = (out_index, max_len) if at is None else (out_index[at], max_len[at])
-            constrain_logits(z, idx, lim, cfg.pad, cfg.eos, self.min_len, self.forced)
-        return constrain
-
     # -- the step: one fixed-shape program -------------------------------------------------------
 
     def _step(self, width: int, span: int, src_width: int) -> None:
@@ -230,54 +217,40 @@ class SlotLoop:
         active = self.active
         if width:
             draft = self.drafter.propose(st, width)
-            tokens = draft.tokens
+            drafts = draft.tokens
             room = (st.max_len - st.generated).clamp(min=0, max=width)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
             num = num - num % s  # whole steps only
             offered = torch.where(active, draft.num_draft, 0).max()[None]
             if self.packed:  # as wide as the longest draft
-                tokens = tokens[:, : int(num.max())]
-            block = torch.cat([st.last_step(), tokens], dim=1)  # (B, T)
+                drafts = drafts[:, : int(num.max())]
+            block = torch.cat([st.last_step(), drafts], dim=1)  # (B, T)
         else:
             block = st.last_step()
-        # 2. Verify [last step ; draft] for every slot; eagerly (`packed`), at the live slots' real positions
-        # only (None: at every position, where each is)
+        # 2. Verify [last step ; draft]: eagerly (`packed`) the live slots' real positions, else every position
+        # of every slot, as one flat batch of tokens
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
-        generated = st.generated
-        if not self.packed or (not width and self._full):
-            valid = None
-        elif width:
-            valid = (offs < num[:, None] + s) & active[:, None]
-        else:
-            valid = active[:, None].expand(b, t)
-        hidden = self.model.decode_slots(block, self.cache, generated, span, src_width, self.ragged, valid)
-        if not self.packed:  # fp32 logits (the projection's; a compiled step's are the fp32 model's own)
-            logits = (self.model.output_logits(hidden) if self._compiled is not None
-                      else self.projection.logits(hidden.flatten(0, -2)).view(b, t, -1))
-            scores = FixedScores(logits, generated[:, None] + offs, st.max_len[:, None], cfg.pad, cfg.eos,
-                                 self.min_len, self.forced)
-        elif t == 1 and valid is None:  # one position a slot: each slot's own
-            scores = VerifierScores(self.projection, hidden.view(b, -1), self._constrain(generated, st.max_len),
-                                    shape=(b, t))
-        else:
-            index, limit = generated[:, None] + offs, st.max_len[:, None].expand(b, t)
-            index, limit = (index.reshape(-1), limit.reshape(-1)) if valid is None else (index[valid], limit[valid])
-            scores = VerifierScores(self.projection, hidden.flatten(0, -2), self._constrain(index, limit),
-                                    shape=None if valid is not None else (b, t))
+        keep = None
+        if self.packed:
+            keep = (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t)
+        tokens = Tokens.of(block, st.generated, keep)
+        hidden = self.model.decode_slots(tokens, self.cache, span, src_width, self.ragged)
+        scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,
+                                                                self.min_len, self.forced))
         # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
         # holds an eos. A double-token verifier keeps whole pairs, its bonus pair the top-1 at m, m + 1.
         if width:
-            accepted, bonus = self.acceptance.accept(tokens, num, scores, valid)
-            accepted, bonus = ((accepted - accepted % s, unpack(scores.top1, valid, cfg.pad)) if s > 1
+            accepted, bonus = self.acceptance.accept(drafts, num, scores, tokens)
+            accepted, bonus = ((accepted - accepted % s, tokens.grid(scores.top1, cfg.pad)) if s > 1
                                else (accepted, bonus[:, None]))
-            new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(tokens, (0, s), value=cfg.pad), bonus)
+            new = torch.where(offs < accepted[:, None], torch.nn.functional.pad(drafts, (0, s), value=cfg.pad), bonus)
             is_eos = (new == cfg.eos) & (offs < accepted[:, None] + s)
             ended = is_eos.any(dim=1)
             n_new = torch.where(ended, (is_eos.long().argmax(dim=1) // s + 1) * s, accepted + s) * active
         else:
             accepted = torch.zeros_like(st.out_len) if self._after else None  # (read by state drafters only)
-            new = unpack(scores.top1, valid, cfg.pad)
+            new = tokens.grid(scores.top1, cfg.pad)
             ended, n_new = (new == cfg.eos).any(dim=1), active.long() if s == 1 else active.long() * s
         # writes in place by index_put_ (compiled, a scatter_ into a buffer copies all of it)
         rows = torch.arange(st.out.shape[0], device=self.device)
@@ -299,13 +272,10 @@ class SlotLoop:
         active ^= done  # (done: live slots only)
         # 5. Observe (a drafter that drafts from the call's states does so after the budget's choice: `run`).
         if width and not self._after:
-            self.drafter.observe(st, DraftBatch(tokens, num), accepted, None)
-        if self._after:  # each slot's state behind its bonus token
-            if valid is None:
-                behind = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-            else:  # packed: `fed` positions a slot (an empty slot's index is any)
-                behind = hidden[(fed.cumsum(0) - fed + accepted).clamp(max=hidden.shape[0] - 1)]
-            self._states = (behind, accepted)
+            self.drafter.observe(st, DraftBatch(drafts, num), accepted, None)
+        if self._after:  # each slot's state behind its bonus token (an empty slot's: any)
+            at = tokens.grid(torch.arange(hidden.shape[0], device=self.device), 0).gather(1, accepted[:, None])
+            self._states = (hidden[at[:, 0]], accepted)
         total = n_new.sum(0, keepdim=True)
         self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum(0, keepdim=True) if width else total,
                                        offered if width else self._zero]))

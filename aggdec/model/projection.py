@@ -31,7 +31,7 @@ full fp32 row.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,9 +41,59 @@ from aggdec.thresholds import REFINE_WIDTH, TOP1_ROWS
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
-Constrain = Callable[[torch.Tensor, torch.Tensor | None], None]
-"""constrain(logits (n, V), rows): apply decoding rules in place to the logits of `rows` (an index
-tensor into the N positions, or None for all of them)."""
+
+@dataclass
+class Rules:
+    """fairseq-generate's per-step rules at the verified positions, applied with no host read: `out_index`
+    (N,) the output index each predicts (0 = first target token), `max_len` (N,) its row's limit. pad is
+    never produced; eos is forbidden before `min_len` tokens; at index max_len only eos is allowed.
+    forced (F,) int64, optional: the token at output index i < F is forced[i] (a model's forced first
+    tokens, aggdec.conventions), with logit 0 and every other token -inf, as Hugging Face's
+    forced-token logits processors. `apply` constrains whole logits; the top-1's path takes the argmax
+    of `mask`ed ones under `override`, the same token, without rewriting whole rows."""
+
+    out_index: torch.Tensor
+    max_len: torch.Tensor
+    pad: int
+    eos: int
+    min_len: int = 1
+    forced: torch.Tensor | None = None
+
+    def mask(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """In place on the logits (n, V) of positions `rows` (None: all): pad never, eos not before `min_len`."""
+        logits[..., self.pad] = -math.inf
+        if self.min_len > 0:
+            index = self.out_index if rows is None else self.out_index[rows]
+            logits[..., self.eos].masked_fill_(index < self.min_len, -math.inf)
+        return logits
+
+    def forcing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(where a forced first token is due (N,) bool, that token (N,)); only with `forced` tokens."""
+        n = self.forced.numel()
+        return self.out_index < n, self.forced[self.out_index.clamp(max=n - 1)]
+
+    def override(self, top1: torch.Tensor) -> torch.Tensor:
+        """The argmax (N,) of `mask`ed logits -> that of the constrained ones: eos at the length limit,
+        forced tokens where due."""
+        top1 = torch.where(self.out_index >= self.max_len, self.eos, top1)
+        if self.forced is not None and self.forced.numel():
+            at, token = self.forcing()
+            top1 = torch.where(at, token, top1)
+        return top1
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rule, in place, on the logits (N, V)."""
+        self.mask(logits)
+        force = self.out_index >= self.max_len
+        eos_col = logits[..., self.eos].clone()
+        logits.masked_fill_(force[..., None], -math.inf)
+        logits[..., self.eos] = torch.where(force, eos_col, logits[..., self.eos])
+        if self.forced is not None and self.forced.numel():
+            at, token = self.forcing()
+            logits.masked_fill_(at[..., None], -math.inf)
+            kept = logits.gather(-1, token[..., None])[..., 0]
+            logits.scatter_(-1, token[..., None], torch.where(at, 0.0, kept)[..., None])
+        return logits
 
 
 def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -130,28 +180,30 @@ class OutputProjection:
             return self.int8(hidden)
         return linear(hidden.to(self.weight.dtype), self.weight, self.bias, packed=self.packed)
 
-    def top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
-        """Argmax (N,) int64 of the constrained fp32 logits of hidden (N, D)."""
+    def top1(self, hidden: torch.Tensor, rules: Rules) -> torch.Tensor:
+        """Argmax (N,) int64 of the fp32 logits of hidden (N, D) constrained by `rules`. With no host read
+        where `certify` is off."""
         hidden = self._extend(hidden)
-        if self.certify and hidden.shape[0] >= self.certify_from:
-            return self._certified_top1(hidden, constrain)
         n = hidden.shape[0]
-        if n <= TOP1_ROWS:
-            return self._plain_top1(hidden, constrain, None)
-        at = torch.arange(n, device=hidden.device)
-        return torch.cat([self._plain_top1(hidden[i : i + TOP1_ROWS], constrain, at[i : i + TOP1_ROWS])
-                          for i in range(0, n, TOP1_ROWS)])
+        if self.certify and n >= self.certify_from:
+            top1 = self._certified_top1(hidden, rules)
+        elif n <= TOP1_ROWS or torch.compiler.is_compiling():  # (a compiled step: one product, any N)
+            top1 = self._plain_top1(hidden, rules, None)
+        else:
+            at = torch.arange(n, device=hidden.device)
+            top1 = torch.cat([self._plain_top1(hidden[i : i + TOP1_ROWS], rules, at[i : i + TOP1_ROWS])
+                              for i in range(0, n, TOP1_ROWS)])
+        return rules.override(top1)
 
-    def _plain_top1(self, hidden: torch.Tensor, constrain: Constrain, rows: torch.Tensor | None) -> torch.Tensor:
-        """The argmax of the constrained logits of `rows` (None: all), hidden the extended states of
-        those rows. max(dim) returns the first maximal index, as argmax does, in fewer passes."""
+    def _plain_top1(self, hidden: torch.Tensor, rules: Rules, rows: torch.Tensor | None) -> torch.Tensor:
+        """The argmax of the masked logits (`Rules.mask`) of `rows` (None: all), hidden the extended states
+        of those rows. max(dim) returns the first maximal index, as argmax does, in fewer passes."""
         z = self._logits(hidden) if self.int8 is None else self.int8.ranking_logits(hidden)
-        constrain(z, rows)
-        return z.max(dim=-1).indices
+        return rules.mask(z, rows).max(dim=-1).indices
 
-    def _certified_top1(self, hidden: torch.Tensor, constrain: Constrain) -> torch.Tensor:
-        zb = linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16)
-        constrain(zb, None)
+    def _certified_top1(self, hidden: torch.Tensor, rules: Rules) -> torch.Tensor:
+        """The argmax of the masked logits (`Rules.mask`), from the bf16 product where the bound proves it."""
+        zb = rules.mask(linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16))
         top = zb.topk(2, dim=-1)
         best, runner = top.values.float().unbind(dim=1)
         r = self.rel_coef
@@ -170,16 +222,14 @@ class OutputProjection:
         self.refined += int(done.sum())
         redo = redo[~done]
         if redo.numel():
-            z = self._logits(hidden[redo])
-            constrain(z, redo)
-            pred[redo] = z.argmax(dim=-1)
+            pred[redo] = rules.mask(self._logits(hidden[redo]), redo).argmax(dim=-1)
             self.recomputed += redo.numel()
         return pred
 
     def _refine(self, hidden: torch.Tensor, zb: torch.Tensor, floor: torch.Tensor,
                 h_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 argmax from the candidates' fp32 logits (module docstring). hidden (n, D), zb (n, V)
-        constrained bf16 logits, floor L and h_norm ||h|| (n,). -> (argmax (n,) int64, proven (n,) bool)."""
+        masked bf16 logits, floor L and h_norm ||h|| (n,). -> (argmax (n,) int64, proven (n,) bool)."""
         slack = self.abs_coef * h_norm
         width = min(REFINE_WIDTH, zb.shape[1])
         top = zb.topk(width, dim=-1)

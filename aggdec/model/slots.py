@@ -14,9 +14,56 @@ cache ever happens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from aggdec.model.cache import CrossKV
+
+
+@dataclass
+class Tokens:
+    """A decoder call's tokens as one flat batch (vLLM's layout): token i is `ids[i]`, of slot `rows[i]`, at
+    offset `offs[i]` of that slot's block and decoder position `pos[i]` (N,) each, in row-major order;
+    `shape` (B, T): the slots and block width they were taken from. Every backend runs this layout:
+    an eager step takes its live rows' real positions (`of` with `keep`, which reads the host), a
+    fixed-shape one every position of every slot (N = B * T, no host read): only the padding differs."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    offs: torch.Tensor
+    pos: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, block: torch.Tensor, start: torch.Tensor, keep: torch.Tensor | None = None) -> Tokens:
+        """The tokens of `block` (B, T) written from each slot's `start` (B,): where `keep` (B, T) bool
+        holds (a host read), else all of them."""
+        b, t = block.shape
+        offs = torch.arange(t, device=block.device)
+        if keep is None:
+            rows = torch.arange(b, device=block.device)[:, None].expand(b, t).reshape(-1)
+            offs = offs.repeat(b)
+        else:
+            rows, offs = keep.nonzero(as_tuple=True)
+        return cls(block[rows, offs], rows, offs, start[rows] + offs, (b, t))
+
+    @property
+    def full(self) -> bool:
+        """Every position of every slot (the grid is the flat batch, reshaped)."""
+        return self.ids.shape[0] == self.shape[0] * self.shape[1]
+
+    def grid(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """Per-token values (N, ...) on the slot grid (B, T, ...), `fill` at positions not taken."""
+        b, t = self.shape
+        if self.full:
+            return values.reshape(b, t, *values.shape[1:])
+        out = values.new_full((b, t, *values.shape[1:]), fill)
+        return out.index_put_((self.rows, self.offs), values)
+
+    def at(self, grid: torch.Tensor) -> torch.Tensor:
+        """Values on the slot grid (B, T, ...) at the tokens (N, ...)."""
+        return grid.reshape(-1, *grid.shape[2:]) if self.full else grid[self.rows, self.offs]
 
 
 def leading(t: torch.Tensor, n: int) -> torch.Tensor:

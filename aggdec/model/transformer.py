@@ -8,7 +8,6 @@ T new target tokens in this call, L visible target prefix, D model dim, H heads,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import FusedLinear, Linear, PackedWeight, linear, packed_for
 from aggdec.model.relative_bias import RelativeBias
-from aggdec.model.slots import SlotCache
+from aggdec.model.slots import SlotCache, Tokens
 
 
 def sinusoidal_table(num: int, dim: int, padding_idx: int | None, layout: str = "fairseq") -> torch.Tensor:
@@ -311,21 +310,6 @@ class Stack(nn.Module):
         return biases if len(biases) > 1 else biases * len(self.layers)
 
 
-def packing(valid: torch.Tensor | None) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                                 Callable[[torch.Tensor], torch.Tensor]]:
-    """(pack, unpack) for a decoder call that computes only the `valid` (B,T) positions: pack (B,T,...)
-    -> (N,...), their row-major order; unpack (N,D) -> (B,T,D), zeros elsewhere. Both the identity
-    where `valid` is None."""
-    if valid is None:
-        return (lambda y: y), (lambda y: y)
-
-    def unpack(y: torch.Tensor) -> torch.Tensor:
-        full = y.new_zeros(*valid.shape, y.shape[-1])
-        full[valid] = y
-        return full
-    return (lambda y: y[valid]), unpack
-
-
 class Transformer(nn.Module):
     """fairseq-compatible encoder-decoder. See module docstring for shape letters.
 
@@ -498,41 +482,35 @@ class Transformer(nn.Module):
             x = layer(x, self_attn, cross_attn)
         return self._final(x)
 
-    def decode_slots(self, tokens: torch.Tensor, cache: SlotCache, start: torch.Tensor, span: int,
-                     width: int, ragged: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Score a block of T tokens per slot on top of each slot's prefix: a fixed-shape program.
+    def decode_slots(self, tokens: Tokens, cache: SlotCache, span: int, width: int,
+                     ragged: bool = False) -> torch.Tensor:
+        """Score a flat batch of tokens (`Tokens`) on top of their slots' prefixes -> their final states (N,D).
 
-        tokens (B,T) int64 go to positions start[b] + t of slot b (start (B,) int64); they are written
-        to the cache (positions past the cache's length are dropped into its last position, which no
-        live row reaches). Query [b, t] attends to the slot's keys at positions <= its own (a
-        double-token model: the end of its pair) within the first `span` positions, and to the first
-        `width` source positions where `cache.src_keep` (a prefix of each row). Returns the final
-        states (B,T,D). Nothing here reads a tensor to the host, and the shapes depend only on
-        (B, T, span, width). `ragged` where the CPU kernel is loaded (`decode_attention.usable` for the
-        cache's dtype): attention reads each row's visible keys only, so its result does not depend on
-        `span` or `width` (a half-precision model's cache may be fp32 for it: attention then runs in
-        fp32); else masked products over the `span` and `width` prefixes. `valid` (B,T) bool, optional (eager decoding, which may read the host): the
-        positions that matter, a prefix of each row's block; then only they are computed (linear
-        layers, norms and FFN on N = valid.sum() tokens, attention on the padded layout) and
-        written, and the result is (N,D) in row-major order.
+        Token i goes to position tokens.pos[i] of slot tokens.rows[i], where its keys and values are
+        written (positions past the cache's length into its last position, which no live row reaches).
+        It attends to its slot's keys at positions <= its own (a double-token model: the end of its pair)
+        within the first `span` positions, and to the first `width` source positions where
+        `cache.src_keep` (a prefix of each row). Linear layers, norms and the FFN run on the N tokens,
+        attention on the slot grid (`Tokens.grid`). Nothing here reads a tensor to the host; the shapes
+        depend only on (N, B, T, span, width). `ragged` where the CPU kernel is loaded
+        (`decode_attention.usable` for the cache's dtype): attention reads each query's visible keys only,
+        so its result does not depend on `span` or `width` (a half-precision model's cache may be fp32 for
+        it: attention then runs in fp32); else masked products over the `span` and `width` prefixes.
         """
-        bsz, t = tokens.shape
-        pos = start[:, None] + torch.arange(t, device=tokens.device)  # (B,T)
+        pos = tokens.grid(tokens.pos, 0)  # (B,T): each query's position (0 where no token is taken)
         biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
         # a compiled scatter_ into an input copies the whole buffer)
-        at = (torch.arange(bsz, device=tokens.device)[:, None].expand(bsz, t), pos.clamp(max=cache.length - 1))
-        pack, unpack = packing(valid)
-        if valid is not None:
-            at, tokens = (at[0][valid], at[1][valid]), tokens[valid]
-        x = self.decoder.embed(tokens, pack(pos))
-        math = torch.compiler.is_compiling() and tokens.device.type == "cpu"
-        ragged = ragged and decode_attention.usable(tokens.device, cache.k[0].dtype)
+        at = (tokens.rows, tokens.pos.clamp(max=cache.length - 1))
+        x = self.decoder.embed(tokens.ids, tokens.pos)
+        math = torch.compiler.is_compiling() and x.device.type == "cpu"
+        ragged = ragged and decode_attention.usable(x.device, cache.k[0].dtype)
         attend, self_sees, cross_sees = self._attention(
             self._default_limit(pos), span, cache.src_count.clamp(max=width),
             None if ragged else cache.src_keep[:, None, None, :width], ragged, math)
-        if ragged and valid is not None:  # the kernel skips the padded positions' queries (no keys)
-            self_sees, cross_sees = self_sees * valid, cross_sees * valid
+        if ragged and not tokens.full:  # the kernel skips the queries of positions not taken (no keys)
+            taken = tokens.grid(torch.ones_like(tokens.pos, dtype=torch.bool), False)
+            self_sees, cross_sees = self_sees * taken, cross_sees * taken
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
@@ -540,12 +518,12 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
-                return sa.out_proj(pack(attend(sa, unpack(q), cache.k[i][:, :span], cache.v[i][:, :span], self_sees,
-                                               bias=bias)))
+                return sa.out_proj(tokens.at(attend(sa, tokens.grid(q, 0), cache.k[i][:, :span],
+                                                    cache.v[i][:, :span], self_sees, bias=bias)))
 
             def cross_attn(h, i=i, ca=ca):
-                return ca.out_proj(pack(attend(ca, unpack(ca.q_proj(h)), cache.cross_k[i][:, :width],
-                                               cache.cross_v[i][:, :width], cross_sees)))
+                return ca.out_proj(tokens.at(attend(ca, tokens.grid(ca.q_proj(h), 0), cache.cross_k[i][:, :width],
+                                                    cache.cross_v[i][:, :width], cross_sees)))
 
             x = layer(x, self_attn, cross_attn)
         return self._final(x)
