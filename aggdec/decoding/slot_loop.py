@@ -21,20 +21,22 @@ Each iteration, for every slot at once:
   in its slot; a finished row's slot is overwritten by a refill. Once no request waits and half the
   slots or more are empty, the live rows move into the first slots and the steps run on the power of
   two that holds them.
-- **One step, three backends** (chosen when the loop is built, docs/design.md "What runs where"):
-  *eager, packed* (the CPU's default, `packed`): the step computes only the live slots' real
-  positions (`Transformer.decode_slots(valid=)`: linear layers on those positions, attention on the
-  padded layout through the CPU kernel) and takes the top-1 through the loop's `OutputProjection`
-  (certified bf16 where chosen); it may read the host. *Fixed-shape*: every position of every slot,
-  rows that draft fewer masked by their own counts, the acceptance rule at every position
-  (`acceptance.FixedScores`, on fp32 logits from the loop's `OutputProjection`), no host reads; run as a TorchInductor program on a CPU (`compile=True`:
-  symbolic shapes, frozen weights, compiled once a process), or captured as CUDA graphs on a GPU:
-  every step the loop can take is captured once for its buffers (`capture_plan`: each slot count a
-  run narrows to, each width of `GRAPH_WIDTHS`, largest first; each reads the whole cache and source
-  width) and replayed, nothing captured after that until the buffers grow (`graphs=True`, the default
-  there; `graphs="check"` runs each step, admission and retirement eagerly under a replay's rules,
-  `capture_check`, and refuses a shape outside the plan). A step that verifies no draft skips the acceptance rule (every rule takes
-  the top-1 there).
+- **One step, one layout, three backends** (chosen when the loop is built, docs/design.md "What runs
+  where"). Every step verifies one flat batch of tokens (`slots.Tokens`: each token's slot, offset and
+  position on the device, vLLM's layout): `Transformer.decode_slots` runs linear layers on the tokens
+  and attention on the slot grid, the top-1 comes from the loop's `OutputProjection` under fairseq's
+  rules (`Rules`), and the acceptance rule reads the tokens' scores (`VerifierScores`). Only padding
+  differs. *Eager* (the CPU's default, `packed`): the live slots' real positions, each row's block as
+  wide as the longest draft; it may read the host (the token count, the certified bf16 top-1).
+  *Fixed-shape*: every position of every slot (rows that draft fewer masked by their own counts), the
+  plain fp32 top-1 (the same token as the certified one), no host reads; run as a TorchInductor
+  program on a CPU (`compile=True`: symbolic shapes, frozen weights, compiled once a process), or
+  captured as CUDA graphs on a GPU: every step the loop can take is captured once for its buffers
+  (`capture_plan`: each slot count a run narrows to, each width of `GRAPH_WIDTHS`, largest first;
+  each reads the whole cache and source width) and replayed, nothing captured after that until the
+  buffers grow (`graphs=True`, the default there; `graphs="check"` runs each step, admission and
+  retirement eagerly under a replay's rules, `capture_check`, and refuses a shape outside the plan).
+  A step that verifies no draft skips the acceptance rule (every rule takes the top-1 there).
 - **Device-side bookkeeping.** The commit, eos and length rules, and every row statistic
   (iterations, drafted, accepted, accepted per call, decode time share) are batched tensor updates in
   place. After the step the host reads one small tensor: which slots finished, the output lengths
@@ -132,7 +134,7 @@ class SlotLoop:
     `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
     under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
     TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards).
-    Elsewhere steps run eagerly, packed (`packed`). An int8 verifier on a CUDA device is refused
+    Elsewhere steps run eagerly on the live positions (`packed`). An int8 verifier on a CUDA device is refused
     (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
@@ -231,9 +233,11 @@ class SlotLoop:
         # of every slot, as one flat batch of tokens
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
-        keep = None
-        if self.packed:
-            keep = (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t)
+        keep = None  # every position (a fixed-shape step; an eager greedy one where every slot holds a row)
+        if self.packed and width:
+            keep = (offs < num[:, None] + s) & active[:, None]
+        elif self.packed and not self._full:
+            keep = active[:, None].expand(b, t)
         tokens = Tokens.of(block, st.generated, keep)
         hidden = self.model.decode_slots(tokens, self.cache, span, src_width, self.ragged)
         scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,

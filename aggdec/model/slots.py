@@ -40,13 +40,13 @@ class Tokens:
         """The tokens of `block` (B, T) written from each slot's `start` (B,): where `keep` (B, T) bool
         holds (a host read), else all of them."""
         b, t = block.shape
-        offs = torch.arange(t, device=block.device)
-        if keep is None:
-            rows = torch.arange(b, device=block.device)[:, None].expand(b, t).reshape(-1)
-            offs = offs.repeat(b)
-        else:
+        if keep is not None:
             rows, offs = keep.nonzero(as_tuple=True)
-        return cls(block[rows, offs], rows, offs, start[rows] + offs, (b, t))
+            return cls(block[rows, offs], rows, offs, start[rows] + offs, (b, t))
+        offs = torch.arange(t, device=block.device)
+        pos = start[:, None] + offs
+        return cls(block.reshape(-1), torch.arange(b, device=block.device).repeat_interleave(t), offs.repeat(b),
+                   pos.reshape(-1), (b, t))
 
     @property
     def full(self) -> bool:
