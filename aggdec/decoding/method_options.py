@@ -1,9 +1,5 @@
-"""Each decoding method's options, and the registry of method names to their options classes.
-
-Torch-free, like `aggdec.decoding.options`: the `aggdec decode` flags (and its `--help`), a job
-spec's `[decode]` table and the output signature are generated from here without loading a model
-or torch. What runs each method (its drafter, loop and acceptance rule) is wired in
-`aggdec.decoding.methods`, whose `register` also adds a new method's options class here.
+"""Each decoding method's options, and the registry of method names to their options classes
+(`OPTIONS`; `aggdec.decoding.methods.register` adds to it). Torch-free, like `aggdec.decoding.options`.
 """
 
 from __future__ import annotations
@@ -39,12 +35,9 @@ class GreedyOptions(CompiledStep, DecodeOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
-    """IAD's options (aggdec.decoding.iad); with adaptive_draft the cap of a row moves between 4 and
-    draft_cap."""
+    """IAD's options (aggdec.decoding.iad); with adaptive_draft a row's cap moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
-    # a compiled step verifies every slot's whole draft width, where an eager one packs each row's own
-    # draft: the compiled step's saving outweighs that padding only at the smallest batch sizes
     compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "

@@ -1,10 +1,7 @@
-"""Decoding options: every option is declared once, as a field of a frozen dataclass.
-
-`DecodeOptions` holds the fields every method has (batching, length limits, precision); each method
-adds its own in a subclass (`aggdec.decoding.method_options`, where the method names are registered). A field's metadata (see `option`) carries its help
-text, its lower bound or choices, its command-line flag and whether it can change an output, so
-validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature are
-all generated from the fields. Torch-free: reading options loads no model code.
+"""Decoding options, each declared once as a field of a frozen dataclass whose metadata (`option`)
+drives validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature
+(docs/design.md, "Options and the method registry"). `DecodeOptions` holds the fields every method has;
+each method adds its own in a subclass (`aggdec.decoding.method_options`). Torch-free.
 """
 
 from __future__ import annotations
@@ -100,9 +97,9 @@ class DecodeOptions:
     @property
     def lossless(self) -> bool:
         """Whether the output is greedy's, token for token (see aggdec.decoding.methods)."""
-        from aggdec.decoding.methods import method_of
+        from aggdec.decoding.methods import get_method
 
-        return method_of(self).lossless(self)
+        return get_method(self.method).lossless(self)
 
     def signature(self, sha: str = "") -> str:
         """A string that changes with anything that can change an output (method_options.signature)."""

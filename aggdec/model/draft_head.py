@@ -1,20 +1,13 @@
-"""GAD's draft head: a small non-autoregressive block drafter that reads the verifier.
+"""GAD's draft head: a small non-autoregressive block drafter that reads the verifier and has no
+encoder, embeddings or cache of its own (docs/design.md, "GAD draft head"). Row b's verifier state h
+(the one that produced its bonus token t) and t are fused into one context vector; `block_size` mask
+queries attend to it, to each other and to the verifier's last-layer self-attention K/V of the
+prefix, and cross-attend to its last-layer cross-attention K/V; the verifier's frozen output
+projection (optionally restricted to a draft vocabulary) turns mask i into the i-th token after t:
 
-It has no encoder, no embeddings and no cache of its own. After a verifier call, row b's verifier
-state h (the final decoder state that produced the row's bonus token t) and t itself are fused
-into one context vector; `block_size` learned mask queries attend to it, to each other (no causal
-mask) and to the verifier's own last-layer self-attention keys/values of the prefix (its cache),
-and cross-attend to the verifier's last-layer cross-attention keys/values; the verifier's output
-projection (frozen, optionally restricted to a draft vocabulary of frequent tokens) turns mask i
-into the draft of the i-th token after t:
+    x_0 = W [h ; e(t)],  x_i = m_i (i = 1..k),  x = Layer_L(... Layer_1(x)),  draft_i = argmax W_out[vocab] . LN(x_i)
 
-    x_0 = W [h ; e(t)],  x_i = m_i  (i = 1..k)
-    x = Layer_L( ... Layer_1(x) ),  Layer = pre-norm self-attention (over the verifier's prefix
-        keys/values and the block), cross-attention, FFN
-    draft_i = argmax  W_out[vocab] . LN(x_i)
-
-So a GAD iteration is one verifier call plus this head on k + 1 positions per row, and drafts for
-the next call come out of the current one (as blockwise parallel decoding's heads do).
+with Layer = pre-norm self-attention (prefix K/V and the block, no causal mask), cross-attention, FFN.
 """
 
 from __future__ import annotations

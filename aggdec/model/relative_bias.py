@@ -34,10 +34,8 @@ def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, m
 
 class RelativeBias(nn.Module):
     """One table of T5's relative position bias: `weight` (buckets, heads), transformers'
-    `relative_attention_bias.weight`.
-
-    Every distance at or beyond `max_distance` has the bucket of `max_distance`, so the buckets of
-    the distances -max_distance .. max_distance, computed once (`buckets`, a buffer), cover all."""
+    `relative_attention_bias.weight`; `buckets`, those of the distances -max_distance .. max_distance
+    (farther ones share the bucket of max_distance)."""
 
     def __init__(self, buckets: int, heads: int, max_distance: int, bidirectional: bool):
         super().__init__()
