@@ -23,9 +23,9 @@ import time
 import torch
 
 from aggdec.decoding.acceptance import constrain_logits
+from aggdec.decoding.beam import check_search, in_batches
 from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
-from aggdec.decoding.scheduler import encoded_batches
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -44,15 +44,10 @@ def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int =
         raise ValueError("pair_beam_search needs a double-token model (ModelConfig.double_token)")
     if prompt is not None and len(prompt) > 1:
         raise ValueError("a double-token model takes no forced first tokens")
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    check_search(requests, beam, nbest, max_batch_size, min_len)
     start = prompt[0] if prompt else model.cfg.eos
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
-    results: dict[int, BeamHypothesis] = {}
-    for at, batch, memory, src_pad in encoded_batches(model, [requests[i] for i in order], max_batch_size):
-        for pos, hyp in _search(model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start):
-            results[order[at + pos]] = hyp
-    return [results[i] for i in range(len(requests))]
+    return in_batches(model, requests, max_batch_size, lambda batch, memory, src_pad: _search(
+        model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start))
 
 
 def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_pad: torch.Tensor, w: int,
@@ -73,8 +68,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     scores[:, 0] = 0.0  # all beams start equal: expand the first only
     scores = scores.view(-1)
     finalized: list[list[tuple[list[int], float]]] = [[] for _ in range(bsz)]
-    calls = [0] * bsz
-    ms = [0.0] * bsz
+    calls, ms = [0] * bsz, [0.0] * bsz
     chunk = chunk_for(vocab)
     step = 0
     THREADS.start()

@@ -5,7 +5,6 @@ batch at a time (docs/design.md, "Encode-ahead refills"); and the counters of a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -84,25 +83,6 @@ class EncodeAhead:
         self.cross, self.rows = cross, {id(r): len(reqs) + j for j, r in enumerate(ahead)}
         return CrossKV(k=[t[: len(reqs), :longest] for t in cross.k], v=[t[: len(reqs), :longest] for t in cross.v],
                        src_pad=cross.src_pad[: len(reqs), :longest])
-
-
-def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
-                    ) -> Iterator[tuple[int, list[Request], torch.Tensor, torch.Tensor]]:
-    """Static batches of `reqs` (in order: beam search takes them longest first), `max_batch_size`
-    at a time, with their encoder output: (index of the batch's first request, the batch, memory,
-    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, as many as
-    `ahead_count` allows (at least one), as the loops encode refills ahead."""
-    device = next(model.parameters()).device
-    at = 0
-    while at < len(reqs):
-        count = max(1, ahead_count(len(reqs[at].src)) // max_batch_size) * max_batch_size
-        group = reqs[at: at + count]
-        memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
-        for off in range(0, len(group), max_batch_size):
-            batch = group[off: off + max_batch_size]
-            width = max(len(r.src) for r in batch)
-            yield at + off, batch, memory[off: off + len(batch), :width], src_pad[off: off + len(batch), :width]
-        at += len(group)
 
 
 @dataclass
