@@ -1,15 +1,10 @@
-"""The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`).
-
-A replay runs the captured kernels on their captured buffers with no host between them: a step that
-reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`) would replay the
-value read at capture, and what the step allocates lives in the graph's pool, rewritten by the next
-replay: state carried to a later step must be a buffer allocated before it, updated in place.
-
-Admission and retirement run between replays, on the same buffers, under the same rules (`checked`
-with `host_data=False`): the loop's one packed host -> device copy of a refill batch and its one read
-of the retired rows are made outside them, so a drafter's `admit` that reads the host, builds a tensor
-from host data (`torch.tensor`, a list index: a copy per call) or keeps its rows in new tensors (which
-the captured steps would not see) fails in check mode.
+"""The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`;
+docs/design.md, "The slot loop"). A replay runs the captured kernels on their captured buffers with no
+host between them: the step must read no tensor on the host (`item`, `tolist`, `bool`, a boolean
+mask's `nonzero`), and state carried to a later step must live in buffers allocated before it (what
+the step allocates is the graph's pool, rewritten by the next replay). Admission and retirement
+follow the same rules and build no tensor from host data: the loop's one packed copy of a refill and
+its one read of the retired rows are made outside them.
 """
 
 from __future__ import annotations
