@@ -1,19 +1,16 @@
 """Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch`.
 
-Per step, for every active sentence (beam K, vocabulary V), exactly as fairseq does:
-  - lprobs = log_softmax(logits) (in float32, or float64 for float64 models); NaN, pad -> -inf;
-    at step >= max_len everything but eos is -inf; at step < min_len eos is -inf.
-  - Step 0 uses only the first beam (all beams are equal); later steps add each beam's cumulative
-    score. The 2K best of K*V (step 0: of V) are the candidates.
-  - eos candidates among the first K candidates (not ignored, finite score) are finalized with the
-    normalized score cumulative / (len ** lenpen), len counting the eos. A sentence is finished once
-    it holds K finalized hypotheses, or at step == max_len; finished sentences leave the batch.
+Per step, for every active sentence (beam K, vocabulary V), as fairseq does:
+  - lprobs = log_softmax(logits) (float32, float64 for float64 models); NaN, pad -> -inf; only eos
+    at step >= max_len; no eos at step < min_len.
+  - The candidates: the 2K best of K*V by cumulative score (step 0: of the first beam's V alone).
+  - eos candidates among the first K (not ignored, finite score) are finalized with the normalized
+    score cumulative / (len ** lenpen), len counting the eos. A sentence holding K finalized
+    hypotheses, or at step == max_len, is finished and leaves the batch.
   - The K active hypotheses are the first K non-eos candidates (if fewer exist, eos candidates fill
-    in and are marked "ignored", fairseq's `cands_to_ignore`, including its indexing quirk).
-  - The result is the finalized hypothesis with the best normalized score (fairseq sorts the
-    scores, converted to a float tensor, with torch.sort descending and takes the first); with
-    `nbest` > 1 also the first `nbest` of that order (fairseq-generate's --nbest), each with its
-    normalized score.
+    in, marked "ignored": fairseq's `cands_to_ignore`, including its indexing quirk).
+  - The result: the finalized hypotheses in fairseq's order (their scores as a float tensor, by
+    torch.sort descending), the first `nbest` (fairseq-generate's --nbest) with their scores.
 
 Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
 batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
@@ -164,8 +161,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         cand_scores, cand_flat = top_candidates(flat, min(cand_size, flat.size(1) - 1), chunk)
         cand_beams = torch.div(cand_flat, vocab, rounding_mode="trunc")
         cand_indices = cand_flat.fmod(vocab)
-        bbsz_offsets = (torch.arange(bsz, device=device) * k).unsqueeze(1)
-        cand_bbsz_idx = cand_beams + bbsz_offsets
+        cand_bbsz_idx = cand_beams + (torch.arange(bsz, device=device) * k).unsqueeze(1)
 
         eos_mask = cand_indices.eq(eos) & cand_scores.ne(neg)
         # fairseq's quirk: a beam-indexed mask on candidate positions
@@ -193,17 +189,14 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
 
         old_cand_bbsz_idx = cand_bbsz_idx  # rows of the cache before sentences leave
         if newly:
-            keep_mask = torch.ones(bsz, dtype=torch.bool, device=device)
-            keep_mask[newly] = False
-            batch_idxs = torch.arange(bsz, device=device).masked_select(keep_mask)
-            new_bsz = batch_idxs.numel()
+            keep = [b for b in range(bsz) if b not in newly]
+            batch_idxs, new_bsz = torch.tensor(keep, dtype=torch.long, device=device), len(keep)
             eos_mask, cand_beams, old_cand_bbsz_idx, cand_scores, cand_indices, cands_to_ignore, sent_max = (
                 t[batch_idxs] for t in (eos_mask, cand_beams, cand_bbsz_idx, cand_scores, cand_indices,
                                         cands_to_ignore, sent_max))
             cand_bbsz_idx = cand_beams + (torch.arange(new_bsz, device=device) * k).unsqueeze(1)
             scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
             tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
-            keep = batch_idxs.tolist()
             max_host, sent_ids = [max_host[i] for i in keep], [sent_ids[i] for i in keep]
             shortest = min(max_host)
             bsz = new_bsz
@@ -230,18 +223,13 @@ def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, token
     """fairseq's finalize_hypos: store eos-ending hypotheses; return batch positions now finished."""
     toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the decoder start token
     toks[:, step] = eos
-    eos_scores = eos_scores / (step + 1) ** lenpen
+    score_list = (eos_scores / (step + 1) ** lenpen).tolist()
     unfin = torch.div(bbsz_idx, k, rounding_mode="trunc").tolist()
-    score_list = eos_scores.tolist()
     for i, b in enumerate(unfin):
         slot = finalized[sent_ids[b]]
         if len(slot) < k:
             slot.append((toks[i], score_list[i]))
-    newly = []
-    for b in sorted(set(unfin)):
-        if len(finalized[sent_ids[b]]) == k or step == max_len[b]:
-            newly.append(b)
-    return newly
+    return [b for b in sorted(set(unfin)) if len(finalized[sent_ids[b]]) == k or step == max_len[b]]
 
 
 def _best(req: Request, hyps: list[tuple[torch.Tensor, float]], tokens: torch.Tensor, scores: torch.Tensor,

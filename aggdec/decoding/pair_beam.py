@@ -35,11 +35,8 @@ from aggdec.threads import THREADS
 def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                      max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                      prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
-    """Beam-search `requests` with a double-token `model`; results in input order (as beam_search).
-
-    prompt: (decoder start token,) (forced tokens are not supported by double-token models); the first
-    pair fed is (bos, start).
-    """
+    """Beam-search `requests` with a double-token `model`, as `beam_search`; prompt: (decoder start
+    token,) only (the first pair fed is (bos, start))."""
     if not model.cfg.double_token:
         raise ValueError("pair_beam_search needs a double-token model (ModelConfig.double_token)")
     if prompt is not None and len(prompt) > 1:
@@ -85,8 +82,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         # DOUBLETOPK: 2W (beam, left), then 3W (beam, left, right)
         left = (scores[:, None] + lp_l).view(bsz, w * vocab)
         s1, i1 = top_candidates(left, 2 * w, chunk)  # (bsz, 2W)
-        beam1 = torch.div(i1, vocab, rounding_mode="trunc")
-        row1 = beam1 + (torch.arange(bsz, device=device) * w)[:, None]  # (bsz, 2W) rows of the batch
+        row1 = torch.div(i1, vocab, rounding_mode="trunc") + (torch.arange(bsz, device=device) * w)[:, None]  # rows
         right = lp_r[row1]  # (bsz, 2W, V)
         stop = i1.fmod(vocab) == eos  # (bsz, 2W) a left end-of-decoding ends the sentence
         best_r = right.max(dim=-1, keepdim=True).values
@@ -101,8 +97,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
 
         elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
         done: list[int] = []
-        ended_l, rows_l, score_l = ended.tolist(), cand_row.tolist(), s2.tolist()
-        limits = sent_max.tolist()
+        ended_l, rows_l, score_l, limits = ended.tolist(), cand_row.tolist(), s2.tolist(), sent_max.tolist()
         cl, cr = cand_l.tolist(), cand_r.tolist()
         for b in range(bsz):
             calls[ids[b]] += 1
@@ -122,14 +117,12 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         rows = cand_row.gather(1, pick)
         new_pair = torch.stack([cand_l.gather(1, pick), cand_r.gather(1, pick)], dim=-1)  # (bsz, W, 2)
         if done:  # finished sentences leave in the same reordering
-            gone = set(done)
-            keep = [b for b in range(bsz) if b not in gone]
+            keep = [b for b in range(bsz) if b not in done]
             if not keep:
                 return
             at = torch.tensor(keep, dtype=torch.long, device=device)
             rows, new_pair, top, sent_max = rows[at], new_pair[at], top[at], sent_max[at]
-            ids = [ids[b] for b in keep]
-            bsz = len(keep)
+            ids, bsz = [ids[b] for b in keep], len(keep)
         rows = rows.reshape(-1)
         tokens = torch.cat([tokens.index_select(0, rows), new_pair.reshape(-1, STRIDE)], dim=1)
         scores = top.reshape(-1)
