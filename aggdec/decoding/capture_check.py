@@ -60,8 +60,8 @@ class _NoSyncingOps(TorchDispatchMode):
 
 def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) of every tensor `obj` holds through objects of aggdec's classes (and their
-    subclasses), dataclasses, lists, tuples and dicts (not through modules, nor oneDNN's packed
-    weights, which have no storage: weights are no step's state)."""
+    subclasses), dataclasses, lists, tuples and dicts; not through modules, nor oneDNN's packed weights
+    (weights are no step's state)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, torch.nn.Module):
         return
@@ -69,11 +69,8 @@ def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[
     if isinstance(obj, torch.Tensor):
         if not obj.is_mkldnn:
             yield path, obj
-    elif isinstance(obj, (list, tuple)):
-        for i, x in enumerate(obj):
-            yield from held(x, f"{path}[{i}]", seen)
-    elif isinstance(obj, dict):
-        for k, x in obj.items():
+    elif isinstance(obj, (list, tuple, dict)):
+        for k, x in obj.items() if isinstance(obj, dict) else enumerate(obj):
             yield from held(x, f"{path}[{k!r}]", seen)
     elif dataclasses.is_dataclass(obj) or any(c.__module__.startswith("aggdec.") for c in type(obj).__mro__):
         for k, x in vars(obj).items():

@@ -30,12 +30,10 @@ class OptionError(ValueError):
 
 def option(default: Any, help: str, *, low: float | None = None, choices: tuple[str, ...] | None = None,
            flag: str | None = None, output: bool = True, path: bool = False) -> Any:
-    """A dataclass field with its documentation and rules.
-
-    low: smallest allowed value (None allowed where the type is optional); choices: allowed strings;
-    flag: the `aggdec decode` flag (default --field-name); output: False for options that never
-    change an output (left out of the signature); path: a directory path (checked to exist by the CLI).
-    """
+    """A dataclass field with its documentation and rules. low: smallest allowed value (None allowed
+    where the type is optional); choices: allowed strings; flag: the `aggdec decode` flag (default
+    --field-name); output: False for options that never change an output (left out of the signature);
+    path: a directory path (checked to exist by the CLI)."""
     meta = {"help": help, "low": low, "choices": choices, "flag": flag, "output": output, "path": path}
     return field(default=default, metadata=meta)
 
@@ -123,8 +121,8 @@ class Drafting:
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
     """Mixin: methods whose decoder step the slot loop compiles on request. `compile_pays_below`: the batch
-    size from which a compiled step measured slower than eager (packed) steps (None: at none measured);
-    from there the registry decodes eagerly, with one warning."""
+    size from which a compiled step measured slower than eager steps, where the registry decodes eagerly
+    (None: at none measured)."""
 
     compile_pays_below: ClassVar[int | None] = None
 
@@ -133,8 +131,7 @@ class CompiledStep:
                                   "frozen into it. greedy: 2.8-3.2x eager decoding at batch size 1, about 1.1x "
                                   "at 64; iad: 1.3x at batch size 1, and from batch size 3, where it measured "
                                   "slower, decoding stays eager (one warning; docs/benchmarks.md); gad, gad++, "
-                                  "blockwise: not measured. Compiling takes "
-                                  "20-60 s once per process. fp32 "
+                                  "blockwise: not measured. Compiling takes 20-60 s once per process. fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:
@@ -172,16 +169,16 @@ class DraftModel:
 def option_fields(cls: type[DecodeOptions]) -> dict[str, dataclasses.Field]:
     """{name: field} of an options class, common fields last."""
     own = [f for f in dataclasses.fields(cls) if f.name not in _COMMON]
-    return {f.name: f for f in own + [_COMMON[name] for name in _COMMON]}
+    return {f.name: f for f in own + list(_COMMON.values())}
 
 
 _COMMON = {f.name: f for f in dataclasses.fields(DecodeOptions)}
 
 
 def coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (int, float, bool, str, or X | None), as read from TOML or the command
-    line: ints widen to float, whole floats narrow to int, "true"/"false" become bools and
-    none/null mean None. Raises OptionError naming `name` when the value does not fit."""
+    """`value`, as read from TOML or the command line, as type `hint` (int, float, bool, str, or X | None):
+    ints widen to float, whole floats narrow to int, "true"/"false" become bools, none/null mean None.
+    Raises OptionError naming `name` when the value does not fit."""
     args = typing.get_args(hint)
     optional = isinstance(hint, types.UnionType) and type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if optional else hint

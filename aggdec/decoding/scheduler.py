@@ -1,6 +1,6 @@
-"""Admission to the decode loop (aggdec.decoding.slot_loop): the queue's order, how many pending
-requests a refill takes, their sources padded, and their encoder passes, run ahead of admission a
-batch at a time (docs/design.md, "Encode-ahead refills"); and the counters of a loop's work.
+"""Admission to the decode loop (aggdec.decoding.slot_loop): how many pending requests a refill takes,
+their sources padded, and their encoder passes, run ahead of admission a batch at a time (docs/design.md,
+"Encode-ahead refills"); and the counters of a loop's work.
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ class EncodeAhead:
     def take(self, reqs: list[Request]) -> tuple[list[Request], list[int], CrossKV | None]:
         """(reqs with those encoded ahead first, in their order; those's rows in the cross K/V encoded
         ahead, which they leave; that cross K/V). Host work only."""
-        hit = [i for i, r in enumerate(reqs) if id(r) in self.rows]
-        hits = set(hit)
-        ordered = [reqs[i] for i in hit] + [r for i, r in enumerate(reqs) if i not in hits]
-        return ordered, [self.rows.pop(id(reqs[i])) for i in hit], self.cross
+        hit = [r for r in reqs if id(r) in self.rows]
+        ordered = hit + [r for r in reqs if id(r) not in self.rows]
+        return ordered, [self.rows.pop(id(r)) for r in hit], self.cross
 
     def encode(self, reqs: list[Request], queue: list[Request]) -> CrossKV | None:
         """The cross K/V of `reqs` (none encoded ahead; rows in their order, as wide as the widest), encoded
@@ -87,11 +86,10 @@ class EncodeAhead:
 
 @dataclass
 class LoopCounters:
-    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
-    padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
-    captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
-    eagerly), by a captured slot loop; allocations: the slot buffers a loop allocated (its first run,
-    a longer or wider one than its buffers hold, a run after `release`)."""
+    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row); padded:
+    tokens computed including padding to the longest draft (B * (K + 1) per call); captures,
+    capture_failures: CUDA graphs captured, and captures that failed (those steps ran eagerly);
+    allocations: the times a loop allocated its slot buffers."""
 
     calls: int = 0
     fed: int = 0
