@@ -1,19 +1,6 @@
-"""Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch`.
-
-Per step, for every active sentence (beam K, vocabulary V), as fairseq does:
-  - lprobs = log_softmax(logits) (float32, float64 for float64 models); NaN, pad -> -inf; only eos
-    at step >= max_len; no eos at step < min_len.
-  - The candidates: the 2K best of K*V by cumulative score (step 0: of the first beam's V alone).
-  - eos candidates among the first K (not ignored, finite score) are finalized with the normalized
-    score cumulative / (len ** lenpen), len counting the eos. A sentence holding K finalized
-    hypotheses, or at step == max_len, is finished and leaves the batch.
-  - The K active hypotheses are the first K non-eos candidates (if fewer exist, eos candidates fill
-    in, marked "ignored": fairseq's `cands_to_ignore`, including its indexing quirk).
-  - The result: the finalized hypotheses in fairseq's order (their scores as a float tensor, by
-    torch.sort descending), the first `nbest` (fairseq-generate's --nbest) with their scores.
-
-Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
-batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
+"""Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch` (the
+rules: docs/design.md, "Beam search"), but each sentence has its own max_len (fairseq's comes from the
+batch's padded source width: the same at batch size 1) and sources are right-padded.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """How many draft tokens a call should verify: drafting that turns itself off where it does not pay
-(docs/design.md, "Drafting that pays or turns itself off").
-
-`DraftBudget` measures output tokens per second of loop iterations (proposing, verifying, accepting,
-drafting, bookkeeping; not the encoding of refills) in blocks of calls, and picks the draft length
-with the most; 0 is plain greedy decoding, where drafters skip their own work. Most blocks run the
-best length so far; now and then a challenger block (`_challengers`) is compared with the mean rate
-of the best-length blocks just before and after it, which cancels what drifts during a run. A
-comparison is dropped across a change of batch size, and where no draft offered to the challenger's
-block reached the shorter of the two lengths (they drafted alike). After a loss the gap in blocks
-to the next trial doubles (quadruples past a 20% loss, up to `max_gap`), and best-length blocks
-first run `DRAFT_EXPLORE` times the seconds the trial lost. Per-row acceptance statistics are the
-loop's (`RowStats`).
+(docs/design.md, "Drafting that pays or turns itself off"). `DraftBudget` measures output tokens per
+second of loop iterations (not the encoding of refills) in blocks of calls and picks the draft length
+with the most, 0 (plain greedy) included; a challenger length's block is compared with the best-length
+blocks just before and after it.
 """
 
 from __future__ import annotations

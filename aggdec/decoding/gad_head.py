@@ -30,11 +30,9 @@ def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor |
     if key not in cache:
         dtype = next(head.parameters()).dtype
         weight, bias = verifier.output_weight if out_weight is None else out_weight, verifier.output_bias
-        if head.cfg.draft_vocab:
-            weight = weight[head.vocab]
-            bias = None if bias is None else bias[head.vocab]
-        weight = weight.detach().to(dtype).contiguous()
-        bias = None if bias is None else bias.detach().to(dtype)
+        rows = head.vocab if head.cfg.draft_vocab else slice(None)
+        weight = weight[rows].detach().to(dtype).contiguous()
+        bias = None if bias is None else bias[rows].detach().to(dtype)
         dec = verifier.decoder
         with torch.no_grad():
             table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()

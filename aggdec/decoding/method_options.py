@@ -155,11 +155,9 @@ def all_options() -> dict[str, tuple[Any, Any]]:
 
 
 def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[DecodeOptions, list[str]]:
-    """Options from a table such as a job spec's [decode]: `method` (default `default_method`) plus
-    option values as read from TOML or `--set` (types coerced, see options.coerce).
-
-    -> (options, names given that belong to other methods and were ignored). Raises OptionError naming
-    the field for an unknown name or a bad value."""
+    """Options from a table such as a job spec's [decode]: `method` (default `default_method`) plus option
+    values as read from TOML or `--set` (`options.coerce`) -> (options, names given that belong to other
+    methods and were ignored). Raises OptionError naming the field for an unknown name or a bad value."""
     method = data.get("method", default_method)
     if not isinstance(method, str):
         raise OptionError("method", f"must be a string, got {method!r}")
@@ -167,13 +165,11 @@ def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[
     own, hints, every = option_fields(cls), type_hints(cls), all_options()
     fields, unused = {}, []
     for name, value in data.items():
-        if name == "method":
-            continue
         if name in own:
             fields[name] = coerce(name, value, hints[name])
         elif name in every:
             unused.append(name)
-        else:
+        elif name != "method":
             raise OptionError(name, f"unknown option; known: {', '.join(sorted(['method', *every]))}")
     return cls(**fields), sorted(unused)
 
@@ -189,9 +185,8 @@ def output_options(opts: DecodeOptions) -> dict[str, Any]:
     out: dict[str, Any] = {"aggdec": package_version("aggdec"), "method": opts.method}
     if opts.draft_verify:
         out["accept"] = opts.acceptance().describe()
-    for name, f in option_fields(type(opts)).items():
-        if f.metadata.get("output", True):
-            out[name] = getattr(opts, name)
+    out.update({name: getattr(opts, name) for name, f in option_fields(type(opts)).items()
+                if f.metadata.get("output", True)})
     return out
 
 

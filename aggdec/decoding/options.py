@@ -113,8 +113,8 @@ class Drafting:
     draft_length: str = option("auto", "auto: each call drafts the length that maximizes measured output tokens per "
                                        "second (aggdec.decoding.budget), down to plain greedy steps where drafting "
                                        "does not pay; max: always the drafter's longest draft. With lossy acceptance "
-                                       "(gad++, top_k_accept, min_block), auto's output depends on which calls drafted, "
-                                       "so on timing; max gives the same output on every run.",
+                                       "(gad++, top_k_accept, min_block), auto's output depends on which calls "
+                                       "drafted, so on timing; max gives the same output on every run.",
                                choices=("auto", "max"))
 
 

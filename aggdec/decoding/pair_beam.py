@@ -1,18 +1,6 @@
-"""Beam search over token pairs for double-token models (the paper's Algorithm 1).
-
-Per step, for every active sentence (beam W, vocabulary V), one decoder call scores the next
-(left, right) pair of every beam (aggdec.double_token):
-  - lpL, lpR = log_softmax of the two positions' logits (float32, float64 for float64 models); pad
-    is never chosen, end-of-decoding (eos) is forbidden before `min_len` tokens and forced at every
-    stream position >= the sentence's max_len.
-  - DOUBLETOPK: the 2W best (beam, left) of W*V by beam score + lpL, then the 3W best (beam, left,
-    right) of those 2W times V by adding lpR: the two tokens are taken as independent. A left
-    end-of-decoding ends the sentence whatever the right slot holds: it pairs with its best right
-    token alone (as greedy takes it), so no output is finalized twice and a beam of 1 is greedy.
-  - Candidates among the first W holding an end-of-decoding token are finalized with the normalized
-    score cumulative / (len + 1) ** lenpen, len counting the unfolded output's tokens; the W best
-    candidates without one continue. A sentence is finished once it holds W finalized hypotheses.
-The result is the best finalized hypothesis (ties: the earlier finalized).
+"""Beam search over token pairs for double-token models (the paper's Algorithm 1, DOUBLETOPK: the rules
+in docs/design.md, "Double-token models"): one decoder call per step scores the next (left, right) pair
+of every beam; a left end-of-decoding keeps only its best right token, so a beam of 1 is greedy.
 """
 
 from __future__ import annotations

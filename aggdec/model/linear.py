@@ -1,12 +1,7 @@
 """fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default
-(docs/design.md, "fp32 products through oneDNN").
-
-`linear` sends fp32 products of at least `MIN_MACS` multiply-adds, and products with a `prepack`ed
-weight, to `torch.ops.mkldnn._linear_pointwise` (the op torch.compile's CPU backend emits; not a
-public API: `F.linear` where PyTorch lacks it). Only the summation order differs from `F.linear`
-(about 1e-6 relative), so lossless methods stay lossless. Inference only: not with gradients (no
-backward), under CPU autocast (its bf16 products stay), while torch.compile traces (its backend packs
-weights itself), nor after `set_onednn(False)`.
+(docs/design.md, "fp32 products through oneDNN"). Only the summation order differs from `F.linear`
+(about 1e-6 relative), so lossless methods stay lossless. Inference only: not with gradients, under CPU
+autocast, while torch.compile traces, nor after `set_onednn(False)`.
 """
 
 from __future__ import annotations
@@ -65,9 +60,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T + bias (out,) -> (..., out), as `F.linear`; then ReLU if `relu`
-    (fused into the oneDNN product).
-
-    packed: `prepack(weight)`, optional; used at inference while `enabled()`, whatever the size."""
+    (fused into the oneDNN product). On oneDNN at inference while `enabled()`: fp32 products of at least
+    `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional)."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
         post = "relu" if relu else "none"

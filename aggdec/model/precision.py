@@ -1,13 +1,7 @@
-"""Verifier precisions (`PRECISIONS`, the `precision` option): the fp32 model as trained, a bf16
-copy, or an int8 copy of its linear layers (docs/design.md, "Verifier precision").
-
-int8 is W8A8, every linear layer of encoder and decoder and the output projection; embeddings,
-norms, attention and the residual stream stay in the model's float dtype. Per row on both sides:
-- weights symmetric per output channel: w_q = round(w / s_w), s_w = max |w_row| / 127, once;
-- activations symmetric per token: x_q = round(x / s_x), s_x = max |x_token| / 127, at every call;
-- y = (x_q @ w_q.T) * s_x * s_w + bias.
-So a token's output does not depend on which other tokens share the call, and draft -> verify
-against an int8 verifier gives that verifier's own greedy output (tests/test_precision.py).
+"""Verifier precisions (`PRECISIONS`, the `precision` option): the fp32 model as trained, a bf16 copy,
+or an int8 copy of its linear layers (docs/design.md, "Verifier precision"). int8 is W8A8 with a scale
+per output channel (weights, once) and per token (activations, every call), y = (x_q @ w_q.T) * s_x *
+s_w + bias, so a token's output does not depend on which other tokens share the call.
 """
 
 from __future__ import annotations
@@ -84,21 +78,16 @@ class Int8Weight:
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def ranking_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (the activation
-        scale is left out where there is no bias), so every row ranks tokens as `__call__` does, and a
-        multiplication over the (N, out) result is saved. For the verifier's top-1."""
-        if self.bias is not None:
-            return self(x)
-        return _run("ranking", x, self.qweight_t, self.scale)
+        """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (no activation scale
+        where there is no bias), so every row ranks tokens as `__call__` does. For the verifier's top-1."""
+        return self(x) if self.bias is not None else _run("ranking", x, self.qweight_t, self.scale)
 
 
 def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     """`kernel(name)` on x (N, D) and the weight tensors; x goes in detached and with at least 2 rows
     (zero rows added, their results dropped: docs/design.md, "Fused int8 products")."""
     n = x.shape[0]
-    x = x.detach()
-    if n < 2:
-        x = torch.cat([x, x.new_zeros(2 - n, x.shape[1])])
+    x = x.detach() if n >= 2 else torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])])
     y = kernel(name)(x, *weights)
     return y if n >= 2 else y[:n]
 

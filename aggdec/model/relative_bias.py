@@ -1,11 +1,9 @@
-"""T5's relative position bias: a learned scalar per head added to each attention score, looked up
-by the bucket of the key's position relative to the query's.
-
-Buckets (Mesh TensorFlow's, as transformers' `T5Attention._relative_position_bucket`): distances below
-buckets / 2 (bidirectional: buckets / 4 on each side) get a bucket each, longer ones share
-logarithmically wider buckets up to `max_distance`, from where they all share the last one. The
-encoder's buckets are bidirectional; the decoder's are causal (a key after the query has bucket 0,
-and is masked anyway). Cross-attention has no bias.
+"""T5's relative position bias: a learned scalar per head added to each self-attention score (none in
+cross-attention), looked up by the bucket of the key's position relative to the query's. Buckets are
+Mesh TensorFlow's (transformers' `T5Attention._relative_position_bucket`): distances below buckets / 2
+(bidirectional, the encoder's: buckets / 4 on each side) get a bucket each, longer ones share
+logarithmically wider buckets up to `max_distance`, from where they all share the last one; the
+decoder's are causal (a key after the query has bucket 0, and is masked anyway).
 """
 
 from __future__ import annotations
