@@ -38,7 +38,7 @@ class BlockwiseHeads(StateDrafter):
     @classmethod
     def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
         """The heads of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
-        return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
+        return cls(ctx.model, ctx.load(opts.drafter, ctx.bf16), opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
     def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:

@@ -54,9 +54,7 @@ class DraftBudget:
 
     def next_length(self, rows: int, limit: int) -> int:
         """The draft length for the next call (at most `limit`, the drafter's)."""
-        if limit <= 0 or rows <= 0:
-            return 0
-        return min(self._current, limit, self.max_length)
+        return 0 if limit <= 0 or rows <= 0 else min(self._current, limit, self.max_length)
 
     def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in

@@ -58,7 +58,7 @@ class DraftHeadDrafter(StateDrafter):
     @classmethod
     def from_options(cls, opts, ctx) -> "DraftHeadDrafter":
         """The head of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
-        head = ctx.drafter_model(opts.drafter)
+        head = ctx.load(opts.drafter, ctx.bf16)
         if not isinstance(head, DraftHead):
             raise OptionError("drafter", f"{opts.drafter}: not a draft head (gad and gad++ draft with a head "
                                          "trained by `python -m aggdec.train.draft_head`)")

@@ -52,9 +52,6 @@ class DraftContext:
     prompt: tuple[int, ...] | None = None
     slot_loops: dict = field(default_factory=dict)  # SlotLoops by options, kept across runs (KEPT_LOOPS)
 
-    def drafter_model(self, path: str) -> Any:
-        return self.load(path, self.bf16)
-
 
 @dataclass(frozen=True)
 class Method:
