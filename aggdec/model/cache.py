@@ -72,20 +72,12 @@ class DecoderCache:
         self._spare: list[torch.Tensor] = []
         self._full: list[torch.Tensor] = []
 
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
-
     def reserve(self, extra: int) -> None:
         """Grow buffers so that every row can take `extra` more positions."""
-        need = self.length + extra
-        if need <= self.capacity:
+        need, capacity = self.length + extra, self.k[0].shape[1]
+        if need <= capacity:
             return
-        new_cap = max(need, 2 * self.capacity)
+        new_cap = max(need, 2 * capacity)
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
                 grown = self._new(t, (t.shape[0], new_cap, t.shape[2]))
@@ -104,13 +96,13 @@ class DecoderCache:
         """(B,): the row of `cross` each row reads; None where row b reads row b."""
         if self.group == 1 and self.sources is None:
             return None
-        group = torch.arange(self.batch_size, device=self.lengths.device) // self.group
+        group = torch.arange(self.lengths.shape[0], device=self.lengths.device) // self.group
         return group if self.sources is None else self.sources[group]
 
     def key_rows(self, span: int) -> torch.Tensor | None:
         """(B, span): the buffer row of each row's first `span` positions (`rows`), for the attention
         kernel; None where every row's positions are in its own buffer row."""
-        return None if self.rows is None else self.rows[: self.batch_size, :span]
+        return None if self.rows is None else self.rows[: self.lengths.shape[0], :span]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's K/V (B, T, D) at positions length .. length + T - 1 and return the first `span`

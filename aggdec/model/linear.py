@@ -64,11 +64,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional)."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-        post = "relu" if relu else "none"
-        if packed is not None:
-            return _ONEDNN(x, packed, bias, post, [], "")
-        if x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS:
-            return _ONEDNN(x, weight, bias, post, [], "")
+        if packed is not None or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS):
+            return _ONEDNN(x, weight if packed is None else packed, bias, "relu" if relu else "none", [], "")
     y = F.linear(x, weight, bias)
     return F.relu(y) if relu else y
 
@@ -120,10 +117,7 @@ class Linear(nn.Linear, PackedWeight):
         return packed_for(self, self.weight, x)
 
     def __getstate__(self) -> dict:
-        state = dict(super().__getstate__())
-        state.pop("_pack", None)
-        state.pop("_pack_key", None)
-        return state
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_pack", "_pack_key")}
 
 
 class FusedLinear:
