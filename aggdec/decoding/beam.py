@@ -35,12 +35,10 @@ def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
 def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                 max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                 prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
-    """Beam-search `requests` (each: source ids ending in eos, max_len) in static batches of at most
-    `max_batch_size` sentences (`in_batches`); results in input order, each with the best `nbest`
-    (1 <= nbest <= beam) hypotheses and their scores; `stats.iterations`: the sentence's decoder calls.
-    prompt: (decoder start token, forced first tokens...) as in SlotLoop; a forced token scores
-    log-prob 0 (Hugging Face's convention).
-    """
+    """Beam-search `requests` in static batches of at most `max_batch_size` sentences; results in input
+    order, each with its best `nbest` (1 <= nbest <= beam) hypotheses and their scores. prompt: (decoder
+    start token, forced first tokens...) as in SlotLoop; a forced token scores log-prob 0 (Hugging Face's
+    convention)."""
     check_search(requests, beam, nbest, max_batch_size, min_len)
     start = prompt or (model.cfg.eos,)
     return in_batches(model, requests, max_batch_size, lambda batch, memory, src_pad: _search(

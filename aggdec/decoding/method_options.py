@@ -96,11 +96,9 @@ class BlockwiseOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     top_k_accept: int = option(1, "Accept proposals within the verifier's top-k (1: exact, lossless).", low=1)
 
     def acceptance(self) -> Acceptance:
-        import math
-
         from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
 
-        inner = TopKTolerance(self.top_k_accept, math.inf) if self.top_k_accept > 1 else ExactMatch()
+        inner = TopKTolerance(self.top_k_accept, float("inf")) if self.top_k_accept > 1 else ExactMatch()
         return MinBlock.around(inner, self.min_block)
 
 

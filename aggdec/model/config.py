@@ -103,12 +103,10 @@ class ModelConfig:
             raise ValueError(f"unknown model config fields: {sorted(unknown)}")
         types = {"int": int, "float": (int, float), "bool": bool, "str": str}
         for name, f in fields.items():
-            if name not in d:
-                if f.default is dataclasses.MISSING:
-                    raise ValueError(f"{name}: missing")
-                continue
-            value = d[name]
-            if value is None and f.type.endswith("| None"):
+            if name not in d and f.default is dataclasses.MISSING:
+                raise ValueError(f"{name}: missing")
+            value = d.get(name)
+            if name not in d or (value is None and f.type.endswith("| None")):
                 continue
             want = types[f.type.removesuffix(" | None")]
             if not isinstance(value, want) or (f.type != "bool" and isinstance(value, bool)):
