@@ -99,7 +99,8 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k, indirect=True)
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
-    scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
+    lp_dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    scores = torch.zeros(bsz * k, longest + 1, dtype=lp_dtype, device=device)  # cumulative scores
     tokens = torch.full((bsz * k, longest + 2), pad, dtype=torch.long, device=device)
     tokens[:, 0] = prompt[0]
     forced = prompt[1:]
@@ -116,18 +117,14 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     while True:
         THREADS.tick()
         t0 = time.perf_counter()
-        n = bsz * k
-        logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)
+        logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (bsz * k, V)
         cache.commit(1)
-        lp_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lprobs = torch.log_softmax(logits.to(lp_dtype), dim=-1)
-        if scores is None:
-            scores = torch.zeros(n, longest + 1, dtype=lp_dtype, device=device)
 
         lprobs.nan_to_num_(nan=neg, posinf=math.inf, neginf=neg)  # NaN -> -inf in one pass
         lprobs[:, pad] = neg
         if step >= shortest:  # some sentence at its max_len: eos only
-            force = (step >= sent_max).repeat_interleave(k)  # (n,)
+            force = (step >= sent_max).repeat_interleave(k)  # (bsz * k,)
             lprobs[force, :eos] = neg
             lprobs[force, eos + 1:] = neg
         if step < min_len:

@@ -1,10 +1,6 @@
 """The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`;
-docs/design.md, "The slot loop"). A replay runs the captured kernels on their captured buffers with no
-host between them: the step must read no tensor on the host (`item`, `tolist`, `bool`, a boolean
-mask's `nonzero`), and state carried to a later step must live in buffers allocated before it (what
-the step allocates is the graph's pool, rewritten by the next replay). Admission and retirement
-follow the same rules and build no tensor from host data: the loop's one packed copy of a refill and
-its one read of the retired rows are made outside them.
+the rules: docs/design.md, "The slot loop"): no host read in the step, no state left in a tensor it
+allocated; admission and retirement also build no tensor from host data.
 """
 
 from __future__ import annotations

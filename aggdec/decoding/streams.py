@@ -1,8 +1,6 @@
-"""Decoding streams: on a CPU, one call's requests decoded by several loops at once, one thread each
-(docs/design.md, "Threads on a shared machine"). Where a call starts on busy cores and its batch is
-wide enough, the eager CPU path splits its requests into `n` streams, each a loop of its own (own
-drafter and draft budget) over `max_batch_size // n` rows, run by `n` Python threads with torch's
-intra-op threads at 1: the streams meet at no barrier. Outputs are the method's own.
+"""Decoding streams: on busy CPU cores, one call's requests decoded by several loops at once, each on a
+Python thread of its own with torch's intra-op threads at 1, so that they meet at no barrier (docs/design.md,
+"Threads on a shared machine").
 """
 
 from __future__ import annotations
