@@ -1,38 +1,21 @@
-"""Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch`.
-
-Per step, for every active sentence (beam K, vocabulary V), exactly as fairseq does:
-  - lprobs = log_softmax(logits) (in float32, or float64 for float64 models); NaN, pad -> -inf;
-    at step >= max_len everything but eos is -inf; at step < min_len eos is -inf.
-  - Step 0 uses only the first beam (all beams are equal); later steps add each beam's cumulative
-    score. The 2K best of K*V (step 0: of V) are the candidates.
-  - eos candidates among the first K candidates (not ignored, finite score) are finalized with the
-    normalized score cumulative / (len ** lenpen), len counting the eos. A sentence is finished once
-    it holds K finalized hypotheses, or at step == max_len; finished sentences leave the batch.
-  - The K active hypotheses are the first K non-eos candidates (if fewer exist, eos candidates fill
-    in and are marked "ignored", fairseq's `cands_to_ignore`, including its indexing quirk).
-  - The result is the finalized hypothesis with the best normalized score (fairseq sorts the
-    scores, converted to a float tensor, with torch.sort descending and takes the first); with
-    `nbest` > 1 also the first `nbest` of that order (fairseq-generate's --nbest), each with its
-    normalized score.
-
-Differences from fairseq-generate, by design: each sentence has its own max_len (fairseq uses the
-batch's padded source width, so the two agree at batch size 1), and sources are right-padded.
-Beam reordering uses the model's cache: `cache.reorder(rows, ...)` picks the parent row of every beam
-(copying only the decoded prefix, and the cross K/V only when sentences leave).
+"""Batched beam search that reproduces fairseq 0.12's `SequenceGenerator` + `search.BeamSearch` (the
+rules: docs/design.md, "Beam search"), but each sentence has its own max_len (fairseq's comes from the
+batch's padded source width: the same at batch size 1) and sources are right-padded.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
 from aggdec.decoding.method_options import BeamOptions
-from aggdec.decoding.pair_beam import pair_beam_search
-from aggdec.decoding.scheduler import encoded_batches
+from aggdec.decoding.scheduler import ahead_count, pad_batch
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
 
@@ -41,6 +24,8 @@ def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
              prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
     """Decode `requests` as `opts` says: beam search, over (head, tail) pairs for a double-token model
     (the double-token paper's Algorithm 1)."""
+    from aggdec.decoding.pair_beam import pair_beam_search
+
     search = pair_beam_search if model.cfg.double_token else beam_search
     return search(model, requests, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
                   nbest=opts.nbest, prompt=prompt)
@@ -50,14 +35,18 @@ def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
 def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                 max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                 prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
-    """Beam-search `requests` (each: source ids ending in eos, max_len); results in input order.
+    """Beam-search `requests` in static batches of at most `max_batch_size` sentences; results in input
+    order, each with its best `nbest` (1 <= nbest <= beam) hypotheses and their scores. prompt: (decoder
+    start token, forced first tokens...) as in SlotLoop; a forced token scores log-prob 0 (Hugging Face's
+    convention)."""
+    check_search(requests, beam, nbest, max_batch_size, min_len)
+    start = prompt or (model.cfg.eos,)
+    return in_batches(model, requests, max_batch_size, lambda batch, memory, src_pad: _search(
+        model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start))
 
-    Sentences are grouped by source length into batches of at most `max_batch_size` sentences
-    (each takes `beam` rows). `stats.iterations` is the number of decoder calls a sentence took.
-    Each result carries the best `nbest` (1 <= nbest <= beam) hypotheses with their scores.
-    prompt: (decoder start token, forced first tokens...) as in SlotLoop; a forced token
-    scores log-prob 0 (Hugging Face's convention).
-    """
+
+def check_search(requests: list[Request], beam: int, nbest: int, max_batch_size: int, min_len: int) -> None:
+    """Raise ValueError for a beam size, nbest, batch size or request that a beam search cannot take."""
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
     if not 1 <= nbest <= beam:
@@ -70,12 +59,27 @@ def beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, l
                              "(fairseq: 'min_len cannot be larger than max_len')")
         if not r.src:
             raise ValueError(f"request {r.index}: empty source (it must at least hold eos)")
+
+
+def in_batches(model: Transformer, requests: list[Request], max_batch_size: int,
+               search: Callable[[list[Request], torch.Tensor, torch.Tensor], Iterator[tuple[int, Any]]]) -> list:
+    """`search(batch, memory, src_pad)`, yielding (position in batch, result), over static batches of
+    `max_batch_size` requests, longest sources first, encoded as many batches at once as `ahead_count`
+    allows and trimmed to each batch's longest source; -> the results in input order."""
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
-    results: dict[int, BeamHypothesis] = {}
-    for start, batch, memory, src_pad in encoded_batches(model, [requests[i] for i in order], max_batch_size):
-        for pos, hyp in _search(model, batch, memory, src_pad, beam, lenpen, min_len, nbest,
-                                prompt or (model.cfg.eos,)):
-            results[order[start + pos]] = hyp
+    device = next(model.parameters()).device
+    results: dict[int, Any] = {}
+    at = 0
+    while at < len(order):
+        count = max(1, ahead_count(len(requests[order[at]].src)) // max_batch_size) * max_batch_size
+        group = [requests[i] for i in order[at: at + count]]
+        memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
+        for off in range(0, len(group), max_batch_size):
+            batch = group[off: off + max_batch_size]
+            rows, width = slice(off, off + len(batch)), max(len(r.src) for r in batch)
+            for pos, result in search(batch, memory[rows, :width], src_pad[rows, :width]):
+                results[order[at + off + pos]] = result
+        at += len(group)
     return [results[i] for i in range(len(requests))]
 
 
@@ -83,13 +87,10 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
             lenpen: float, min_len: int, nbest: int, prompt: tuple[int, ...]):
     """Yield (position in reqs, BeamHypothesis) for one static batch, given its encoder output;
     mirrors SequenceGenerator._generate."""
-    cfg = model.cfg
-    pad, eos = cfg.pad, cfg.eos
-    vocab = cfg.tgt_vocab
+    pad, eos, vocab = model.cfg.pad, model.cfg.eos, model.cfg.tgt_vocab
     k = min(beam, vocab - 1)  # fairseq: the max beam size is the dictionary size - 1 (pad is never chosen)
     device = next(model.parameters()).device
     bsz = len(reqs)
-    n_sent = bsz
     sent_max = torch.tensor([r.max_len for r in reqs], dtype=torch.long, device=device)  # (bsz,)
     max_host = [r.max_len for r in reqs]  # sent_max on the host: the step rules below read no tensor
     longest, shortest = max(max_host), min(max_host)
@@ -98,14 +99,14 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     cache = model.start_from(memory, src_pad, capacity=min(longest + 1, 64), group=k, indirect=True)
 
     sent_ids = list(range(bsz))  # current batch position -> position in reqs
-    scores: torch.Tensor | None = None  # (bsz*k, longest+1) cumulative scores, dtype of lprobs
+    lp_dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    scores = torch.zeros(bsz * k, longest + 1, dtype=lp_dtype, device=device)  # cumulative scores
     tokens = torch.full((bsz * k, longest + 2), pad, dtype=torch.long, device=device)
     tokens[:, 0] = prompt[0]
     forced = prompt[1:]
     cands_to_ignore = torch.zeros(bsz, k, dtype=torch.bool, device=device)
     finalized: list[list[tuple[torch.Tensor, float]]] = [[] for _ in range(bsz)]
-    calls = [0] * bsz
-    ms = [0.0] * bsz
+    calls, ms = [0] * bsz, [0.0] * bsz
     cand_size = 2 * k
     cand_offsets = torch.arange(cand_size, device=device)
     chunk = chunk_for(vocab)
@@ -116,18 +117,14 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     while True:
         THREADS.tick()
         t0 = time.perf_counter()
-        n = bsz * k
-        logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (n, V)
+        logits = model.decode(tokens[:, step: step + 1], cache)[:, 0]  # (bsz * k, V)
         cache.commit(1)
-        lp_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lprobs = torch.log_softmax(logits.to(lp_dtype), dim=-1)
-        if scores is None:
-            scores = torch.zeros(n, longest + 1, dtype=lp_dtype, device=device)
 
         lprobs.nan_to_num_(nan=neg, posinf=math.inf, neginf=neg)  # NaN -> -inf in one pass
         lprobs[:, pad] = neg
         if step >= shortest:  # some sentence at its max_len: eos only
-            force = (step >= sent_max).repeat_interleave(k)  # (n,)
+            force = (step >= sent_max).repeat_interleave(k)  # (bsz * k,)
             lprobs[force, :eos] = neg
             lprobs[force, eos + 1:] = neg
         if step < min_len:
@@ -146,8 +143,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         cand_scores, cand_flat = top_candidates(flat, min(cand_size, flat.size(1) - 1), chunk)
         cand_beams = torch.div(cand_flat, vocab, rounding_mode="trunc")
         cand_indices = cand_flat.fmod(vocab)
-        bbsz_offsets = (torch.arange(bsz, device=device) * k).unsqueeze(1)
-        cand_bbsz_idx = cand_beams + bbsz_offsets
+        cand_bbsz_idx = cand_beams + (torch.arange(bsz, device=device) * k).unsqueeze(1)
 
         eos_mask = cand_indices.eq(eos) & cand_scores.ne(neg)
         # fairseq's quirk: a beam-indexed mask on candidate positions
@@ -170,30 +166,21 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
             pos = sent_ids[b]
             yield pos, _best(reqs[pos], finalized[pos], tokens, scores, b, k, step, eos, pad, calls[pos], ms[pos],
                              lenpen, nbest)
-        n_sent -= len(newly)
-        if n_sent == 0:
+        if len(newly) == bsz:
             return
 
         old_cand_bbsz_idx = cand_bbsz_idx  # rows of the cache before sentences leave
         if newly:
-            keep_mask = torch.ones(bsz, dtype=torch.bool, device=device)
-            keep_mask[newly] = False
-            batch_idxs = torch.arange(bsz, device=device).masked_select(keep_mask)
-            new_bsz = batch_idxs.numel()
-            eos_mask = eos_mask[batch_idxs]
-            cand_beams = cand_beams[batch_idxs]
-            old_cand_bbsz_idx = cand_bbsz_idx[batch_idxs]
+            keep = [b for b in range(bsz) if b not in newly]
+            batch_idxs, new_bsz = torch.tensor(keep, dtype=torch.long, device=device), len(keep)
+            eos_mask, cand_beams, old_cand_bbsz_idx, cand_scores, cand_indices, cands_to_ignore, sent_max = (
+                t[batch_idxs] for t in (eos_mask, cand_beams, cand_bbsz_idx, cand_scores, cand_indices,
+                                        cands_to_ignore, sent_max))
             cand_bbsz_idx = cand_beams + (torch.arange(new_bsz, device=device) * k).unsqueeze(1)
-            cand_scores = cand_scores[batch_idxs]
-            cand_indices = cand_indices[batch_idxs]
-            cands_to_ignore = cands_to_ignore[batch_idxs]
             scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
             tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * k, -1)
-            sent_max = sent_max[batch_idxs]
-            keep = batch_idxs.tolist()
-            max_host = [max_host[i] for i in keep]
+            max_host, sent_ids = [max_host[i] for i in keep], [sent_ids[i] for i in keep]
             shortest = min(max_host)
-            sent_ids = [sent_ids[i] for i in keep]
             bsz = new_bsz
 
         # Active hypotheses: the first k candidates that are not (unignored) eos.
@@ -218,18 +205,13 @@ def _finalize(step: int, bbsz_idx: torch.Tensor, eos_scores: torch.Tensor, token
     """fairseq's finalize_hypos: store eos-ending hypotheses; return batch positions now finished."""
     toks = tokens.index_select(0, bbsz_idx)[:, 1: step + 2]  # skip the decoder start token
     toks[:, step] = eos
-    eos_scores = eos_scores / (step + 1) ** lenpen
+    score_list = (eos_scores / (step + 1) ** lenpen).tolist()
     unfin = torch.div(bbsz_idx, k, rounding_mode="trunc").tolist()
-    score_list = eos_scores.tolist()
     for i, b in enumerate(unfin):
         slot = finalized[sent_ids[b]]
         if len(slot) < k:
             slot.append((toks[i], score_list[i]))
-    newly = []
-    for b in sorted(set(unfin)):
-        if len(finalized[sent_ids[b]]) == k or step == max_len[b]:
-            newly.append(b)
-    return newly
+    return [b for b in sorted(set(unfin)) if len(finalized[sent_ids[b]]) == k or step == max_len[b]]
 
 
 def _best(req: Request, hyps: list[tuple[torch.Tensor, float]], tokens: torch.Tensor, scores: torch.Tensor,

@@ -1,12 +1,7 @@
-"""Blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018): k-1 proposal heads on the verifier.
-
-Head i (i = 1 .. k-1) maps the verifier's final decoder state h_t (which predicts token t+1 through
-the model's own output projection) to a state predicting token t+1+i: h + FFN_i(h), one hidden
-layer with a residual, then the verifier's (frozen) output projection.
-
-Combined scoring and proposal (Section 4): the verification call that scores a block also yields
-h at the bonus position, so the heads' proposals for the next block come from the same call; each
-iteration is one verifier call plus k-1 small head FFNs on one position per row.
+"""Blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018): k-1 proposal heads on the verifier
+(aggdec.model.heads). Head i maps the verifier's final decoder state h_t, which predicts token t+1, to
+a state predicting token t+1+i; the verification call that scores a block also yields h at the bonus
+position, so the next block's proposals come from the same call (combined scoring and proposal).
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ class BlockwiseHeads(StateDrafter):
     @classmethod
     def from_options(cls, opts: BlockwiseOptions, ctx) -> "BlockwiseHeads":
         """The heads of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
-        return cls(ctx.model, ctx.drafter_model(opts.drafter), opts.block_size,
+        return cls(ctx.model, ctx.load(opts.drafter, ctx.bf16), opts.block_size,
                    out_weight=ctx.projection.draft_weight_bf16 if ctx.bf16 else None)
 
     def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:

@@ -1,39 +1,8 @@
-"""How many draft tokens a call should verify: drafting that turns itself off where it does not pay.
-
-A draft token costs verifier and drafter work whether or not it is accepted, and what a call costs
-depends on the machine, the batch, the drafter and how often its drafts are right. So `DraftBudget`
-measures the quantity it optimizes, output tokens per second of loop iterations (proposing,
-verifying, accepting, drafting, bookkeeping; not the encoding of refills, which costs the same per
-sentence whatever the draft length), and picks the draft length with the most. L = 0 is plain greedy
-decoding, chosen whenever drafting does not pay; the drafters then skip their own work.
-
-Lengths are measured in blocks of `block` consecutive calls (fewer on wide batches, `row_calls`).
-Most blocks run the best length found so far; now and then a block tries a challenger (none, a
-quarter less or a quarter more, at least one token; from none, first the last length chosen before
-it, since one token often costs more than it gains where a longer draft pays), and its rate is
-compared with the mean rate of the best-length blocks just before and just after it. A cold budget
-starts on the plain path (none), its first challenger the longest draft, shortened to `DRAFT_COLD_TOKENS`
-over the batch's rows, and a quarter as long at each later trial from none after it lost (short
-drafts can pay where long ones do not): where drafting pays (batch 1) it takes over after one comparison; where it
-does not (wide batches on a CPU, where a call at 64 tokens a row over 256 rows costs tens of greedy
-calls), starting there paid for those calls until greedy won a comparison back. Lengths not yet
-compared with the current best are tried first, none before the others, so that a start where
-drafting does not pay is short. The paired comparison cancels what drifts during a run (sentence
-lengths, the machine's load). A comparison is dropped across a change of batch size, and where no
-draft offered to the challenger's block reached the shorter of the two lengths: IAD's drafts end
-with the source, so lengths past the longest sentence draft the same tokens, and comparing them
-compares noise (a walk down such equal lengths ended by cutting drafts short). Such a challenger is
-set aside until a block's drafts reach it or the choice changes: tried again as still untried, it
-kept greedy from ever being tried again. No challenger is tried while a batch drains at the end of
-a run. A challenger whose running log-ratio is ahead takes over. The gap between challenger blocks
-starts at one block and doubles (quadruples past a 20% loss, up to `max_gap` blocks) each time a
-challenger loses by more than 5%, and after a loss the next trial also waits until best-length
-blocks have run `DRAFT_EXPLORE` times the seconds it lost, so a run where drafting clearly does not pay
-spends little on finding that out again. Challenger blocks are half as long as the others,
-and all blocks a quarter until `DRAFT_WARM` comparisons were judged, so that a cold start is short (a
-warm-up whose batch drained judged nothing and leaves the budget cold). A budget can be kept across
-runs of the same options (`aggdec.api` does), so that later runs start from what earlier ones
-measured. Per-row acceptance statistics are the loop's (`RowStats`).
+"""How many draft tokens a call should verify: drafting that turns itself off where it does not pay
+(docs/design.md, "Drafting that pays or turns itself off"). `DraftBudget` measures output tokens per
+second of loop iterations (not the encoding of refills) in blocks of calls and picks the draft length
+with the most, 0 (plain greedy) included; a challenger length's block is compared with the best-length
+blocks just before and after it.
 """
 
 from __future__ import annotations
@@ -59,11 +28,10 @@ class Block(NamedTuple):
 
 
 class DraftBudget:
-    """Per-call draft lengths for the loop (see module docstring). `max_length`: the longest draft
-    considered (the drafter's own limit applies too). `block`: calls per block; `row_calls`: a
-    block of a wide batch ends once its calls covered this many rows (a call over many rows averages
-    over them, so fewer calls measure as well, and a run of few wide calls spends fewer of them
-    exploring). The loop calls `next_length` before each call and `record` after it."""
+    """Per-call draft lengths for the loop, which calls `next_length` before each call and `record`
+    after it. `max_length`: the longest draft considered (the drafter's own limit applies too).
+    `block`: calls per block; `row_calls`: a block of a wide batch ends once its calls covered this
+    many rows. Can be kept across runs of the same options (`aggdec.api` does)."""
 
     def __init__(self, max_length: int = DRAFT_LONGEST, *, block: int = 16, row_calls: int = 128, max_gap: int = 32):
         self.max_length = max_length
@@ -86,15 +54,12 @@ class DraftBudget:
 
     def next_length(self, rows: int, limit: int) -> int:
         """The draft length for the next call (at most `limit`, the drafter's)."""
-        if limit <= 0 or rows <= 0:
-            return 0
-        return min(self._current, limit, self.max_length)
+        return 0 if limit <= 0 or rows <= 0 else min(self._current, limit, self.max_length)
 
     def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
-        `seconds`; `offered`: the longest draft the drafter proposed for it before the length cap
-        (None: unknown, as if every draft had been cut). Calls at another length than the current
-        block's (cut by a drafter's limit below it, or picked before the block began) are not counted."""
+        `seconds`; `offered`: the longest draft proposed for it before the length cap (None: unknown).
+        Calls at another length than the current block's are not counted."""
         self.calls += 1
         if min(length, self.max_length) != self._current:
             return
@@ -107,8 +72,7 @@ class DraftBudget:
         self._count += 1
         if self._count >= self._block_length():
             block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest, self._seconds)
-            self._tokens = self._seconds = 0.0
-            self._count = 0
+            self._tokens, self._seconds, self._count = 0.0, 0.0, 0
             self._current = self._close(self._current, block)
 
     def _block_length(self) -> int:
@@ -128,8 +92,7 @@ class DraftBudget:
             challenger, c, before = self._pending
             self._pending = None
             pair = [block] if before is None else [before, block]
-            # compared only where the batch kept its size (a draining batch changes the rate by itself)
-            # and where the two lengths drafted differently (some draft reached the shorter one)
+            # dropped where the two lengths drafted alike or the batch changed size (a drain changes the rate)
             if c.longest < min(challenger, self.choice):
                 self._alike.add(challenger)
             elif max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
@@ -176,10 +139,9 @@ class DraftBudget:
         return False
 
     def _challengers(self) -> list[int]:
-        """None, a step less and a step more; the step is a quarter of the current length, at least one
-        token; from none, first the last length that drafted (`_close` sizes it by `DRAFT_COLD_TOKENS` while
-        cold; `_judge` quarters it each time it loses to none, so that short drafts are tried where long
-        ones do not pay). Not those set aside as drafting alike (`_close`)."""
+        """None, a step less and a step more (a quarter of the current length, at least one token); from
+        none, first the last length that drafted (`_close` caps it by `DRAFT_COLD_TOKENS` while cold;
+        `_judge` quarters it each time it loses to none). Not those set aside as drafting alike."""
         c = self.choice
         step = max(1, c // 4)
         back = (self._drafting,) if c == 0 else ()

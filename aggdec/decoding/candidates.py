@@ -14,13 +14,10 @@ def chunk_for(vocab: int) -> int | None:
 
 
 def top_candidates(flat: torch.Tensor, count: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(flat, count): each row's `count` largest values, largest first, and their columns.
-
-    On the CPU, with `chunk` (dividing the row length), each row is cut into chunks of that length and
+    """torch.topk(flat, count): each row's `count` largest values, largest first, and their columns,
+    but for the order among exactly equal values. On the CPU, with `chunk` (dividing the row length),
     only the `count` chunks with the largest maxima are searched: any of the row's `count` largest
-    values lies in one of them (a value in another chunk is below `count` chunk maxima, each a value of
-    the row), so the result is torch.topk's but for the order among exactly equal values. Beam search's
-    rows are beam x vocabulary log-probs, whose top candidates lie in a few chunks. Elsewhere (a GPU's top-k is one kernel), torch.topk."""
+    values lies in one of them (a value elsewhere is below `count` chunk maxima)."""
     rows, width = flat.shape
     plain = chunk is None or flat.device.type != "cpu" or width // chunk < 4 * count
     if plain or flat.numel() < CHUNKED_FROM:

@@ -1,15 +1,6 @@
-"""The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`).
-
-A replay runs the captured kernels on their captured buffers with no host between them: a step that
-reads a tensor on the host (`item`, `tolist`, `bool`, a boolean mask's `nonzero`) would replay the
-value read at capture, and what the step allocates lives in the graph's pool, rewritten by the next
-replay: state carried to a later step must be a buffer allocated before it, updated in place.
-
-Admission and retirement run between replays, on the same buffers, under the same rules (`checked`
-with `host_data=False`): the loop's one packed host -> device copy of a refill batch and its one read
-of the retired rows are made outside them, so a drafter's `admit` that reads the host, builds a tensor
-from host data (`torch.tensor`, a list index: a copy per call) or keeps its rows in new tensors (which
-the captured steps would not see) fails in check mode.
+"""The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`;
+the rules: docs/design.md, "The slot loop"): no host read in the step, no state left in a tensor it
+allocated; admission and retirement also build no tensor from host data.
 """
 
 from __future__ import annotations
@@ -65,8 +56,8 @@ class _NoSyncingOps(TorchDispatchMode):
 
 def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) of every tensor `obj` holds through objects of aggdec's classes (and their
-    subclasses), dataclasses, lists, tuples and dicts (not through modules, nor oneDNN's packed
-    weights, which have no storage: weights are no step's state)."""
+    subclasses), dataclasses, lists, tuples and dicts; not through modules, nor oneDNN's packed weights
+    (weights are no step's state)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, torch.nn.Module):
         return
@@ -74,11 +65,8 @@ def held(obj: object, path: str = "", seen: set[int] | None = None) -> Iterator[
     if isinstance(obj, torch.Tensor):
         if not obj.is_mkldnn:
             yield path, obj
-    elif isinstance(obj, (list, tuple)):
-        for i, x in enumerate(obj):
-            yield from held(x, f"{path}[{i}]", seen)
-    elif isinstance(obj, dict):
-        for k, x in obj.items():
+    elif isinstance(obj, (list, tuple, dict)):
+        for k, x in obj.items() if isinstance(obj, dict) else enumerate(obj):
             yield from held(x, f"{path}[{k!r}]", seen)
     elif dataclasses.is_dataclass(obj) or any(c.__module__.startswith("aggdec.") for c in type(obj).__mro__):
         for k, x in vars(obj).items():

@@ -1,10 +1,6 @@
-"""GAD with a draft head (aggdec.model.draft_head): the next draft comes out of the current call.
-
-After each verifier call the head reads, per row, the verifier's final state behind the bonus
-token, the bonus token and the verifier's last-layer self- and cross-attention keys/values (its
-cache), and proposes the next `block_size` tokens in one non-autoregressive pass. A row's first call drafts nothing (there
-is no verifier state yet); afterwards every call verifies the head's block. An iteration is one
-verifier call plus the head on k + 1 positions per row: no second encoder, no second decoder.
+"""GAD with a draft head (aggdec.model.draft_head): after each verifier call the head drafts each row's
+next `block_size` tokens from the verifier's states of that call, in one non-autoregressive pass. A
+row's first call drafts nothing (there is no verifier state yet).
 """
 
 from __future__ import annotations
@@ -22,39 +18,32 @@ from aggdec.model.projection import draft_argmax
 from aggdec.model.transformer import Transformer
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""head -> {(id of verifier, id of output weight): (verifier, output weight, draft weight, its oneDNN
-packing, draft bias, token table)}; the entry holds the verifier and output weight, so their ids stay
-theirs."""
+"""head -> {(id of verifier, id of output weight): (verifier, output weight, `_prepared`'s result)};
+holding the verifier and output weight keeps their ids theirs."""
 
 
 def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor | None):
-    """The head's draft-vocabulary output weight (prepacked), the verifier's output bias on it (None
-    without one) and the fused token table on `verifier`, built once per head, verifier and output
-    weight, not once per run."""
+    """(the head's draft-vocabulary output weight, its oneDNN packing, the verifier's output bias on it
+    or None, the fused token table on `verifier`), built once per head, verifier and output weight."""
     key = (id(verifier), None if out_weight is None else id(out_weight))
     cache = _PREPARED.setdefault(head, {})
     if key not in cache:
         dtype = next(head.parameters()).dtype
         weight, bias = verifier.output_weight if out_weight is None else out_weight, verifier.output_bias
-        if head.cfg.draft_vocab:
-            weight = weight[head.vocab]
-            bias = None if bias is None else bias[head.vocab]
-        weight = weight.detach().to(dtype).contiguous()
-        bias = None if bias is None else bias.detach().to(dtype)
+        rows = head.vocab if head.cfg.draft_vocab else slice(None)
+        weight = weight[rows].detach().to(dtype).contiguous()
+        bias = None if bias is None else bias[rows].detach().to(dtype)
         dec = verifier.decoder
         with torch.no_grad():
             table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
-        cache[key] = (verifier, out_weight, weight, prepack(weight), bias, table)
-    return cache[key][2:]
+        cache[key] = (verifier, out_weight, (weight, prepack(weight), bias, table))
+    return cache[key][2]
 
 
 class DraftHeadDrafter(StateDrafter):
-    """Drafter for the shared loop; `block_size` (at most the head's) tokens per call
-    (`StateDrafter`).
-
-    out_weight (V, D): the output projection to draft with (default: the verifier's, in the head's
-    dtype); only the head's draft vocabulary rows are used.
-    """
+    """Drafter for the shared loop (`StateDrafter`); `block_size` (at most the head's) tokens per call.
+    out_weight (V, D): the output projection to draft with (default: the verifier's), in the head's
+    dtype; only the head's draft vocabulary rows are used."""
 
     name = "gad"
 
@@ -69,7 +58,7 @@ class DraftHeadDrafter(StateDrafter):
     @classmethod
     def from_options(cls, opts, ctx) -> "DraftHeadDrafter":
         """The head of `opts.drafter` on the verifier of `ctx` (a methods.DraftContext)."""
-        head = ctx.drafter_model(opts.drafter)
+        head = ctx.load(opts.drafter, ctx.bf16)
         if not isinstance(head, DraftHead):
             raise OptionError("drafter", f"{opts.drafter}: not a draft head (gad and gad++ draft with a head "
                                          "trained by `python -m aggdec.train.draft_head`)")

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 
 def max_len_for(src_len: int, max_len_a: float, max_len_b: int, max_target_positions: int) -> int:
-    """fairseq-generate's output limit: min(int(a * src_len + b), max_target_positions - 1).
-
-    `src_len` counts the source's final eos (fairseq uses the width of the source tensor, which at
-    batch size 1 is the sentence's length including eos). The result is the most tokens generated
-    before eos is forced: the token at output index max_len can only be eos.
-    """
+    """fairseq-generate's output limit, min(int(a * src_len + b), max_target_positions - 1): the most
+    tokens generated before eos is forced. `src_len` counts the source's final eos (fairseq's source
+    width, which at batch size 1 is the sentence's length including eos)."""
     return min(int(max_len_a * src_len + max_len_b), max_target_positions - 1)

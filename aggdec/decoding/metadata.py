@@ -9,11 +9,8 @@ import torch
 
 @dataclass
 class DraftBatch:
-    """Drafts of the loop's rows, padded to K tokens.
-
-    tokens:    (B, K) int64, row b's draft in tokens[b, :num_draft[b]] (as far as K reaches).
-    num_draft: (B,) int64: each row's draft length (a drafter's may pass K: the loop cuts it there).
-    """
+    """Drafts of the loop's rows: tokens (B, K) int64, row b's draft in tokens[b, :num_draft[b]];
+    num_draft (B,) int64, each row's draft length (it may pass K: the loop cuts it there)."""
 
     tokens: torch.Tensor
     num_draft: torch.Tensor
@@ -30,15 +27,11 @@ class Request:
 
 @dataclass
 class RowStats:
-    """Per-sentence decoding statistics.
-
-    iterations: verifier calls that included this row. drafted: draft tokens proposed.
-    accepted: draft tokens accepted and kept (the verifier's own token at each call is not counted,
-        nor are drafts after an accepted eos), so iterations + accepted is len(tokens) + 1 or + 2
-        for a single-token model (a double-token model's calls add a pair each).
-    accepted_per_iter: accepted draft tokens at each call. decode_ms: this row's share of the
-    verifier/drafter time, split between the rows of each call in proportion to tokens fed.
-    """
+    """Per-sentence decoding statistics. iterations: verifier calls that included this row; drafted:
+    draft tokens proposed; accepted: draft tokens accepted and kept (not the verifier's own token, nor
+    drafts after an accepted eos: iterations + accepted is len(tokens) + 1 or + 2 for a single-token
+    model), accepted_per_iter: at each call; decode_ms: this row's share of the verifier and drafter
+    time, split between the rows of each call in proportion to tokens fed."""
 
     iterations: int = 0
     drafted: int = 0
@@ -58,13 +51,10 @@ class Hypothesis:
 
 @dataclass
 class BeamHypothesis(Hypothesis):
-    """A beam search result: `tokens` is the best finalized hypothesis, `score` its normalized score
-    (cumulative log-prob incl. eos / len ** lenpen, len counting the eos).
-
-    nbest: the best `nbest` finalized hypotheses as (tokens without eos/pad, normalized score), best
-    first in fairseq's order; nbest[0] is (tokens, score). Fewer than `nbest` when fewer were
-    finalized (a tiny vocabulary, or a sentence that hit max_len early).
-    """
+    """A beam search result: `tokens`, the best finalized hypothesis, and `score`, its normalized score
+    (cumulative log-prob incl. eos / len ** lenpen, len counting the eos). nbest: the best `nbest`
+    finalized hypotheses as (tokens without eos/pad, score), best first, nbest[0] = (tokens, score);
+    fewer where fewer were finalized."""
 
     score: float = 0.0
     nbest: list[tuple[list[int], float]] = field(default_factory=list)

@@ -1,9 +1,5 @@
-"""Each decoding method's options, and the registry of method names to their options classes.
-
-Torch-free, like `aggdec.decoding.options`: the `aggdec decode` flags (and its `--help`), a job
-spec's `[decode]` table and the output signature are generated from here without loading a model
-or torch. What runs each method (its drafter, loop and acceptance rule) is wired in
-`aggdec.decoding.methods`, whose `register` also adds a new method's options class here.
+"""Each decoding method's options, and the registry of method names to their options classes
+(`OPTIONS`; `aggdec.decoding.methods.register` adds to it). Torch-free, like `aggdec.decoding.options`.
 """
 
 from __future__ import annotations
@@ -39,12 +35,9 @@ class GreedyOptions(CompiledStep, DecodeOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
-    """IAD's options (aggdec.decoding.iad); with adaptive_draft the cap of a row moves between 4 and
-    draft_cap."""
+    """IAD's options (aggdec.decoding.iad); with adaptive_draft a row's cap moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
-    # a compiled step verifies every slot's whole draft width, where an eager one packs each row's own
-    # draft: the compiled step's saving outweighs that padding only at the smallest batch sizes
     compile_pays_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
@@ -103,11 +96,9 @@ class BlockwiseOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     top_k_accept: int = option(1, "Accept proposals within the verifier's top-k (1: exact, lossless).", low=1)
 
     def acceptance(self) -> Acceptance:
-        import math
-
         from aggdec.decoding.acceptance import ExactMatch, MinBlock, TopKTolerance
 
-        inner = TopKTolerance(self.top_k_accept, math.inf) if self.top_k_accept > 1 else ExactMatch()
+        inner = TopKTolerance(self.top_k_accept, float("inf")) if self.top_k_accept > 1 else ExactMatch()
         return MinBlock.around(inner, self.min_block)
 
 
@@ -162,11 +153,9 @@ def all_options() -> dict[str, tuple[Any, Any]]:
 
 
 def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[DecodeOptions, list[str]]:
-    """Options from a table such as a job spec's [decode]: `method` (default `default_method`) plus
-    option values as read from TOML or `--set` (types coerced, see options.coerce).
-
-    -> (options, names given that belong to other methods and were ignored). Raises OptionError naming
-    the field for an unknown name or a bad value."""
+    """Options from a table such as a job spec's [decode]: `method` (default `default_method`) plus option
+    values as read from TOML or `--set` (`options.coerce`) -> (options, names given that belong to other
+    methods and were ignored). Raises OptionError naming the field for an unknown name or a bad value."""
     method = data.get("method", default_method)
     if not isinstance(method, str):
         raise OptionError("method", f"must be a string, got {method!r}")
@@ -174,13 +163,11 @@ def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[
     own, hints, every = option_fields(cls), type_hints(cls), all_options()
     fields, unused = {}, []
     for name, value in data.items():
-        if name == "method":
-            continue
         if name in own:
             fields[name] = coerce(name, value, hints[name])
         elif name in every:
             unused.append(name)
-        else:
+        elif name != "method":
             raise OptionError(name, f"unknown option; known: {', '.join(sorted(['method', *every]))}")
     return cls(**fields), sorted(unused)
 
@@ -196,9 +183,8 @@ def output_options(opts: DecodeOptions) -> dict[str, Any]:
     out: dict[str, Any] = {"aggdec": package_version("aggdec"), "method": opts.method}
     if opts.draft_verify:
         out["accept"] = opts.acceptance().describe()
-    for name, f in option_fields(type(opts)).items():
-        if f.metadata.get("output", True):
-            out[name] = getattr(opts, name)
+    out.update({name: getattr(opts, name) for name, f in option_fields(type(opts)).items()
+                if f.metadata.get("output", True)})
     return out
 
 

@@ -1,12 +1,7 @@
-"""The method registry, the one place that wires decoding methods together.
-
-A method is an options class (aggdec.decoding.method_options; its `method` is the name, its
-`acceptance()` the acceptance rule) plus, for draft -> verify methods, a function that builds its
-drafter, or, for a method outside the loop, a function that decodes. The options side of the
-registry (`method_options.OPTIONS`: the API's `decode_options`, the job spec's `[decode]` table, the
-`aggdec decode` flags, the output signature) needs no torch; `register` adds to both.
-
-Adding a drafter is one module (the drafter), its options class and one `register` line below.
+"""The method registry, the one place that wires decoding methods together (docs/design.md, "Options
+and the method registry"). A method is an options class (aggdec.decoding.method_options) plus a
+function that builds its drafter for the draft -> verify loop, or, for a method outside the loop, one
+that decodes; `register` adds both sides.
 """
 
 from __future__ import annotations
@@ -43,12 +38,10 @@ from aggdec.threads import THREADS
 from aggdec.thresholds import DRAFT_LONGEST, KEPT_BUDGETS, KEPT_BUFFERS, KEPT_LOOPS
 
 
-
 @dataclass
 class DraftContext:
     """What building a drafter may use: the verifier, its output projection, whether drafts may run in
-    bf16 (a lossless method under the certified bf16 top-1), and `load(path)`, which loads a drafter
-    directory (a draft head or proposal heads) for this verifier in the drafts' dtype.
+    bf16 (`drafts_in_bf16`), and `load(path, bf16)`, which loads a drafter directory for this verifier.
     `prompt`: the decoder start and forced first tokens (aggdec.conventions.Framing; None: eos only)."""
 
     model: Transformer
@@ -59,17 +52,11 @@ class DraftContext:
     prompt: tuple[int, ...] | None = None
     slot_loops: dict = field(default_factory=dict)  # SlotLoops by options, kept across runs (KEPT_LOOPS)
 
-    def drafter_model(self, path: str) -> Any:
-        return self.load(path, self.bf16)
-
 
 @dataclass(frozen=True)
 class Method:
-    """A registered decoding method.
-
-    drafter(options, context) builds the method's drafter for the draft -> verify loop; None for a
-    method outside the loop, which `run(options, model, requests, prompt)` decodes instead.
-    """
+    """A registered decoding method: drafter(options, context) builds its drafter for the draft ->
+    verify loop; None for a method outside the loop, which `run(options, model, requests, prompt)` decodes."""
 
     options: type[DecodeOptions]
     drafter: Callable[[Any, DraftContext], Drafter] | None = field(default=None)
@@ -85,26 +72,17 @@ class Method:
 
     def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter,
              stream: int = 0) -> SlotLoop:
-        """The draft -> verify loop of `opts` around `drafter`, with a draft budget where `opts` asks
-        for `draft_length = "auto"` (lossy methods too: their output then depends on which calls drafted);
-        `stream`: which of a call's decoding streams it runs (each keeps a budget of its own)."""
+        """The draft -> verify loop of `opts` around `drafter` (kept across runs with its compiled step,
+        buffers and captured steps), with a draft budget where `opts` asks for `draft_length = "auto"`
+        and the drafter drafts; `stream`: which of a call's decoding streams it runs (each keeps a
+        budget of its own)."""
+        key = (opts, stream)
         budget = None
-        if wants_budget(opts, drafter):
-            key = (opts, stream)
-            budget = context.budgets.pop(key, None) or new_budget(drafter)
-            context.budgets[key] = budget  # the most recently used last; the oldest beyond KEPT_BUDGETS go
-            while len(context.budgets) > KEPT_BUDGETS:
-                context.budgets.pop(next(iter(context.budgets)))
-        acceptance = opts.acceptance()
-        key = (opts, stream)  # kept across runs: its compiled step, buffers and captured steps
-        loop = context.slot_loops.pop(key, None)
-        if loop is None:
-            loop = SlotLoop(context.model, drafter, acceptance, max_batch_size=opts.max_batch_size,
-                            max_tokens=opts.max_tokens, budget=budget, prompt=context.prompt,
-                            compile=compiles(context, opts), projection=context.projection)
-        context.slot_loops[key] = loop  # the most recently used last; the oldest beyond KEPT_LOOPS go
-        while len(context.slot_loops) > KEPT_LOOPS:
-            context.slot_loops.pop(next(iter(context.slot_loops)))
+        if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
+            budget = _keep(context.budgets, key, KEPT_BUDGETS, lambda: DraftBudget(drafter.max_draft or DRAFT_LONGEST))
+        loop = _keep(context.slot_loops, key, KEPT_LOOPS, lambda: SlotLoop(
+            context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size, max_tokens=opts.max_tokens,
+            budget=budget, prompt=context.prompt, compile=compiles(context, opts), projection=context.projection))
         recent = list(dict.fromkeys(o for o, _ in reversed(context.slot_loops)))[:KEPT_BUFFERS]
         for (other, _), kept in context.slot_loops.items():
             if other not in recent:
@@ -121,9 +99,7 @@ class Method:
         loop = self.loop(opts, context, self.drafter(opts, context))
         cpu = loop.device.type == "cpu" and loop.packed
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
-        if n > 1 and not THREADS.cores_busy():
-            n = 1
-        if n == 1:
+        if n == 1 or not THREADS.cores_busy():
             return list(loop.run(requests))
         part = dataclasses.replace(opts, max_batch_size=opts.max_batch_size // n,
                                    max_tokens=opts.max_tokens and max(1, opts.max_tokens // n))
@@ -131,20 +107,18 @@ class Method:
         return decode_in_streams(loops, requests)
 
 
-def wants_budget(opts: DecodeOptions, drafter: Drafter) -> bool:
-    """Whether `opts` with `drafter` decodes under a draft budget: `draft_length = "auto"` and a drafter
-    that drafts."""
-    return getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0
-
-
-def new_budget(drafter: Drafter) -> DraftBudget:
-    """A fresh draft budget for `drafter`'s longest draft (DRAFT_LONGEST where it has no cap)."""
-    return DraftBudget(drafter.max_draft or DRAFT_LONGEST)
+def _keep(kept: dict, key: Any, most: int, new: Callable[[], Any]) -> Any:
+    """`kept[key]` (made by `new()` where missing), moved to the end as the most recently used; the
+    oldest beyond `most` entries go."""
+    kept[key] = kept.pop(key) if key in kept else new()
+    while len(kept) > most:
+        kept.pop(next(iter(kept)))
+    return kept[key]
 
 
 def compiles(context: DraftContext, opts: DecodeOptions) -> bool:
     """Whether a loop compiles its step (a CPU's option `compile`) at a batch size where that pays (else
-    one warning, and eager steps)."""
+    one warning)."""
     if not getattr(opts, "compile", False) or next(context.model.parameters()).device.type != "cpu":
         return False
     pays_below = opts.compile_pays_below
@@ -185,10 +159,6 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise OptionError("method", f"must be one of {', '.join(METHODS)}; got {name!r}")
     return METHODS[name]
-
-
-def method_of(opts: DecodeOptions) -> Method:
-    return get_method(opts.method)
 
 
 def drafts_in_bf16(opts: DecodeOptions, projection: OutputProjection) -> bool:

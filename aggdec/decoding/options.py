@@ -1,10 +1,7 @@
-"""Decoding options: every option is declared once, as a field of a frozen dataclass.
-
-`DecodeOptions` holds the fields every method has (batching, length limits, precision); each method
-adds its own in a subclass (`aggdec.decoding.method_options`, where the method names are registered). A field's metadata (see `option`) carries its help
-text, its lower bound or choices, its command-line flag and whether it can change an output, so
-validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature are
-all generated from the fields. Torch-free: reading options loads no model code.
+"""Decoding options, each declared once as a field of a frozen dataclass whose metadata (`option`)
+drives validation, the `aggdec decode` flags, the job spec's `[decode]` table and the output signature
+(docs/design.md, "Options and the method registry"). `DecodeOptions` holds the fields every method has;
+each method adds its own in a subclass (`aggdec.decoding.method_options`). Torch-free.
 """
 
 from __future__ import annotations
@@ -33,12 +30,10 @@ class OptionError(ValueError):
 
 def option(default: Any, help: str, *, low: float | None = None, choices: tuple[str, ...] | None = None,
            flag: str | None = None, output: bool = True, path: bool = False) -> Any:
-    """A dataclass field with its documentation and rules.
-
-    low: smallest allowed value (None allowed where the type is optional); choices: allowed strings;
-    flag: the `aggdec decode` flag (default --field-name); output: False for options that never
-    change an output (left out of the signature); path: a directory path (checked to exist by the CLI).
-    """
+    """A dataclass field with its documentation and rules. low: smallest allowed value (None allowed
+    where the type is optional); choices: allowed strings; flag: the `aggdec decode` flag (default
+    --field-name); output: False for options that never change an output (left out of the signature);
+    path: a directory path (checked to exist by the CLI)."""
     meta = {"help": help, "low": low, "choices": choices, "flag": flag, "output": output, "path": path}
     return field(default=default, metadata=meta)
 
@@ -100,9 +95,9 @@ class DecodeOptions:
     @property
     def lossless(self) -> bool:
         """Whether the output is greedy's, token for token (see aggdec.decoding.methods)."""
-        from aggdec.decoding.methods import method_of
+        from aggdec.decoding.methods import get_method
 
-        return method_of(self).lossless(self)
+        return get_method(self.method).lossless(self)
 
     def signature(self, sha: str = "") -> str:
         """A string that changes with anything that can change an output (method_options.signature)."""
@@ -118,16 +113,16 @@ class Drafting:
     draft_length: str = option("auto", "auto: each call drafts the length that maximizes measured output tokens per "
                                        "second (aggdec.decoding.budget), down to plain greedy steps where drafting "
                                        "does not pay; max: always the drafter's longest draft. With lossy acceptance "
-                                       "(gad++, top_k_accept, min_block), auto's output depends on which calls drafted, "
-                                       "so on timing; max gives the same output on every run.",
+                                       "(gad++, top_k_accept, min_block), auto's output depends on which calls "
+                                       "drafted, so on timing; max gives the same output on every run.",
                                choices=("auto", "max"))
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
     """Mixin: methods whose decoder step the slot loop compiles on request. `compile_pays_below`: the batch
-    size from which a compiled step measured slower than eager (packed) steps (None: at none measured);
-    from there the registry decodes eagerly, with one warning."""
+    size from which a compiled step measured slower than eager steps, where the registry decodes eagerly
+    (None: at none measured)."""
 
     compile_pays_below: ClassVar[int | None] = None
 
@@ -136,8 +131,7 @@ class CompiledStep:
                                   "frozen into it. greedy: 2.8-3.2x eager decoding at batch size 1, about 1.1x "
                                   "at 64; iad: 1.3x at batch size 1, and from batch size 3, where it measured "
                                   "slower, decoding stays eager (one warning; docs/benchmarks.md); gad, gad++, "
-                                  "blockwise: not measured. Compiling takes "
-                                  "20-60 s once per process. fp32 "
+                                  "blockwise: not measured. Compiling takes 20-60 s once per process. fp32 "
                                   "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:
@@ -175,16 +169,16 @@ class DraftModel:
 def option_fields(cls: type[DecodeOptions]) -> dict[str, dataclasses.Field]:
     """{name: field} of an options class, common fields last."""
     own = [f for f in dataclasses.fields(cls) if f.name not in _COMMON]
-    return {f.name: f for f in own + [_COMMON[name] for name in _COMMON]}
+    return {f.name: f for f in own + list(_COMMON.values())}
 
 
 _COMMON = {f.name: f for f in dataclasses.fields(DecodeOptions)}
 
 
 def coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (int, float, bool, str, or X | None), as read from TOML or the command
-    line: ints widen to float, whole floats narrow to int, "true"/"false" become bools and
-    none/null mean None. Raises OptionError naming `name` when the value does not fit."""
+    """`value`, as read from TOML or the command line, as type `hint` (int, float, bool, str, or X | None):
+    ints widen to float, whole floats narrow to int, "true"/"false" become bools, none/null mean None.
+    Raises OptionError naming `name` when the value does not fit."""
     args = typing.get_args(hint)
     optional = isinstance(hint, types.UnionType) and type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if optional else hint

@@ -1,18 +1,6 @@
-"""Beam search over token pairs for double-token models (the paper's Algorithm 1).
-
-Per step, for every active sentence (beam W, vocabulary V), one decoder call scores the next
-(left, right) pair of every beam (aggdec.double_token):
-  - lpL, lpR = log_softmax of the two positions' logits (float32, float64 for float64 models); pad
-    is never chosen, end-of-decoding (eos) is forbidden before `min_len` tokens and forced at every
-    stream position >= the sentence's max_len.
-  - DOUBLETOPK: the 2W best (beam, left) of W*V by beam score + lpL, then the 3W best (beam, left,
-    right) of those 2W times V by adding lpR: the two tokens are taken as independent. A left
-    end-of-decoding ends the sentence whatever the right slot holds: it pairs with its best right
-    token alone (as greedy takes it), so no output is finalized twice and a beam of 1 is greedy.
-  - Candidates among the first W holding an end-of-decoding token are finalized with the normalized
-    score cumulative / (len + 1) ** lenpen, len counting the unfolded output's tokens; the W best
-    candidates without one continue. A sentence is finished once it holds W finalized hypotheses.
-The result is the best finalized hypothesis (ties: the earlier finalized).
+"""Beam search over token pairs for double-token models (the paper's Algorithm 1, DOUBLETOPK: the rules
+in docs/design.md, "Double-token models"): one decoder call per step scores the next (left, right) pair
+of every beam; a left end-of-decoding keeps only its best right token, so a beam of 1 is greedy.
 """
 
 from __future__ import annotations
@@ -23,9 +11,9 @@ import time
 import torch
 
 from aggdec.decoding.acceptance import constrain_logits
+from aggdec.decoding.beam import check_search, in_batches
 from aggdec.decoding.candidates import chunk_for, top_candidates
 from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
-from aggdec.decoding.scheduler import encoded_batches
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -35,24 +23,16 @@ from aggdec.threads import THREADS
 def pair_beam_search(model: Transformer, requests: list[Request], *, beam: int = 5, lenpen: float = 1.0,
                      max_batch_size: int = 16, min_len: int = 1, nbest: int = 1,
                      prompt: tuple[int, ...] | None = None) -> list[BeamHypothesis]:
-    """Beam-search `requests` with a double-token `model`; results in input order (as beam_search).
-
-    prompt: (decoder start token,) (forced tokens are not supported by double-token models); the first
-    pair fed is (bos, start).
-    """
+    """Beam-search `requests` with a double-token `model`, as `beam_search`; prompt: (decoder start
+    token,) only (the first pair fed is (bos, start))."""
     if not model.cfg.double_token:
         raise ValueError("pair_beam_search needs a double-token model (ModelConfig.double_token)")
     if prompt is not None and len(prompt) > 1:
         raise ValueError("a double-token model takes no forced first tokens")
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    check_search(requests, beam, nbest, max_batch_size, min_len)
     start = prompt[0] if prompt else model.cfg.eos
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i].src), reverse=True)
-    results: dict[int, BeamHypothesis] = {}
-    for at, batch, memory, src_pad in encoded_batches(model, [requests[i] for i in order], max_batch_size):
-        for pos, hyp in _search(model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start):
-            results[order[at + pos]] = hyp
-    return [results[i] for i in range(len(requests))]
+    return in_batches(model, requests, max_batch_size, lambda batch, memory, src_pad: _search(
+        model, batch, memory, src_pad, beam, lenpen, min_len, nbest, start))
 
 
 def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_pad: torch.Tensor, w: int,
@@ -73,8 +53,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
     scores[:, 0] = 0.0  # all beams start equal: expand the first only
     scores = scores.view(-1)
     finalized: list[list[tuple[list[int], float]]] = [[] for _ in range(bsz)]
-    calls = [0] * bsz
-    ms = [0.0] * bsz
+    calls, ms = [0] * bsz, [0.0] * bsz
     chunk = chunk_for(vocab)
     step = 0
     THREADS.start()
@@ -91,8 +70,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         # DOUBLETOPK: 2W (beam, left), then 3W (beam, left, right)
         left = (scores[:, None] + lp_l).view(bsz, w * vocab)
         s1, i1 = top_candidates(left, 2 * w, chunk)  # (bsz, 2W)
-        beam1 = torch.div(i1, vocab, rounding_mode="trunc")
-        row1 = beam1 + (torch.arange(bsz, device=device) * w)[:, None]  # (bsz, 2W) rows of the batch
+        row1 = torch.div(i1, vocab, rounding_mode="trunc") + (torch.arange(bsz, device=device) * w)[:, None]  # rows
         right = lp_r[row1]  # (bsz, 2W, V)
         stop = i1.fmod(vocab) == eos  # (bsz, 2W) a left end-of-decoding ends the sentence
         best_r = right.max(dim=-1, keepdim=True).values
@@ -107,8 +85,7 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
 
         elapsed = 1000.0 * (time.perf_counter() - t0) / bsz
         done: list[int] = []
-        ended_l, rows_l, score_l = ended.tolist(), cand_row.tolist(), s2.tolist()
-        limits = sent_max.tolist()
+        ended_l, rows_l, score_l, limits = ended.tolist(), cand_row.tolist(), s2.tolist(), sent_max.tolist()
         cl, cr = cand_l.tolist(), cand_r.tolist()
         for b in range(bsz):
             calls[ids[b]] += 1
@@ -128,14 +105,12 @@ def _search(model: Transformer, reqs: list[Request], memory: torch.Tensor, src_p
         rows = cand_row.gather(1, pick)
         new_pair = torch.stack([cand_l.gather(1, pick), cand_r.gather(1, pick)], dim=-1)  # (bsz, W, 2)
         if done:  # finished sentences leave in the same reordering
-            gone = set(done)
-            keep = [b for b in range(bsz) if b not in gone]
+            keep = [b for b in range(bsz) if b not in done]
             if not keep:
                 return
             at = torch.tensor(keep, dtype=torch.long, device=device)
             rows, new_pair, top, sent_max = rows[at], new_pair[at], top[at], sent_max[at]
-            ids = [ids[b] for b in keep]
-            bsz = len(keep)
+            ids, bsz = [ids[b] for b in keep], len(keep)
         rows = rows.reshape(-1)
         tokens = torch.cat([tokens.index_select(0, rows), new_pair.reshape(-1, STRIDE)], dim=1)
         scores = top.reshape(-1)

@@ -1,11 +1,10 @@
-"""Admission to the decode loop (aggdec.decoding.slot_loop): the queue's order, how many pending
-requests a refill takes, their sources padded, and their encoder passes, run ahead of admission a
-batch at a time (docs/design.md, "Encode-ahead refills"); and the counters of a loop's work.
+"""Admission to the decode loop (aggdec.decoding.slot_loop): how many pending requests a refill takes,
+their sources padded, and their encoder passes, run ahead of admission a batch at a time (docs/design.md,
+"Encode-ahead refills"); and the counters of a loop's work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +61,9 @@ class EncodeAhead:
     def take(self, reqs: list[Request]) -> tuple[list[Request], list[int], CrossKV | None]:
         """(reqs with those encoded ahead first, in their order; those's rows in the cross K/V encoded
         ahead, which they leave; that cross K/V). Host work only."""
-        hit = [i for i, r in enumerate(reqs) if id(r) in self.rows]
-        hits = set(hit)
-        ordered = [reqs[i] for i in hit] + [r for i, r in enumerate(reqs) if i not in hits]
-        return ordered, [self.rows.pop(id(reqs[i])) for i in hit], self.cross
+        hit = [r for r in reqs if id(r) in self.rows]
+        ordered = hit + [r for r in reqs if id(r) not in self.rows]
+        return ordered, [self.rows.pop(id(r)) for r in hit], self.cross
 
     def encode(self, reqs: list[Request], queue: list[Request]) -> CrossKV | None:
         """The cross K/V of `reqs` (none encoded ahead; rows in their order, as wide as the widest), encoded
@@ -86,32 +84,12 @@ class EncodeAhead:
                        src_pad=cross.src_pad[: len(reqs), :longest])
 
 
-def encoded_batches(model: Transformer, reqs: list[Request], max_batch_size: int
-                    ) -> Iterator[tuple[int, list[Request], torch.Tensor, torch.Tensor]]:
-    """Static batches of `reqs` (in order: beam search takes them longest first), `max_batch_size`
-    at a time, with their encoder output: (index of the batch's first request, the batch, memory,
-    src_pad), trimmed to the batch's longest source. Encoded whole batches at a time, as many as
-    `ahead_count` allows (at least one), as the loops encode refills ahead."""
-    device = next(model.parameters()).device
-    at = 0
-    while at < len(reqs):
-        count = max(1, ahead_count(len(reqs[at].src)) // max_batch_size) * max_batch_size
-        group = reqs[at: at + count]
-        memory, src_pad = model.encode(pad_batch([r.src for r in group], model.cfg.pad, device))
-        for off in range(0, len(group), max_batch_size):
-            batch = group[off: off + max_batch_size]
-            width = max(len(r.src) for r in batch)
-            yield at + off, batch, memory[off: off + len(batch), :width], src_pad[off: off + len(batch), :width]
-        at += len(group)
-
-
 @dataclass
 class LoopCounters:
-    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row);
-    padded: tokens computed including padding to the longest draft (B * (K + 1) per call);
-    captures, capture_failures: CUDA graphs captured, and captures that failed (those steps ran
-    eagerly), by a captured slot loop; allocations: the slot buffers a loop allocated (its first run,
-    a longer or wider one than its buffers hold, a run after `release`)."""
+    """Verifier work over a loop's runs. fed: real tokens scored (last token + draft per row); padded:
+    tokens computed including padding to the longest draft (B * (K + 1) per call); captures,
+    capture_failures: CUDA graphs captured, and captures that failed (those steps ran eagerly);
+    allocations: the times a loop allocated its slot buffers."""
 
     calls: int = 0
     fed: int = 0

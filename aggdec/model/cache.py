@@ -1,11 +1,6 @@
 """Decoder state of beam search and teacher-forced passes: a self-attention KV cache whose rows advance
-together, and cross-attention K/V.
-
-Layout: self-attention keys/values live in buffers of shape (B, L_cap, D) per layer, each row's
-first `length` positions valid. Writing a block of T new tokens puts them at positions length ..
-length+T-1 of every row; `commit(n)` keeps n of them. Beam search reorders rows (`reorder`), by copy
-or, read by the CPU attention kernel, through a map of where each row's positions are stored. The
-draft -> verify loop keeps its state in fixed slots instead (aggdec.model.slots).
+together, and cross-attention K/V (docs/design.md, "Caches"). The draft -> verify loop keeps its state
+in fixed slots instead (aggdec.model.slots).
 """
 
 from __future__ import annotations
@@ -20,10 +15,8 @@ from aggdec.model import decode_attention
 
 @dataclass
 class CrossKV:
-    """Cross-attention keys/values computed once per sentence.
-
-    k, v: per decoder layer, (B, S, D). src_pad: (B, S) bool, True at padding.
-    """
+    """Cross-attention keys/values computed once per sentence: k, v per decoder layer, (B, S, D);
+    src_pad (B, S) bool, True at padding."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -32,8 +25,7 @@ class CrossKV:
     @cached_property
     def keep(self) -> torch.Tensor:
         """(B,1,1,S) bool, True at real source positions; made on first use and kept: `src_pad` must
-        not change in place afterwards (`DecoderCache.replace`, which writes rows into it, then makes
-        a new CrossKV of the same tensors)."""
+        not change in place afterwards."""
         return (~self.src_pad)[:, None, None, :]
 
     @cached_property
@@ -43,7 +35,7 @@ class CrossKV:
 
     def take(self, rows: torch.Tensor, width: int | None = None) -> "CrossKV":
         """The given rows (1-D index tensor), in that order; `width`: only the first `width` source
-        positions (the caller's count of their widest: no host read)."""
+        positions."""
         width = self.src_pad.shape[1] if width is None else width
         return CrossKV(k=[t[:, :width].index_select(0, rows) for t in self.k],
                        v=[t[:, :width].index_select(0, rows) for t in self.v],
@@ -51,57 +43,41 @@ class CrossKV:
 
 
 class DecoderCache:
-    """Self-attention cache for `n_layers` layers plus the cross-attention K/V of each row.
-
-    Every row is at one length, `length` (beam search's rows advance together): lengths (B,) int64 on
-    the model's device, each `length`; every row's buffer holds valid K/V for positions < length;
-    `capacity >= length`.
-    """
+    """Self-attention cache for `n_layers` layers, buffers (B, capacity, D), plus the cross-attention
+    K/V of each row. Every row is at one length, `length` (also `lengths`, (B,) int64 on the model's
+    device); a block of T written tokens goes to positions length .. length+T-1, `commit(n)` keeps n."""
 
     def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1,
                  indirect: bool = False):
-        """group: every row of `cross` serves `group` consecutive rows (row b -> rows b*group ..
-        b*group+group-1), for beam search: each sentence's cross K/V is kept (and read) once for all
-        its beams instead of once per beam. indirect: `reorder` moves no K/V but a map of where each
-        row's positions are stored (`rows`), where the CPU attention kernel reads this cache
-        (`decode_attention.usable`; elsewhere `reorder` copies)."""
+        """group: every row of `cross` serves `group` consecutive rows (beam search: a sentence's
+        beams). indirect: `reorder` moves no K/V but a map of where each row's positions are stored
+        (`rows`), where the CPU attention kernel reads this cache (`decode_attention.usable`)."""
         b = cross.src_pad.shape[0] * group
         ref = cross.k[0]
         self.cross = cross
-        self.group = group  # consecutive rows that share one row of `cross` (beam search: the beams of a sentence)
+        self.group = group
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.length = 0
-        # (B0, capacity) with B0 the first batch size: position j of row b is stored in row rows[b, j] of
-        # k and v (each row writes its new positions into its own buffer row); None: in row b
+        # (B0, capacity), B0 the first batch size: position j of row b is in row rows[b, j] of k, v; None: row b
         indirect = indirect and decode_attention.usable(ref.device, ref.dtype)
         self.rows = self._identity(b, capacity) if indirect else None
-        # the kernel reads no position past a row's length: those of an indirect cache stay unwritten
-        # (masked products would multiply their garbage by 0: elsewhere they are zeros)
+        # unwritten positions: never read by the kernel (indirect), zeros for masked products (0 * garbage: NaN)
         self._new = torch.Tensor.new_empty if indirect else torch.Tensor.new_zeros
         self.k = [self._new(ref, (b, capacity, d_model)) for _ in range(n_layers)]
         self.v = [self._new(ref, (b, capacity, d_model)) for _ in range(n_layers)]
-        # (B / group,) with `indirect`: the row of `cross` of each group of rows (taking sentences moves no
-        # cross K/V); None: row b' of `cross`
+        # (B / group,) with `indirect`: the row of `cross` of each group of rows; None: row b' of `cross`
         self.sources = torch.arange(cross.src_pad.shape[0], device=ref.device) if indirect else None
         # `reorder`'s buffers (k then v): the spare set, and the full tensors the live rows are a view of
         self._spare: list[torch.Tensor] = []
         self._full: list[torch.Tensor] = []
 
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
-
     def reserve(self, extra: int) -> None:
         """Grow buffers so that every row can take `extra` more positions."""
-        need = self.length + extra
-        if need <= self.capacity:
+        need, capacity = self.length + extra, self.k[0].shape[1]
+        if need <= capacity:
             return
-        new_cap = max(need, 2 * self.capacity)
+        new_cap = max(need, 2 * capacity)
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
                 grown = self._new(t, (t.shape[0], new_cap, t.shape[2]))
@@ -120,18 +96,18 @@ class DecoderCache:
         """(B,): the row of `cross` each row reads; None where row b reads row b."""
         if self.group == 1 and self.sources is None:
             return None
-        group = torch.arange(self.batch_size, device=self.lengths.device) // self.group
+        group = torch.arange(self.lengths.shape[0], device=self.lengths.device) // self.group
         return group if self.sources is None else self.sources[group]
 
     def key_rows(self, span: int) -> torch.Tensor | None:
         """(B, span): the buffer row of each row's first `span` positions (`rows`), for the attention
         kernel; None where every row's positions are in its own buffer row."""
-        return None if self.rows is None else self.rows[: self.batch_size, :span]
+        return None if self.rows is None else self.rows[: self.lengths.shape[0], :span]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's K/V (B, T, D) at positions length .. length + T - 1 and return the first `span`
-        positions (B, span, D) of this layer (with `rows`: of every buffer row, which `key_rows` maps). The
-        caller masks keys at or beyond each query's own limit."""
+        positions (B, span, D) of this layer's buffers (with `rows`: of every buffer row, which `key_rows`
+        maps); the caller masks keys beyond each query's limit."""
         bsz, t = k.shape[:2]
         self.k[layer][:bsz, self.length: self.length + t] = k
         self.v[layer][:bsz, self.length: self.length + t] = v
@@ -154,18 +130,11 @@ class DecoderCache:
 
     def reorder(self, rows: torch.Tensor, prefix: int, take_cross: bool) -> None:
         """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave), copying only
-        the first `prefix` positions of the self-attention buffers (prefix >= every row's length). With
-        cross K/V shared by groups of rows (`group`), rows keep their groups: the rows of a new
-        group come from one old group.
-
-        The copy goes into a second set of buffers that then swaps with the first, so no memory is
-        allocated once both exist; positions at or past a row's length hold stale finite values,
-        masked as ever. With `indirect` (`self.rows` set), nothing is copied but that map's first
-        `prefix` positions (and `sources` for the cross K/V). take_cross: also take the cross K/V by
-        `rows`; False where every new row keeps the cross K/V it has (the beams of one sentence share
-        theirs, so reordering them needs none).
-        """
-        if take_cross:  # with shared cross K/V, each group's rows come from one sentence
+        the first `prefix` positions (prefix >= every row's length) into a second set of buffers that
+        then swaps with the first; with `indirect`, only the map `rows`. With `group`, the rows of a new
+        group come from one old group. take_cross: also take the cross K/V by `rows` (False where every
+        new row keeps its sentence's)."""
+        if take_cross:
             groups = rows if self.group == 1 else rows[:: self.group] // self.group
             if self.sources is None:
                 self.cross = self.cross.take(groups)

@@ -12,19 +12,10 @@ NORMS = ("layer", "rms")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family).
-
-    Special token ids default to fairseq's Dictionary: bos=0, pad=1, eos=2, unk=3. The decoder is
-    fed `eos` as its first token unless a model's conventions (aggdec.conventions) name another.
-    Positions: row `first_position + i` of the position table embeds position i (fairseq and
-    M2M100: pad + 1; BART/mBART's learned table: 2; Marian: 0).
-
-    T5 (and mT5) set `relative_buckets`: no absolute positions, but a learned bias per head added to
-    every self-attention score, looked up by the bucket of the key's distance from the query
-    (bidirectional in the encoder, causal in the decoder; one table per stack, or per layer with
-    `relative_per_layer`); and RMS norms, pre-norm blocks, no biases, unscaled attention scores, a
-    head size of its own (`head_dim`), a gated FFN and `output_scale`.
-    """
+    """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family). Special
+    token ids default to fairseq's Dictionary; the decoder starts from `eos` unless a model's
+    conventions (aggdec.conventions) name another token. T5 (and mT5) set `relative_buckets`
+    (aggdec.model.relative_bias) instead of absolute positions."""
 
     src_vocab: int  # rows of encoder.embed_tokens
     tgt_vocab: int  # rows of decoder.embed_tokens / output projection
@@ -64,7 +55,7 @@ class ModelConfig:
     pad: int = 1
     eos: int = 2
     unk: int = 3
-    first_position: int | None = None  # table row of position 0; None: pad + 1 (fairseq)
+    first_position: int | None = None  # table row of position 0; None: pad + 1 (fairseq, M2M100; BART: 2, Marian: 0)
     sinusoidal: str = "fairseq"  # sinusoidal table layout: "fairseq" (also M2M100) or "marian"
     output_bias: bool = False  # a bias on the output logits (Marian/BART's final_logits_bias)
     double_token: bool = False  # the decoder emits a (head, tail) token pair per step (aggdec.double_token)
@@ -112,12 +103,10 @@ class ModelConfig:
             raise ValueError(f"unknown model config fields: {sorted(unknown)}")
         types = {"int": int, "float": (int, float), "bool": bool, "str": str}
         for name, f in fields.items():
-            if name not in d:
-                if f.default is dataclasses.MISSING:
-                    raise ValueError(f"{name}: missing")
-                continue
-            value = d[name]
-            if value is None and f.type.endswith("| None"):
+            if name not in d and f.default is dataclasses.MISSING:
+                raise ValueError(f"{name}: missing")
+            value = d.get(name)
+            if name not in d or (value is None and f.type.endswith("| None")):
                 continue
             want = types[f.type.removesuffix(" | None")]
             if not isinstance(value, want) or (f.type != "bool" and isinstance(value, bool)):

@@ -1,20 +1,9 @@
-"""GAD's draft head: a small non-autoregressive block drafter that reads the verifier.
-
-It has no encoder, no embeddings and no cache of its own. After a verifier call, row b's verifier
-state h (the final decoder state that produced the row's bonus token t) and t itself are fused
-into one context vector; `block_size` learned mask queries attend to it, to each other (no causal
-mask) and to the verifier's own last-layer self-attention keys/values of the prefix (its cache),
-and cross-attend to the verifier's last-layer cross-attention keys/values; the verifier's output
-projection (frozen, optionally restricted to a draft vocabulary of frequent tokens) turns mask i
-into the draft of the i-th token after t:
-
-    x_0 = W [h ; e(t)],  x_i = m_i  (i = 1..k)
-    x = Layer_L( ... Layer_1(x) ),  Layer = pre-norm self-attention (over the verifier's prefix
-        keys/values and the block), cross-attention, FFN
-    draft_i = argmax  W_out[vocab] . LN(x_i)
-
-So a GAD iteration is one verifier call plus this head on k + 1 positions per row, and drafts for
-the next call come out of the current one (as blockwise parallel decoding's heads do).
+"""GAD's draft head: a small non-autoregressive block drafter that reads the verifier (docs/design.md,
+"GAD draft head"). Row b's verifier state h (the one that produced its bonus token t) and t are fused
+into one context x_0 = W [h ; e(t)]; `block_size` mask queries x_i = m_i attend to it, to each other and
+to the verifier's last-layer self-attention K/V of the prefix, and cross-attend to its last-layer
+cross-attention K/V (pre-norm layers); draft_i = argmax W_out[vocab] . LN(x_i) with the verifier's frozen
+output projection, optionally restricted to a draft vocabulary.
 """
 
 from __future__ import annotations
@@ -56,10 +45,7 @@ class _Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """q (B,T,D) queries before q_proj; k, v (B,L,E) projected (E: kv_dim); keep (B,1,1|T,L) bool or None."""
         b, t, _ = q.shape
-        h = self.heads
-        qh = self.q_proj(q).unflatten(-1, (h, -1)).transpose(1, 2)
-        kh = k.unflatten(-1, (h, -1)).transpose(1, 2)
-        vh = v.unflatten(-1, (h, -1)).transpose(1, 2)
+        qh, kh, vh = (x.unflatten(-1, (self.heads, -1)).transpose(1, 2) for x in (self.q_proj(q), k, v))
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -116,13 +102,10 @@ class DraftHead(nn.Module):
     def states(self, h: torch.Tensor, token_emb: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
                prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, src_pad: torch.Tensor,
                k: int | None = None) -> torch.Tensor:
-        """Final states of the first `k` masks (default all).
-
-        h, token_emb: (N,D) verifier states and the embeddings of the tokens they produced;
-        prefix_k/v (N,L,E): the verifier's last-layer self-attention keys/values of each row's prefix
-        (up to and including h's position), prefix_keep (N,L) bool; cross_k/v (N,S,E): its last-layer
-        cross-attention keys/values of each row's source, src_pad (N,S) bool. -> (N,k,D).
-        """
+        """Final states (N,k,D) of the first `k` masks (default all). h, token_emb (N,D): verifier states
+        and the embeddings of the tokens they produced; prefix_k/v (N,L,E): the verifier's last-layer
+        self-attention K/V of each row's prefix (up to h's position), prefix_keep (N,L) bool; cross_k/v
+        (N,S,E): its last-layer cross-attention K/V of each row's source, src_pad (N,S) bool."""
         return self.from_context(self.fuse(torch.cat([h, token_emb], dim=-1)), prefix_k, prefix_v, prefix_keep,
                                  cross_k, cross_v, src_pad, k)
 

@@ -30,6 +30,5 @@ class ProposalHeads(nn.Module):
         so the first k-1 heads of a model trained with block size K >= k serve block size k."""
         n = self.num_heads if num is None else num
         z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1[:n]) + self.b1[:n])  # (N, n, hidden)
-        # einsum leaves a head-major layout; the output projection is several times
-        # slower on such a strided input, so return a contiguous tensor.
+        # contiguous: einsum leaves a head-major layout, which the output projection reads several times slower
         return (h[:, None] + torch.einsum("nkh,khd->nkd", z, self.fc2[:n]) + self.b2[:n]).contiguous()

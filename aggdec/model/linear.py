@@ -1,25 +1,7 @@
-"""fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default.
-
-PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm, which runs a generic code path on
-non-Intel CPUs. oneDNN's JIT kernels, which PyTorch already uses for bf16, compute the same products
-faster from about a million multiply-adds up (docs/design.md, "fp32 products through oneDNN");
-below `MIN_MACS` MKL's small-matrix paths are faster, so `linear` keeps them.
-
-Both are fp32 with fp32 accumulation; only the summation order differs (about 1e-6 relative), as it
-already does between MKL's matrix-vector and matrix-matrix paths, so lossless methods stay lossless
-(greedy and IAD/GAD share these kernels; tests and benchmarks check identical outputs).
-
-The op, `torch.ops.mkldnn._linear_pointwise`, is the one torch.compile's CPU backend emits; it is
-not a public API, so `linear` falls back to `F.linear` where PyTorch lacks it. Only inference takes
-it (grad disabled: it has no backward; CPU autocast off, so bf16 training's no-grad evaluation keeps
-autocast's bf16 products; not while torch.compile traces, whose CPU backend packs weights itself),
-and only while `enabled()`; `set_onednn(False)` /
-`use_onednn(False)` restore plain `F.linear` everywhere (benchmarks compare both).
-
-`prepack` reorders a fixed weight into oneDNN's blocked layout once, so that products with it skip
-that step, with results equal to the unpacked ones (bf16 at any row count; fp32 from 2 rows).
-`Linear` layers keep their own packed weight and fuse the FFN's ReLU into the product
-(`Linear.relu`).
+"""fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default
+(docs/design.md, "fp32 products through oneDNN"). Only the summation order differs from `F.linear`
+(about 1e-6 relative), so lossless methods stay lossless. Inference only: not with gradients, under CPU
+autocast, while torch.compile traces, nor after `set_onednn(False)`.
 """
 
 from __future__ import annotations
@@ -36,8 +18,7 @@ from aggdec.thresholds import MIN_MACS, WIDE_ROW_MACS
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 _enabled = _ONEDNN is not None
-# oneDNN reorders bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere
-# (AVX2-only CPUs) it raises, so bf16 weights stay unpacked there.
+# oneDNN reorders bf16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere it raises
 _BF16_PACK = _REORDER is not None and getattr(torch.cpu, "_is_avx512_supported", lambda: False)()
 
 
@@ -47,8 +28,8 @@ def enabled() -> bool:
 
 
 def set_onednn(on: bool) -> None:
-    """Route large fp32 CPU inference products through oneDNN (True, the default where PyTorch has
-    oneDNN) or always through `F.linear` (False)."""
+    """Large fp32 CPU inference products through oneDNN (True, the default where PyTorch has it) or
+    always through `F.linear` (False)."""
     global _enabled
     _enabled = bool(on) and _ONEDNN is not None
 
@@ -65,8 +46,9 @@ def use_onednn(on: bool) -> Iterator[None]:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` (out, in), fp32 or bf16 on the CPU, in oneDNN's layout for `linear(..., packed=)`. A
-    snapshot: later changes to `weight` are not seen. None where oneDNN cannot take it."""
+    """`weight` (out, in), fp32 or bf16 on the CPU, in oneDNN's layout for `linear(..., packed=)`, with
+    results equal to the unpacked ones (bf16 at any row count; fp32 from 2 rows). A snapshot: later
+    changes to `weight` are not seen. None where oneDNN cannot take it."""
     if _REORDER is None or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if weight.dtype == torch.bfloat16 and not _BF16_PACK:
@@ -78,16 +60,12 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T + bias (out,) -> (..., out), as `F.linear`; then ReLU if `relu`
-    (fused into the oneDNN product).
-
-    packed: `prepack(weight)`, optional; used at inference while `enabled()`, whatever the size."""
+    (fused into the oneDNN product). On oneDNN at inference while `enabled()`: fp32 products of at least
+    `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional)."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-        post = "relu" if relu else "none"
-        if packed is not None:
-            return _ONEDNN(x, packed, bias, post, [], "")
-        if x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS:
-            return _ONEDNN(x, weight, bias, post, [], "")
+        if packed is not None or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS):
+            return _ONEDNN(x, weight if packed is None else packed, bias, "relu" if relu else "none", [], "")
     y = F.linear(x, weight, bias)
     return F.relu(y) if relu else y
 
@@ -95,14 +73,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor | None:
     """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `min_rows` rows and
     `MIN_MACS` multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None (also while
-    TorchInductor compiles, which packs frozen weights itself). Kept on `holder` (attributes `_pack`,
-    `_pack_key`): packed on first use and again whenever the weight changes (its storage or version
-    counter moves)."""
-    if torch.compiler.is_compiling():  # before any size test: a compiled program would guard on the sizes
+    TorchInductor compiles). Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
+    and again whenever the weight's storage or version counter moves."""
+    # no size test while compiling (the program would guard on the sizes); sizes first: most products stop there
+    if torch.compiler.is_compiling() or x.numel() < min_rows * weight.shape[1]:
         return None
-    if x.numel() < min_rows * weight.shape[1]:
-        return None
-    # size first: most products on the decoding hot path (greedy's 1-row steps) stop there
     wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]
     if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or not _enabled or torch.is_grad_enabled()
             or weight.dtype != torch.float32 or x.dtype != weight.dtype
@@ -115,8 +90,7 @@ def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: 
 
 
 class PackedWeight:
-    """Holds a weight's `packed_for` layout apart from the weight's owner; copies and pickles leave it
-    out (it is packed again on first use)."""
+    """Holds a weight's `packed_for` layout apart from the weight's owner; copies and pickles leave it out."""
 
     _pack: torch.Tensor | None = None
     _pack_key: tuple | None = None
@@ -128,15 +102,9 @@ class PackedWeight:
         pass
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state-dict keys) whose inference goes through `linear`.
-
-    An fp32 layer keeps its weight prepacked for the products `packed_for` takes: packed on first use
-    and again whenever the weight changes (its storage or version counter moves, as after an
-    optimizer step or `load_state_dict`). Copies and pickles leave the packed layout out."""
-
-    _pack: torch.Tensor | None = None
-    _pack_key: tuple | None = None
+class Linear(nn.Linear, PackedWeight):
+    """`nn.Linear` (same parameters and state-dict keys) whose inference goes through `linear`, its
+    weight prepacked as `packed_for` decides. Copies and pickles leave the packed layout out."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._packed(x))
@@ -149,23 +117,16 @@ class Linear(nn.Linear):
         return packed_for(self, self.weight, x)
 
     def __getstate__(self) -> dict:
-        state = dict(super().__getstate__())
-        state.pop("_pack", None)
-        state.pop("_pack_key", None)
-        return state
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_pack", "_pack_key")}
 
 
 class FusedLinear:
     """Several `Linear` layers applied to the same input as one product at inference: their weights
-    (and biases, where they have them) concatenated by output rows once, and again whenever one of
-    them changes, then one
-    `linear` (prepacked as `packed_for` decides) split back into each layer's output: one 256x768
-    product costs less than three 256x256 ones (one call's fixed cost instead of three).
-
-    While torch.compile traces, the concatenation is part of the program (the slot loop's compiled
-    step freezes its weights, so TorchInductor folds it into one constant weight). With gradients, or
-    where a layer is not an fp32/bf16 `Linear` of one dtype and device (an int8 model's), the layers
-    run one by one. Copies and pickles leave the fused weight out (it is built again on first use)."""
+    and biases concatenated by output rows (again whenever one changes), one `linear` (prepacked as
+    `packed_for` decides), split back into each layer's output. While torch.compile traces, the
+    concatenation is part of the program (freezing folds it into one constant). With gradients, or
+    where the layers are not `Linear`s of one dtype and device (an int8 model's), they run one by one.
+    Copies and pickles leave the fused weight out."""
 
     def __init__(self) -> None:
         self._reset()
@@ -183,7 +144,7 @@ class FusedLinear:
                 or any(not isinstance(l, Linear) or (l.bias is not None) != biased or l.weight.dtype != first.dtype
                        or l.weight.device != first.device for l in layers)):
             return tuple(layer(x) for layer in layers)
-        if torch.compiler.is_compiling():  # frozen weights: their concatenation is folded into a constant
+        if torch.compiler.is_compiling():
             y = F.linear(x, torch.cat([l.weight for l in layers]),
                          torch.cat([l.bias for l in layers]) if biased else None)
             return y.split([l.out_features for l in layers], dim=-1)

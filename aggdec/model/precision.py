@@ -1,24 +1,7 @@
-"""Verifier precisions: the fp32 model as trained, a bf16 copy, or an int8 copy of its linear layers.
-
-`PRECISIONS` (declared with the `precision` option, aggdec.decoding.options): "fp32" (the default, the exact result), "bf16" (every weight and activation in
-bfloat16) and "int8" (W8A8: every linear layer of encoder and decoder, and the output projection,
-multiplies int8 weights by int8 activations with int32 accumulation; embeddings, norms, attention
-and the residual stream stay in the model's float dtype).
-
-int8 quantization, per row on both sides:
-- weights symmetric per output channel: w_q = round(w / s_w), s_w = max |w_row| / 127, once;
-- activations symmetric per token: x_q = round(x / s_x), s_x = max |x_token| / 127, at every call;
-- y = (x_q @ w_q.T) * s_x * s_w + bias.
-The integer product is exact whatever the kernel's blocking, and every scale is a function of one
-token (or one weight row) alone, so a token's output does not depend on which other tokens share the
-call. That is what keeps draft -> verify exact for a quantized verifier: IAD and GAD verifying k
-tokens in one call give token for token the output of the same int8 model decoding greedily one
-token per call, at any batch size and refill order (tests/test_precision.py). Outputs differ from
-fp32 greedy's; the benchmarks report by how much (docs/benchmarks.md).
-
-Whether bf16 or int8 is faster than fp32 depends on the CPU's instruction set (`cpu_isa`):
-`cpu_warning` says, with the measured figure, where a precision is expected to be much slower
-(docs/design.md, "Precision by instruction set").
+"""Verifier precisions (`PRECISIONS`, the `precision` option): the fp32 model as trained, a bf16 copy,
+or an int8 copy of its linear layers (docs/design.md, "Verifier precision"). int8 is W8A8 with a scale
+per output channel (weights, once) and per token (activations, every call), y = (x_q @ w_q.T) * s_x *
+s_w + bias, so a token's output does not depend on which other tokens share the call.
 """
 
 from __future__ import annotations
@@ -57,27 +40,22 @@ _SLOW = {  # (precision, isa) -> why it is slow there, measured (docs/design.md,
 
 
 def refuse_int8(device: torch.device) -> None:
-    """Raise ValueError (one line) where int8 decoding cannot run on `device`: a CUDA device, whose int8
-    product (`torch._int_mm`) refuses calls of fewer than 17 rows. The API checks it before converting a
-    verifier; a slot loop given an int8 verifier checks it itself."""
+    """Raise ValueError (one line) where int8 decoding cannot run on `device`: a CUDA device."""
     if device.type == "cuda":
         raise ValueError("precision: int8 decodes on CPUs only (CUDA's int8 product refuses calls of fewer than 17 "
                          "rows); on a GPU use fp32 or bf16")
 
 
 def cpu_isa(capabilities: Mapping[str, Any] | None = None) -> str:
-    """The class (`ISAS`) of a CPU with these capability flags (default: this CPU's, from
-    `torch.cpu.get_capabilities()`; an older torch without it gives "other"): "amx" (AMX tiles),
-    "avx512_vnni", "avx_vnni" (VNNI on 256-bit vectors), "avx512" (no VNNI), "avx2", else "other"
-    (another architecture, or an x86 CPU without AVX2)."""
+    """The class (`ISAS`, the first whose flag is set) of a CPU with these capability flags (default:
+    this CPU's, `torch.cpu.get_capabilities()`); "other" for none (another architecture, no AVX2)."""
     caps = getattr(torch.cpu, "get_capabilities", dict)() if capabilities is None else capabilities
     return next((isa for isa, flag in _ISA_FLAGS if caps.get(flag)), "other")
 
 
 def cpu_warning(precision: str, isa: str) -> str | None:
     """One line saying why `precision` is expected to run much slower than fp32 on a CPU of class
-    `isa` (`cpu_isa`), with the measured figure; None where it pays (int8 with VNNI or AMX at
-    batch 32 and up, bf16 with AMX), for fp32, and for "other" CPUs (not measured)."""
+    `isa` (`cpu_isa`), with the measured figure; None where it pays, for fp32 and for "other"."""
     why = _SLOW.get((precision, isa))
     return None if why is None else f"precision {precision}: {why}; fp32 is the faster choice here"
 
@@ -94,32 +72,22 @@ class Int8Weight:
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x (..., in) float -> (..., out) in x's dtype: int8 x int8 -> int32, rescaled, + bias."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if self.bias is None:
-            y = _run("relu" if relu else "plain", x, self.qweight_t, self.scale)
-        else:
-            y = _run("bias_relu" if relu else "bias", x, self.qweight_t, self.scale, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
+        bias = () if self.bias is None else (self.bias,)
+        name = ("bias_relu" if relu else "bias") if bias else ("relu" if relu else "plain")
+        y = _run(name, x.reshape(-1, x.shape[-1]), self.qweight_t, self.scale, *bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def ranking_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (the activation
-        scale is left out where there is no bias), so every row ranks tokens as `__call__` does, and a
-        multiplication over the (N, out) result is saved. For the verifier's top-1."""
-        if self.bias is not None:
-            return self(x)
-        return _run("ranking", x, self.qweight_t, self.scale)
+        """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (no activation scale
+        where there is no bias), so every row ranks tokens as `__call__` does. For the verifier's top-1."""
+        return self(x) if self.bias is not None else _run("ranking", x, self.qweight_t, self.scale)
 
 
 def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """`kernel(name)` on x (N, D) and the weight tensors. x goes in detached (a view would make the
-    compiled kernels guard on the shape of its base) and with at least 2 rows (zero rows added, their
-    results dropped): compiled kernels specialize on a single row, and one kernel for every N keeps
-    each row's result independent of N."""
+    """`kernel(name)` on x (N, D) and the weight tensors; x goes in detached and with at least 2 rows
+    (zero rows added, their results dropped: docs/design.md, "Fused int8 products")."""
     n = x.shape[0]
-    x = x.detach()
-    if n < 2:
-        x = torch.cat([x, x.new_zeros(2 - n, x.shape[1])])
+    x = x.detach() if n >= 2 else torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])])
     y = kernel(name)(x, *weights)
     return y if n >= 2 else y[:n]
 
@@ -150,14 +118,9 @@ _KERNELS: dict[str, Callable] = {}
 
 
 def kernel(name: str) -> Callable:
-    """The W8A8 product `name` of `_VARIANTS`, compiled by TorchInductor (one C++ loop quantizes the
-    activations, one rescales the int32 products, adds the bias and applies relu, around the
-    integer matmul), or run op by op where compiling is not available.
-
-    The choice is made once per process, at the first call: every product of a run goes through the
-    same code, which keeps each row's result independent of the call's other rows (compiled and op
-    by op products round the rescaling differently). Shapes are dynamic, so each variant compiles
-    once per dtype whatever the layer sizes and batch (`_run` never passes a single row)."""
+    """The W8A8 product `name` of `_VARIANTS`, compiled by TorchInductor with dynamic shapes, or op by
+    op where it cannot compile: chosen once per process, so that every product of a run rounds alike
+    (docs/design.md, "Fused int8 products")."""
     if not _KERNELS:
         _KERNELS.update(_compiled() or _VARIANTS)
     return _KERNELS[name]
@@ -192,12 +155,10 @@ class Int8Linear(nn.Module):
 
 
 def with_precision(model: Transformer, precision: str) -> Transformer:
-    """`model` itself for "fp32"; otherwise a converted copy (the original is left as it is).
-
-    bf16: `model` cast to bfloat16. int8: every `Linear` becomes an `Int8Linear` and the output
-    projection an `Int8Weight` (`Transformer.output_int8`), which the verifier's top-1 and beam use;
-    the float output weight stays for drafters (drafts never change a lossless output). For
-    inference only. Raises ValueError naming the precision when it is not one of PRECISIONS."""
+    """`model` itself for "fp32"; otherwise a converted copy for inference. bf16: cast to bfloat16.
+    int8: every `Linear` becomes an `Int8Linear`, and the output projection an `Int8Weight`
+    (`Transformer.output_int8`) for the verifier's top-1 and beam, the float weight kept for
+    drafters. Raises ValueError naming the precision when it is not one of PRECISIONS."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if precision == "fp32":

@@ -1,11 +1,9 @@
-"""T5's relative position bias: a learned scalar per head added to each attention score, looked up
-by the bucket of the key's position relative to the query's.
-
-Buckets (Mesh TensorFlow's, as transformers' `T5Attention._relative_position_bucket`): distances below
-buckets / 2 (bidirectional: buckets / 4 on each side) get a bucket each, longer ones share
-logarithmically wider buckets up to `max_distance`, from where they all share the last one. The
-encoder's buckets are bidirectional; the decoder's are causal (a key after the query has bucket 0,
-and is masked anyway). Cross-attention has no bias.
+"""T5's relative position bias: a learned scalar per head added to each self-attention score (none in
+cross-attention), looked up by the bucket of the key's position relative to the query's. Buckets are
+Mesh TensorFlow's (transformers' `T5Attention._relative_position_bucket`): distances below buckets / 2
+(bidirectional, the encoder's: buckets / 4 on each side) get a bucket each, longer ones share
+logarithmically wider buckets up to `max_distance`, from where they all share the last one; the
+decoder's are causal (a key after the query has bucket 0, and is masked anyway).
 """
 
 from __future__ import annotations
@@ -34,10 +32,8 @@ def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, m
 
 class RelativeBias(nn.Module):
     """One table of T5's relative position bias: `weight` (buckets, heads), transformers'
-    `relative_attention_bias.weight`.
-
-    Every distance at or beyond `max_distance` has the bucket of `max_distance`, so the buckets of
-    the distances -max_distance .. max_distance, computed once (`buckets`, a buffer), cover all."""
+    `relative_attention_bias.weight`; `buckets`, those of the distances -max_distance .. max_distance
+    (farther ones share the bucket of max_distance)."""
 
     def __init__(self, buckets: int, heads: int, max_distance: int, bidirectional: bool):
         super().__init__()
