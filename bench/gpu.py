@@ -3,7 +3,8 @@
 - environment: the device, torch and CUDA, the attention backends and matmul precision settings;
 - shipped models (`gec-base`: greedy, IAD; `ende-base`: greedy, GAD with the draft head, blockwise
   with the proposal heads, beam-5; `ende-base-double-token`: greedy), through the public API, at
-  fp32 and bf16 and each batch size: sentences/s, the identical share against greedy at the same
+  fp32 and bf16 and each batch size: sentences/s, the identical share against batch-1 greedy of the same
+  precision (over its first `--bs1-limit` sentences) and against greedy at the same
   precision on the same device, against fp32 greedy on the CPU where the device is a GPU (another
   device may round differently), the CUDA graphs the run's slot loop holds and how many it captured
   after its warm-up (must be none), peak memory;
@@ -84,6 +85,9 @@ def shipped(results: Results, a: argparse.Namespace, sizes: list[int]) -> None:
         tr = Translator.load(path, device=a.device)
         cpu = [r.tokens for r in Translator.load(path).translate_batch(texts, max_batch_size=64)] if on_gpu else None
         for precision in a.precisions.split(","):
+            # batch-1 greedy of this model at this precision: the output every method and batch size must give
+            one = [r.tokens for r in tr.translate_batch(texts[: a.bs1_limit],
+                                                        decode_options("greedy", max_batch_size=1, precision=precision))]
             for bs in sizes:
                 n = min(a.bs1_limit, len(texts)) if bs == 1 else len(texts)
                 greedy = None
@@ -110,6 +114,8 @@ def shipped(results: Results, a: argparse.Namespace, sizes: list[int]) -> None:
                                    capture_failures=capture_failures(tr))
                         if method != "beam" and greedy is not None:
                             run["identical_to_greedy"] = round(sum(x == y for x, y in zip(tokens, greedy)) / n, 4)
+                        if method != "beam":
+                            run["identical_to_bs1_greedy"] = round(sum(x == y for x, y in zip(tokens, one)) / len(one), 4)
                         if cpu is not None and precision == "fp32" and method != "beam":
                             run["identical_to_cpu_greedy"] = round(sum(x == y for x, y in zip(tokens, cpu)) / n, 4)
                         if on_gpu:

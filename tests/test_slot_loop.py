@@ -510,8 +510,8 @@ def test_compiled_steps_keep_their_own_weights():
 def test_compiled_step_equals_greedy():
     """A TorchInductor-compiled step (CPU, symbolic shapes: one compile for every span, source width
     and narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached
-    through the public option of greedy and of IAD (which compiles below batch size 3, its draft
-    budget not timing the calls that compiled)."""
+    through the public option of greedy and of IAD (which compiles its whole step below batch size 3,
+    its draft budget not timing the calls that compiled, and its model's call from 3)."""
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import DraftContext, get_method
     from aggdec.model.projection import OutputProjection
@@ -532,7 +532,7 @@ def test_compiled_step_equals_greedy():
             assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
         decode_options("greedy", compile=True, precision="int8")
-    # IAD compiles below batch size 3 (above, it measured slower than eager steps)
+    # IAD compiles its whole step below batch size 3
     iad = decode_options("iad", compile=True, max_batch_size=2)
     loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
     assert loop._compiled is not None
@@ -550,10 +550,15 @@ def test_compiled_step_equals_greedy():
     frames, allocations = torch._dynamo.utils.counters["frames"]["total"], greedy.counters.allocations
     assert {i: h.tokens for i, h in _run(greedy, reqs).items()} == ref
     assert torch._dynamo.utils.counters["frames"]["total"] == frames and greedy.counters.allocations == allocations
+    # from batch size 3, IAD compiles the model's call over the live tokens within eager steps (its whole
+    # step, over every position, measured slower than eager there)
     wide = decode_options("iad", compile=True, max_batch_size=3)
-    with pytest.warns(UserWarning, match="compile: a compiled iad step measured slower"):
-        assert type(get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))).__name__ == \
-            "SlotLoop"
+    loop = get_method("iad").loop(wide, context, get_method("iad").drafter(wide, context))
+    assert loop.compile == "model" and loop._compiled is None and loop.packed
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    for run in (reqs, reqs[3:]):
+        assert {i: h.tokens for i, h in _run(loop, run).items()} == {r.index: ref[r.index] for r in run}
+    assert torch._dynamo.utils.counters["frames"]["total"] > frames  # compiled
 
 
 @compiles

@@ -38,7 +38,7 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
     """IAD's options (aggdec.decoding.iad); with adaptive_draft a row's cap moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
-    compile_pays_below: ClassVar[int | None] = 3
+    whole_step_below: ClassVar[int | None] = 3
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "
                                          "input).", low=1)

@@ -7,7 +7,6 @@ that decodes; `register` adds both sides.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,18 +115,13 @@ def _keep(kept: dict, key: Any, most: int, new: Callable[[], Any]) -> Any:
     return kept[key]
 
 
-def compiles(context: DraftContext, opts: DecodeOptions) -> bool:
-    """Whether a loop compiles its step (a CPU's option `compile`) at a batch size where that pays (else
-    one warning)."""
+def compiles(context: DraftContext, opts: DecodeOptions) -> bool | str:
+    """What a loop compiles (`SlotLoop`'s `compile`) under a CPU's option `compile`: its whole step ("step"),
+    or, from the method's `whole_step_below` batch size, the model's call within eager steps ("model")."""
     if not getattr(opts, "compile", False) or next(context.model.parameters()).device.type != "cpu":
         return False
-    pays_below = opts.compile_pays_below
-    if pays_below is not None and opts.max_batch_size >= pays_below:
-        warnings.warn(f"compile: a compiled {opts.method} step measured slower than eager decoding from batch "
-                      f"size {pays_below} (docs/benchmarks.md), so max_batch_size={opts.max_batch_size} "
-                      "decodes eagerly", stacklevel=3)
-        return False
-    return True
+    below = opts.whole_step_below
+    return "model" if below is not None and opts.max_batch_size >= below else "step"
 
 
 METHODS: dict[str, Method] = {}

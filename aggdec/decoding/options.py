@@ -120,19 +120,20 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop compiles on request. `compile_pays_below`: the batch
-    size from which a compiled step measured slower than eager steps, where the registry decodes eagerly
-    (None: at none measured)."""
+    """Mixin: methods whose decoder step the slot loop compiles on request. `whole_step_below`: the batch
+    size from which the compiled whole step (every position of every slot) measured slower than eager
+    steps; from there the model's call over the live tokens is compiled instead (None: at none measured)."""
 
-    compile_pays_below: ClassVar[int | None] = None
+    whole_step_below: ClassVar[int | None] = None
 
-    compile: bool = option(False, "On a CPU, run each decoder step as one TorchInductor-compiled program on fixed "
-                                  "batch slots (aggdec.decoding.slot_loop) instead of eager operators, the weights "
-                                  "frozen into it. greedy: 2.8-3.2x eager decoding at batch size 1, about 1.1x "
-                                  "at 64; iad: 1.3x at batch size 1, and from batch size 3, where it measured "
-                                  "slower, decoding stays eager (one warning; docs/benchmarks.md); gad, gad++, "
-                                  "blockwise: not measured. Compiling takes 20-60 s once per process. fp32 "
-                                  "verifiers; on a GPU steps are CUDA graphs anyway.", output=False)
+    compile: bool = option(False, "On a CPU, compile the decoder with TorchInductor, the weights frozen into it "
+                                  "(aggdec.decoding.slot_loop): each step as one program over every slot "
+                                  "position, or, from the batch size where that measured slower (iad: 3), the "
+                                  "model's call over the live tokens within eager steps. greedy: 2.2-3.2x eager "
+                                  "at batch size 1, about 1.1x at 64; iad: 1.3x at 1, 1.9x at 64 "
+                                  "(docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
+                                  "20-60 s once per process. fp32 verifiers; on a GPU steps are CUDA graphs "
+                                  "anyway.", output=False)
 
     def validate(self) -> None:
         super().validate()

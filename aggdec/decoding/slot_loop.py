@@ -140,7 +140,7 @@ class SlotLoop:
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
-                 prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool = False,
+                 prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool | str = False,
                  projection: OutputProjection | None = None, refill: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -165,9 +165,12 @@ class SlotLoop:
             warnings.warn(f"aggdec: compile: {lowered}, where a compiled step decodes wrongly; decoding eagerly",
                           stacklevel=2)
             compile = False
+        if compile not in (False, True, "step", "model"):
+            raise ValueError(f"compile must be False, True, 'step' or 'model', got {compile!r}")
+        self.compile = "step" if compile is True else compile
         slots = slot_count(max_batch_size)
         # attention over each row's own keys (the masked products where the kernel cannot be built)
-        self.ragged = (self.device.type == "cpu" and (not compile or slots >= RAGGED_SLOTS)
+        self.ragged = (self.device.type == "cpu" and (self.compile != "step" or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
         # a half-precision model's CPU slot cache holds fp32 keys and values, which the kernel reads: its
         # attention over each row's own keys gives a row the same states whatever the span a step reads
@@ -176,9 +179,12 @@ class SlotLoop:
         half = self.dtype in (torch.bfloat16, torch.float16)
         kernel = half and self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel else self.dtype
-        self._compiled = self._compile(slots) if compile else None
+        # the compiled whole step, or the model's call compiled within eager steps (`compile`)
+        self._compiled = self._compile(SlotLoop._step, self, slots) if self.compile == "step" else None
+        self._decode = (self._compile(Transformer.decode_slots, model, slots) if self.compile == "model"
+                        else model.decode_slots)
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
-        self.packed = not compile and self.graphs is False
+        self.packed = self.compile != "step" and self.graphs is False
         # the top-1: `projection`'s on eager steps; fixed-shape ones, which read no host, its plain fp32 twin
         # (the same token: a certified one's bound reads the host)
         if projection is None or (projection.certify and not self.packed):
@@ -188,7 +194,7 @@ class SlotLoop:
         self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
         # slots a run narrows to at least: on CUDA graphs (and checked as such) GRAPH_MIN_SLOTS, compiled 2 (a
         # compiled step specializes a batch of 1), eager 1
-        self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if compile else 1
+        self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if self.compile else 1
         # drafts from each call's verifier states, after the step (the draft head, proposal heads)
         self._after = self.drafter.from_states
         self._source_bound = getattr(self.drafter, "source_bound", False)  # optional (`Drafter`)
@@ -239,7 +245,7 @@ class SlotLoop:
         elif self.packed and not self._full:
             keep = active[:, None].expand(b, t)
         tokens = Tokens.of(block, st.generated, keep)
-        hidden = self.model.decode_slots(tokens, self.cache, span, src_width, self.ragged)
+        hidden = self._decode(tokens, self.cache, span, src_width, self.ragged)
         scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,
                                                                 self.min_len, self.forced))
         # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
@@ -292,7 +298,7 @@ class SlotLoop:
         self.drafter.observe(self.state, None, accepted, Verified(behind, keys, length))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
-        if self._compiled is not None:
+        if self.compile:
             import torch._inductor.config as inductor_config  # only where a compiled step was chosen
 
             # TorchDynamo reads `freezing` from the global config when it traces, and a recompile can
@@ -300,11 +306,12 @@ class SlotLoop:
             frozen = inductor_config.freezing
             inductor_config.freezing = True
             try:
-                self._compiled(width, span, src_width)
+                (self._compiled or self._step)(width, span, src_width)
                 return
-            except torch._dynamo.exc.BackendCompilerFailed as e:  # before the program ran: state unchanged
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # before a program ran (a drafter's proposal
+                # is a function of the state): the step runs again eagerly
                 warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
-                self._compiled = None
+                self.compile, self._compiled, self._decode = False, None, self.model.decode_slots
             finally:
                 inductor_config.freezing = frozen
         key = (self.state.batch_size, width)
@@ -350,17 +357,17 @@ class SlotLoop:
         process)."""
         return torch._dynamo.utils.counters["frames"]["total"]
 
-    def _compile(self, slots: int):
-        """`_step` compiled for this loop alone. TorchDynamo keeps compiled programs per code object, and
-        with frozen weights and no guards on modules, a program compiled for one loop would serve
-        another loop's model of the same shapes with the first one's weights: the step runs from a
-        copy of its code object. `slots`: the loop's slot count, which picks the products (`gemm_backend`)."""
-        fn = SlotLoop._step
+    def _compile(self, fn, owner, slots: int):
+        """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone.
+        TorchDynamo keeps compiled programs per code object, and with frozen weights and no guards on
+        modules, a program compiled for one loop would serve another loop's model of the same shapes with
+        the first one's weights: it runs from a copy of its code object. `slots`: the loop's slot count,
+        which picks the products (`gemm_backend`)."""
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         backend = gemm_backend(self.dtype, slots, drafts=self.drafter.max_draft != 0)
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         compile_cache.prepare()  # a cache per vector ISA; another process's compile waited for 60 s at most
-        return torch.compile(types.MethodType(own, self), dynamic=True, options=options)
+        return torch.compile(types.MethodType(own, owner), dynamic=True, options=options)
 
     def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
         """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
@@ -624,10 +631,10 @@ class SlotLoop:
                 # no draft copied from the source is longer than it (other drafters' keep their length)
                 width = min(length, src_width) if self._source_bound else length
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
-            built = self._programs() if self._compiled is not None else 0
+            built = self._programs() if self.compile else 0
             self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
-            built = self._compiled is not None and self._programs() != built  # this call compiled its program
+            built = bool(self.compile) and self._programs() != built  # this call compiled a program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
@@ -637,7 +644,8 @@ class SlotLoop:
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
-            THREADS.tick()
+            if not self.compile:  # a compiled program's thread count stays (TorchDynamo would compile it anew)
+                THREADS.tick()
             self.counters.padded += n * (width + self.stride)
             if self.budget is not None and self.max_draft:
                 if not built:  # a program's build (seconds, once) is no cost of the length that met it
