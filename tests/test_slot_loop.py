@@ -78,6 +78,14 @@ def test_slot_iad_equals_greedy(seed, kind, bs, cap, adaptive, substitution, nea
             assert st_.iterations == len(st_.accepted_per_iter)
             assert st_.accepted == sum(st_.accepted_per_iter) <= st_.drafted
             assert 0 <= st_.iterations + st_.accepted - (len(h.tokens) + 1) <= 1
+    if not budget:  # one matcher's drafts on every backend: the fixed-shape step's statistics are the eager step's
+        drafter = (InputCopy(max_draft=cap or 4, adaptive=True, min_draft=1, **fallbacks) if adaptive
+                   else InputCopy(max_draft=cap, **fallbacks))
+        check = _run(SlotLoop(model, drafter, max_batch_size=bs, max_tokens=max_tokens, prompt=prompt,
+                              encode_batch=encode_batch, graphs="check"), reqs)
+        assert {i: (h.tokens, h.stats.iterations, h.stats.drafted, h.stats.accepted_per_iter)
+                for i, h in check.items()} == {i: (h.tokens, h.stats.iterations, h.stats.drafted,
+                                                   h.stats.accepted_per_iter) for i, h in got.items()}
 
 
 def _head_drafter(kind: str, model, k: int, vocab: int = 0):
@@ -128,10 +136,9 @@ RULES = {"gad++": lambda beta, tau, n: TopKTolerance(beta, tau),
        beta=st.integers(1, 4), tau=st.sampled_from([0.0, 0.3, 1.0, 4.0, math.inf]), min_block=st.integers(1, 4),
        bs=st.integers(1, 9), k=st.integers(1, 6), max_tokens=st.one_of(st.none(), st.integers(1, 60)),
        forced=st.integers(0, 2))
-def test_acceptance_rules_decide_alike_packed_and_fixed(seed, kind, rule, beta, tau, min_block, bs, k, max_tokens,
-                                                        forced):
-    """Every acceptance rule decides alike on an eager step's packed positions and on the fixed layout of a
-    step run under a replay's rules (`graphs="check"`): one output and the same statistics for the same
+def test_every_backend_runs_one_step_alike(seed, kind, rule, beta, tau, min_block, bs, k, max_tokens, forced):
+    """Every acceptance rule decides alike on an eager step's live tokens and on every position of a step
+    run under a replay's rules (`graphs="check"`): one output and the same statistics for the same
     drafter at a fixed draft length (lossy rules included: GAD++ top-beta/tau, min-block around exact or
     GAD++), any slot count, refill order and forced prefix, run after run; GAD++ with beta 1 is greedy's
     output. Drafts longer than a short source keep their length."""
