@@ -2,14 +2,12 @@
 
 `attend(q, k, v, count, heads)`: q (B,T,D) queries, already projected; k, v (B,L,D) keys and values
 (views such as a prefix of a cache are read in place where their last dimension is contiguous);
-count (B,T) int64, any strides (a count per row broadcast over its queries): query
-[b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
-softmax(q k^T * scale + bias) v, `scale` default (D/heads) ** -0.5. `bias` (B,heads,T,L), any
-strides, optional: added to the scores of (row, head, query, key) (T5's relative positions; each
-query of a block its own row of them). `rows` (B,L) int64, any strides, optional: key j of row b is
-read from row rows[b, j] of k and v, which then hold any number of rows (beam search: its beams'
-shared prefixes in place, where they were written, and a sentence's source shared by its beams);
-an entry a query reads that is not a row of k raises. This is the masked softmax of
+count (B,T) int64, any strides: query [b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most
+L); returns (B,T,D), each head's softmax(q k^T * scale + bias) v, `scale` default (D/heads) ** -0.5.
+`bias` (B,heads,T,L), any strides, optional: added to the scores of (row, head, query, key) (T5's
+relative positions). `rows` (B,L) int64, any strides, optional: key j of row b is read from row
+rows[b, j] of k and v, which then hold any number of rows (beam search's shared prefixes and
+sources); an entry a query reads that is not a row of k raises. This is the masked softmax of
 `MultiheadAttention.core` where the visible keys are a prefix (causal self-attention; right-padded
 sources), with the same arithmetic per query (fp32 or fp64, the softmax's maximum subtracted) in
 another summation order. A query with no key gives NaN, as the masked softmax does.
@@ -43,21 +41,17 @@ FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfm
 """Compiler flags by ATen's CPU capability, as ATen builds its own vectorized kernels; any other
 capability has the library of ATen's portable vectors. `setup.py` adds `CFLAGS` and `-DAGGDEC_OP=<OP>`."""
 CFLAGS = ["-O3", "-fopenmp", "-g0"]  # -g0: without the debug information Python's flags ask for, a fifth faster
-REBUILD = "pip install --no-build-isolation -e ."
-"""How a checkout builds the libraries (the Makefile's setup); the build links against the installed torch."""
+REBUILD = "pip install --no-build-isolation -e ."  # how a checkout builds the libraries, against the installed torch
 
 
 def library(capability: str) -> Path:
-    """The library built for an ATen CPU capability, next to this file: its own for a capability of
-    `FLAGS`, the portable one for any other."""
+    """The library built for an ATen CPU capability, next to this file (the portable one outside `FLAGS`)."""
     return Path(__file__).with_name(f"_decode_attention_{capability.lower() if capability in FLAGS else 'portable'}.so")
 
 
 def load() -> bool:
-    """Load the kernel built for this CPU's capability (ATen's: `torch.backends.cpu.get_cpu_capability()`,
-    which ATEN_CPU_CAPABILITY can lower); True once it is registered as `torch.ops.aggdec.<OP>`.
-    Never compiles and never raises: False, with one warning a process, where the library is missing
-    or cannot be loaded."""
+    """Load the kernel built for ATen's CPU capability (which ATEN_CPU_CAPABILITY can lower); True once
+    it is registered. Never compiles or raises: False, with one warning a process, where it cannot load."""
     global _loaded
     if _loaded is None:
         capability = torch.backends.cpu.get_cpu_capability()
@@ -74,10 +68,9 @@ def load() -> bool:
 
 def load_library(capability: str) -> None:
     """Load the library built for an ATen CPU capability (`library`, else its copy in the installed
-    aggdec: `_installed`) and register its shapes for torch.compile. A process loads one: the
-    operator's namespace is registered once. Raises FileNotFoundError where it was not built,
-    OSError where it does not link with this torch, RuntimeError where it was built from another
-    version of the source (its operator is not `OP`)."""
+    aggdec: `_installed`) and register its shapes for torch.compile (once a process). Raises
+    FileNotFoundError where it was not built, OSError where it does not link with this torch,
+    RuntimeError where it was built from another version of the source (its operator is not `OP`)."""
     path = next((p for p in (library(capability), _installed(library(capability))) if p and p.is_file()), None)
     if path is None:
         raise FileNotFoundError("not built")
@@ -104,9 +97,8 @@ def _installed(path: Path) -> Path | None:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients
-    off (the kernel has no backward), and the kernel loaded (`load`, tried here the first time; while
-    torch.compile traces, only if it was loaded before)."""
+    """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients off
+    (no backward), and the kernel loaded (`load`; while torch.compile traces, only if loaded before)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64) or torch.is_grad_enabled():
         return False
     return bool(_loaded) if torch.compiler.is_compiling() else load()

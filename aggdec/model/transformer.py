@@ -57,16 +57,13 @@ class Positions(nn.Module):
             self.weight = nn.Parameter(torch.empty(self.rows, dim))
             nn.init.normal_(self.weight, mean=0, std=dim**-0.5)
             if zeroed is not None:
-                with torch.no_grad():
-                    self.weight[zeroed].zero_()
+                nn.init.zeros_(self.weight[zeroed])
         else:
             self.register_buffer("table", sinusoidal_table(self.rows, dim, zeroed, cfg.sinusoidal), persistent=False)
 
     def forward(self, index: torch.Tensor) -> torch.Tensor:
         """index: int64 table rows (any shape), already offset by cfg.position_offset -> (..., D)."""
-        if self.learned:
-            return F.embedding(index, self.weight)
-        return self.table[index]
+        return F.embedding(index, self.weight) if self.learned else self.table[index]
 
 
 class RMSNorm(nn.Module):
@@ -98,8 +95,7 @@ class MultiheadAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float, head_dim: int | None = None, bias: bool = True,
                  scaled: bool = True):
         super().__init__()
-        self.heads = heads
-        self.dropout = dropout
+        self.heads, self.dropout = heads, dropout
         inner = dim if head_dim is None else heads * head_dim
         self.scale = (inner // heads) ** -0.5 if scaled else 1.0
         self.q_proj = Linear(dim, inner, bias=bias)
@@ -224,16 +220,13 @@ class Stack(nn.Module):
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
         self.embed_tokens = nn.Embedding(vocab, d, padding_idx=cfg.pad)
         nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
-        with torch.no_grad():
-            self.embed_tokens.weight[cfg.pad].zero_()
+        nn.init.zeros_(self.embed_tokens.weight[cfg.pad])
         self.position_offset = cfg.position_offset
         learned = getattr(cfg, f"{side}_learned_pos")
         self.embed_positions = None if cfg.relative_buckets else Positions(cfg, max_pos, learned)
-        self.relative_attention_bias = None
-        if cfg.relative_buckets:
-            self.relative_attention_bias = nn.ModuleList(
-                RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, not decoder)
-                for _ in range(n if cfg.relative_per_layer else 1))
+        self.relative_attention_bias = nn.ModuleList(
+            RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, not decoder)
+            for _ in range(n if cfg.relative_per_layer else 1)) if cfg.relative_buckets else None
         self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
         self.layers = nn.ModuleList(Layer(cfg, decoder) for _ in range(n))
         self.layer_norm = layer_norm(cfg) if getattr(cfg, f"{side}_normalize_before") else None
@@ -250,9 +243,8 @@ class Stack(nn.Module):
         return dropout_in_training(x, self.dropout, self.training)
 
     def position_bias(self, query: torch.Tensor, keys: int) -> list[torch.Tensor | None]:
-        """Each layer's self-attention score bias (B,H,T,keys) for queries at positions `query` (B,T)
-        over key positions 0 .. keys - 1: T5's relative positions (computed once per table and
-        shared by the layers that read it), or None for each layer without them."""
+        """Each layer's self-attention score bias (B,H,T,keys) for queries at positions `query` (B,T) over
+        key positions 0 .. keys - 1: T5's relative positions (once per table), or None for each layer."""
         tables = self.relative_attention_bias
         if tables is None:
             return [None] * len(self.layers)
@@ -337,8 +329,7 @@ class Transformer(nn.Module):
         return CrossKV(k=[k.contiguous() for k, _ in kvs], v=[v.contiguous() for _, v in kvs], src_pad=src_pad)
 
     def start(self, src: torch.Tensor, capacity: int = 64, group: int = 1, indirect: bool = False) -> DecoderCache:
-        """Encode `src` and return an empty decoder cache for it (`group` rows per source: beams
-        sharing its cross K/V; `indirect` reorders: `DecoderCache`)."""
+        """Encode `src` and return an empty decoder cache for it (`group`, `indirect`: `DecoderCache`)."""
         return self.start_from(*self.encode(src), capacity=capacity, group=group, indirect=indirect)
 
     def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64,
@@ -352,9 +343,8 @@ class Transformer(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """(V, D): logits = hidden @ output_weight.T + output_bias."""
-        if self.decoder.output_projection is None:
-            return self.decoder.embed_tokens.weight
-        return self.decoder.output_projection.weight
+        tied = self.decoder.output_projection is None
+        return (self.decoder.embed_tokens if tied else self.decoder.output_projection).weight
 
     @property
     def output_bias(self) -> torch.Tensor | None:
@@ -465,11 +455,10 @@ class Transformer(nn.Module):
     def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor | None,
                    ragged: bool, math: bool = False) -> tuple:
         """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None, bias=None), self_sees,
-        cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T)
-        within the first `span`, and the first cross_count[b] (B,) source positions, which
-        cross_keep (B,1,1,S) marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU
-        kernel over each row's own keys (`decode_attention`; counts; `rows` its row map); else
-        masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
+        cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T) within
+        the first `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S)
+        marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU kernel (counts; `rows` its
+        row map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
         if ragged:  # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
             counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
             return (lambda mha, q, k, v, sees, rows=None, bias=None: decode_attention.attend(
