@@ -3,15 +3,13 @@
 Glossary (per row, one verifier call on [last token ; d_1 .. d_n]):
 - verifier prediction p_t: the verifier's choice for the token after position t (t = 0..n).
 - accepted tokens: the longest prefix d_1 .. d_m of the draft that the criterion keeps.
-- bonus token: the verifier's p_m, appended after the accepted tokens. It exists even when the
-  whole draft is accepted, so every call makes progress (it plays the role of the paper's
-  [PAD] sentinel that guarantees a bifurcation).
+- bonus token: the verifier's p_m, appended after the accepted tokens, even when the whole draft is
+  accepted, so every call makes progress.
 The row commits d_1 .. d_m, p_m: m + 1 tokens.
 
 `ExactMatch` (top-1) keeps the output identical to greedy decoding. `TopKTolerance` is GAD++.
-Criteria read the verifier through `VerifierScores`: top-1 only (cheap, possibly certified bf16)
-or full logits (computed in fp32 on first use), at the call's verified tokens (`Tokens`: an eager
-step's live positions, a fixed-shape step's every position; one code for both).
+Criteria read the verifier through `VerifierScores` (top-1 only, or full logits computed on first use)
+at the call's verified tokens (`Tokens`).
 """
 
 from __future__ import annotations
@@ -32,12 +30,10 @@ def constrain_logits(logits: torch.Tensor, out_index: torch.Tensor, max_len: tor
 
 
 class VerifierScores:
-    """The verifier's scores at the N verified tokens of a call (`Tokens`, in their order).
-
-    top1 (N,) int64: the argmax of the constrained fp32 logits, exactly (certified bf16 or fp32, as
-    `projection` decides). logits (N, V) fp32 (float64 for a float64 verifier): the constrained logits,
-    computed on first use. Memoized by hand (TorchDynamo breaks at `cached_property`).
-    """
+    """The verifier's scores at the N verified tokens of a call (`Tokens`, in their order): top1 (N,)
+    int64, the exact argmax of the constrained fp32 logits (certified bf16 or fp32, as `projection`
+    decides); logits (N, V) fp32 (float64 for a float64 verifier), the constrained logits. Each computed
+    on first use, memoized by hand (TorchDynamo breaks at `cached_property`)."""
 
     def __init__(self, projection: OutputProjection | None, hidden: torch.Tensor | None, rules: Rules | None,
                  logits: torch.Tensor | None = None):
@@ -69,21 +65,18 @@ class Acceptance(Protocol):
 
     def accept(self, draft: torch.Tensor, num_draft: torch.Tensor, scores: VerifierScores,
                tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decide per row, with no host read.
-
-        draft (B,K) int64; num_draft (B,); tokens: the call's verified tokens on the grid (B, K+S), S being
-        the verifier's tokens per step (1; 2 for a double-token model, whose bonus is the pair at
-        positions m, m + 1), at least those at offsets t < num_draft[b] + S of each live row; scores: the
-        verifier at those tokens; offset t predicts the token after draft token t (t = 0: after the last).
-        Returns (accepted (B,) int64, bonus (B,) int64).
-        """
+        """Decide per row, with no host read: draft (B,K) int64; num_draft (B,); tokens: the call's
+        verified tokens on the grid (B, K+S), S the verifier's tokens per step (1; 2 for a double-token
+        model, whose bonus is the pair at positions m, m + 1), at least those at offsets
+        t < num_draft[b] + S of each live row; scores: the verifier at those tokens; offset t predicts
+        the token after draft token t (t = 0: after the last). -> (accepted (B,) int64, bonus (B,) int64)."""
 
 
-def _prefix_len(ok: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of True in ok (B,K), limited to num_draft."""
-    k = ok.shape[1]
-    valid = torch.arange(k, device=ok.device)[None] < num_draft[:, None]
-    return torch.cumprod((ok & valid).long(), dim=1).sum(dim=1)
+def _accepted(ok: torch.Tensor, num_draft: torch.Tensor, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted, bonus): the leading run of True in ok (B,K) limited to num_draft, and pred (B,K+S) after it."""
+    valid = torch.arange(ok.shape[1], device=ok.device)[None] < num_draft[:, None]
+    m = torch.cumprod((ok & valid).long(), dim=1).sum(dim=1)
+    return m, pred.gather(1, m[:, None]).squeeze(1)
 
 
 class ExactMatch:
@@ -96,17 +89,13 @@ class ExactMatch:
 
     def accept(self, draft, num_draft, scores, tokens):
         pred = tokens.grid(scores.top1, -1)  # (B, K+S)
-        m = _prefix_len(pred[:, : draft.shape[1]] == draft, num_draft)
-        return m, pred.gather(1, m[:, None]).squeeze(1)
+        return _accepted(pred[:, : draft.shape[1]] == draft, num_draft, pred)
 
 
 class TopKTolerance:
-    """GAD++: accept d_t if it is in the verifier's top-`beta` and log p(top1) - log p(d_t) <= `tau`.
-
-    With beta=1 this is ExactMatch. The bonus token is the verifier's top-1. A call in which no row
-    drafted reads the top-1 alone, as ExactMatch does (greedy steps under a draft budget cost what
-    greedy's do).
-    """
+    """GAD++: accept d_t if it is in the verifier's top-`beta` and log p(top1) - log p(d_t) <= `tau`
+    (beta=1: ExactMatch). The bonus token is the verifier's top-1. A call in which no row drafted
+    reads the top-1 alone, as ExactMatch does."""
 
     name = "topk"
 
@@ -130,14 +119,12 @@ class TopKTolerance:
         in_top = (top.indices == nxt[:, None]).any(-1)
         gap = top.values[:, 0] - logp.gather(-1, nxt.clamp(min=0)[:, None])[:, 0]
         ok = tokens.grid(in_top & (gap <= self.tau) & gap.isfinite(), False)[:, : draft.shape[1]]  # never a -inf
-        pred = tokens.grid(top.indices[:, 0], -1)
-        m = _prefix_len(ok, num_draft)
-        return m, pred.gather(1, m[:, None]).squeeze(1)
+        return _accepted(ok, num_draft, tokens.grid(top.indices[:, 0], -1))
 
 
 class MinBlock:
-    """Stern et al.'s minimum block size (approximate): always keep the first `min_block` draft
-    tokens (as far as drafted), then apply `inner` to decide the rest of the prefix."""
+    """Stern et al.'s minimum block size (approximate): keep the first `min_block` draft tokens (as far
+    as drafted), `inner` deciding the rest of the prefix."""
 
     name = "minblock"
 

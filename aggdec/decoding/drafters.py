@@ -1,15 +1,5 @@
-"""Drafters: what the verifier is asked to check at each iteration of the loop.
-
-A drafter is the batched counterpart of HF's CandidateGenerator: `propose` returns the rows' drafts
-as (tokens, lengths) tensors, `observe` sees how many tokens each row accepted and, for drafters
-that draft from them, the verifier's states (`Verified`). The loop tells a drafter when rows enter
-(`admit`, continuous batching); a drafter keeps per-row state in `RowState` tensors, which the loop
-moves with its slots.
-
-Each drafter lives in its own module with its options class (iad.py, gad_head.py, blockwise.py) and is
-registered in aggdec.decoding.methods. This module holds the protocol, greedy's empty drafter and
-what drafters share.
-"""
+"""Drafters: what the verifier is asked to check at each iteration of the loop (docs/design.md,
+"Options and the method registry"): the protocol, greedy's empty drafter and what drafters share."""
 
 from __future__ import annotations
 
@@ -24,16 +14,12 @@ from aggdec.decoding.state import DecodeState
 
 
 class Drafter(Protocol):
-    """What the loop asks of a drafter.
-
-    `max_draft`: the most tokens a row drafts in a call (None: no cap; 0: it never drafts).
-    `from_states`: True where it drafts from the verifier's states of the call that just ran (the
-    draft head, proposal heads): the loop then calls `observe` after its step, where the next call
-    drafts. `rows`: its per-row tensors (`RowState`), which the loop narrows and moves with its slots.
-    `source_bound` (optional, default False): True where every draft is a copy of the row's source
-    (IAD), so none is longer than it: an eager loop then verifies no more draft positions than the
-    longest live source has. Any other drafter's drafts are verified as long as the call's length.
-    """
+    """What the loop asks of a drafter. `max_draft`: the most tokens a row drafts in a call (None: no
+    cap; 0: it never drafts). `from_states`: True where it drafts from the verifier's states of the call
+    that just ran (the loop then calls `observe` after its step). `rows`: its per-row tensors, moved
+    with the loop's slots. `source_bound` (optional, default False): True where every draft is a copy
+    of the row's source (IAD): an eager loop then verifies no more draft positions than the longest
+    live source has."""
 
     name: str
     max_draft: int | None
@@ -44,9 +30,8 @@ class Drafter(Protocol):
         """New sentences were placed in `slots` (1-D index tensor) of `state`."""
 
     def propose(self, state: DecodeState, width: int) -> DraftBatch:
-        """Drafts for every row: tokens (B, width) and each row's draft length before the cut at
-        `width` (the loop cuts). A fixed-shape program with no host reads where the loop compiles or
-        captures its step; an eager loop also takes fewer than `width` columns and host reads."""
+        """Drafts for every row: tokens (B, width) and each row's draft length before the loop's cut at
+        `width`. No host reads where `state.fixed`; an eager step also takes fewer than `width` columns."""
 
     def observe(self, state: DecodeState, draft: DraftBatch | None, accepted: torch.Tensor,
                 verified: Verified | None) -> None:
@@ -57,13 +42,11 @@ class Drafter(Protocol):
 
 @dataclass
 class Verified:
-    """The verifier's side of a call, for drafters that draft from it (`StateDrafter`).
-
-    hidden (B, D): each row's final decoder state behind its bonus token. keys(layer) -> that layer's
-    self-attention keys and values (B, L, E), of which each row's first `lengths` (B,) are its prefix,
-    its cross-attention keys and values (B, S, E) and their source padding (B, S) bool:
-    (k, v, lengths, cross_k, cross_v, src_pad), as the loop's cache holds them. next_length: the most
-    draft tokens the next call verifies (a drafter need not draft more)."""
+    """The verifier's side of a call, for drafters that draft from it (`StateDrafter`). hidden (B, D):
+    each row's final decoder state behind its bonus token. keys(layer) -> (k, v, lengths, cross_k,
+    cross_v, src_pad): that layer's self-attention keys and values (B, L, E), each row's first
+    `lengths` (B,) its prefix, and cross-attention keys and values (B, S, E) with their source padding
+    (B, S) bool. next_length: the most draft tokens the next call verifies."""
 
     hidden: torch.Tensor
     keys: Callable[[int], tuple[torch.Tensor, ...]]
@@ -71,14 +54,11 @@ class Verified:
 
 
 class RowState:
-    """Named per-row tensors of a drafter, kept aligned with the loop's slots.
-
-    `admit(state, slots, name=fill, ...)` starts fresh tensors when a new batch starts (the batch
-    size changed, or every slot was admitted and the tensors are not exactly the fills) and otherwise
-    sets the refilled slots to their fill in place (the tensors keep their storage; no host data is
-    copied: an admission's one copy is the loop's); a fill is a Python scalar (a (B,) tensor of its
-    type) or (scalar, width) (a (B, width) tensor). The tensors are attributes: `rows.cap`, `rows.cap = ...`.
-    """
+    """Named per-row tensors of a drafter, kept aligned with the loop's slots; attributes (`rows.cap`,
+    `rows.cap = ...`). `admit(state, slots, name=fill, ...)` starts fresh tensors for a new batch (the
+    batch size changed, or every slot was admitted and the tensors are not exactly the fills), else
+    sets the refilled slots to their fill in place (no host copy). A fill is a Python scalar (a (B,)
+    tensor of its type) or (scalar, width) (a (B, width) tensor)."""
 
     def __init__(self) -> None:
         object.__setattr__(self, "_tensors", {})
@@ -115,9 +95,9 @@ class RowState:
 
 class StateDrafter:
     """Base of the drafters that draft the next call's tokens from the verifier's states of the call
-    that just ran (the draft head, proposal heads): `max_draft` tokens a row, pending in
-    `rows.pending` (B, max_draft) behind `rows.ready` (B,). A row's first call drafts nothing (there is
-    no verifier state yet). Subclasses give `_draft(state, verified, k)`: each row's proposals (B, k)."""
+    that just ran: `max_draft` tokens a row, pending in `rows.pending` (B, max_draft) behind
+    `rows.ready` (B,); a row's first call drafts nothing. Subclasses give `_draft(state, verified, k)`:
+    each row's proposals (B, k)."""
 
     from_states = True
 
@@ -134,22 +114,17 @@ class StateDrafter:
 
     def observe(self, state: DecodeState, draft: DraftBatch | None, accepted: torch.Tensor,
                 verified: Verified | None) -> None:
-        """Draft the next call's tokens, in place (the loop calls this where its next call drafts): as
-        many as it verifies."""
+        """Draft the next call's tokens in place, as many as it verifies (where the next call drafts)."""
         k = min(self.max_draft, verified.next_length)
         self.rows.pending[:, :k] = self._draft(state, verified, k)
         self.rows.ready.fill_(True)
 
-    def _draft(self, state: DecodeState, verified: Verified, k: int) -> torch.Tensor:
-        raise NotImplementedError
-
 
 def adapt_length(length: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor, low: int,
                  high: int) -> torch.Tensor:
-    """The adaptive per-row draft length (option `adaptive_draft`): doubled after a call whose draft
-    was fully accepted, halved after one rejected in its first half, kept within [low, high].
-
-    length, drafted, accepted: (B,) int64 (drafted: tokens proposed, accepted: tokens kept)."""
+    """The adaptive per-row draft length (option `adaptive_draft`), (B,) int64: doubled after a call
+    whose draft (`drafted` tokens) was fully `accepted`, halved after one rejected in its first half,
+    kept within [low, high]."""
     full = (accepted == drafted) & (drafted > 0)
     early = accepted < drafted // 2
     length = torch.where(full, length * 2, torch.where(early, length // 2, length))

@@ -63,30 +63,14 @@ class InputCopy:
 
     Let x = (BOS, x_1 .. x_n, eos) be the input and o = (BOS, o_1 .. o_j) the output so far. Find the
     smallest q >= 1 such that o's last q tokens occur in x at exactly one end position i; the draft is
-    then x_{i+1} .. (at most `max_draft` tokens). At the start o = (BOS) matches x_0, so the first
-    draft is the whole input. If the suffix occurs nowhere, the row drafts nothing (one AR step).
+    then x_{i+1} .. (at most `max_draft` tokens, None: no cap). At the start o = (BOS) matches x_0, so
+    the first draft is the whole input. If the suffix occurs nowhere, the row drafts nothing.
+    `adaptive`: each row's cap follows `adapt_length` between `min_draft` and `max_draft`.
 
-    `max_draft` caps each row's draft per call (None: no cap). With `adaptive=True` the cap of a row
-    halves after a call whose draft was rejected early and doubles after a fully accepted draft,
-    between `min_draft` and `max_draft`.
-
-    `substitution=True` goes beyond Algorithm 1: where no unique match exists right after a
-    rejected draft token, assume the verifier's token replaced it (the most common edit) and keep
-    copying the input after the rejected token, instead of drafting nothing. Like every draft, this
-    cannot change the output; it only saves the AR steps that re-alignment would take.
-
-    `skip_prefix=True` goes beyond Algorithm 1 too: once a row's output has its first token and no
-    suffix of the output is unique in the input (the output's start mark matches the input's start
-    only, so an output that skipped a prefix of the input, e.g. a CoEdIT instruction, has none
-    where its first token occurs several times), re-align at the token's first occurrence in the
-    input instead of drafting nothing. A prefix the output never copies then costs one call: the
-    first draft, rejected at its first token.
-
-    `nearest_match=True` also goes beyond Algorithm 1: right after a rejected draft token, where no
-    suffix of the output is unique in the input but its longest matching suffix occurs several
-    times, re-align at the occurrence nearest to the input token after the rejected one (where a
-    deleted token would put it) instead of drafting nothing. Repeated tokens ("the", ",") made
-    Algorithm 1 lose a call after most deletions (docs/design.md).
+    Beyond Algorithm 1, where it would draft nothing (docs/design.md, "IAD re-alignment"), right after
+    a rejected draft token: `substitution` copies the input after that token; `nearest_match`, where the
+    longest matching suffix occurs several times, re-aligns at the occurrence nearest to the input token
+    after it. `skip_prefix`: once the output has its first token, re-align at its first occurrence in x.
     """
 
     name = "iad"
@@ -99,14 +83,11 @@ class InputCopy:
             raise ValueError(f"max_draft must be >= 1 or None, got {max_draft}")
         if adaptive and max_draft is None:
             raise ValueError("adaptive draft caps need max_draft")
-        self.max_draft = max_draft
-        self.adaptive = adaptive
+        self.max_draft, self.adaptive = max_draft, adaptive
         self.min_draft = min(min_draft, max_draft) if max_draft else min_draft
-        self.substitution = substitution
-        self.nearest_match = nearest_match
-        self.skip_prefix = skip_prefix
-        # per row: cap (adaptive only), the draft cap; resume, the x index to copy from after a
-        # rejection, or -1; start, the x index of the last draft's first token, or -1
+        self.substitution, self.nearest_match, self.skip_prefix = substitution, nearest_match, skip_prefix
+        # per row: cap (adaptive only); resume, the x index to copy from after a rejection, or -1;
+        # start, the x index of the last draft's first token, or -1
         self.rows = RowState()
 
     @classmethod
@@ -119,14 +100,10 @@ class InputCopy:
 
     def match(self, state: DecodeState, depth: int = MATCH_DEPTH, anchor: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) end position i in x of each row's unique suffix match, or -1 where there is none: one
-        fixed-shape tensor program (no host reads) trying the output's suffixes of up to `depth` tokens at
-        once (a unique suffix only longer counts as none: a shorter draft, never another output).
-
-        anchor (B,) x index or -1, optional: where a row has no unique match but its longest matching
-        suffix occurs more than once, take the occurrence whose end is nearest to the anchor (the
-        later one on a tie) instead of -1."""
-        bsz = state.batch_size
-        dev = state.out.device
+        fixed-shape tensor program (no host reads) trying the output's suffixes of up to `depth` tokens
+        (a unique suffix only longer counts as none). anchor (B,) x index or -1, optional: where a row's
+        longest matching suffix occurs several times, the occurrence nearest to it (later on a tie)."""
+        bsz, dev = state.batch_size, state.out.device
         x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
         width = x.shape[1]
         x = x.masked_fill(torch.arange(width, device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
@@ -149,8 +126,8 @@ class InputCopy:
         return pos
 
     def match_rows(self, state: DecodeState, depth: int = MATCH_DEPTH, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`match`, the same positions, computed on the host row by row in Python from one read of the state:
-        where the step may read the host (`state.fixed` False), up to HOST_MATCH_ROWS rows."""
+        """`match`, the same positions, computed on the host row by row from one read of the state (where
+        the step may read the host, `state.fixed` False)."""
         src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
         anchors = anchor.tolist() if anchor is not None else [-1] * len(src)
         pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a, depth)
@@ -183,9 +160,8 @@ class InputCopy:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
     def propose(self, state, width):
-        """Drafts (B, width): each row's input after its unique suffix match, `match` (a fixed-shape
-        program with no host reads), or on the host (`match_rows`) where the step may read it and the
-        rows are few."""
+        """Drafts (B, width): each row's input after its unique suffix match: `match`, or `match_rows`
+        where the step may read the host and the rows are few."""
         anchor = self.rows.resume if self.nearest_match else None
         match = self.match_rows if not state.fixed and state.batch_size <= HOST_MATCH_ROWS else self.match
         start, num = self._drafts(state, match(state, anchor=anchor))

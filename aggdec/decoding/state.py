@@ -14,21 +14,18 @@ from aggdec.model.slots import SlotCache
 class DecodeState:
     """The loop's rows ("slots"). All tensors have B rows on the model's device.
 
-    src:     (B, S) int64 source ids incl. final eos, right-padded with pad.
-    src_len: (B,) int64.
+    src:     (B, S) int64 source ids incl. final eos, right-padded with pad; src_len (B,) int64.
     out:     (B, Lo) int64 decoder inputs: out[b, :stride] = the decoder start (eos for fairseq; the pair
              (bos, start) for a double-token model), then generated tokens.
     out_len: (B,) int64; out[b, :out_len[b]] is valid. Generated tokens so far: out_len - stride.
     max_len: (B,) int64; the token at output index max_len is forced to eos.
     cache:   the verifier's slot cache; every decoder input but the last step's has been fed.
-    requests: host-side, the request each slot holds (None: empty).
-    pad, eos: the vocabulary's special ids.
+    requests: host-side, the request each slot holds (None: empty). pad, eos: special ids.
     stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
              whose generated tokens are a folded stream of (head, tail) pairs.
     fixed:   the step is one fixed-shape program (compiled, captured, checked): drafters must not read
              the host; False in an eager step, where they may.
-    index:   (B,) int64, the index of the request each slot holds (`Request.index`; any for an empty
-             slot): a drafter's per-request data, on the device, at admission (the slot loop's).
+    index:   (B,) int64, the `Request.index` each slot holds (any for an empty slot), on the device.
     """
 
     src: torch.Tensor
@@ -55,7 +52,7 @@ class DecodeState:
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) the last decoder input of each row (not yet fed to the verifier)."""
-        return self.out.gather(1, (self.out_len - 1)[:, None]).squeeze(1)
+        return self.last_step()[:, -1]
 
     def last_step(self) -> torch.Tensor:
         """(B, stride) the decoder inputs of each row's last step (not yet fed to the verifier)."""

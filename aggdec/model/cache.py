@@ -1,6 +1,5 @@
 """Decoder state of beam search and teacher-forced passes: a self-attention KV cache whose rows advance
-together, and cross-attention K/V (docs/design.md, "Caches"). The draft -> verify loop keeps its state
-in fixed slots instead (aggdec.model.slots).
+together, and cross-attention K/V (docs/design.md, "Caches"); the slot loop's is aggdec.model.slots.
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ class CrossKV:
         return self.keep.sum(dim=-1).view(-1)
 
     def take(self, rows: torch.Tensor, width: int | None = None) -> "CrossKV":
-        """The given rows (1-D index tensor), in that order; `width`: only the first `width` source
-        positions."""
-        width = self.src_pad.shape[1] if width is None else width
+        """The given rows (1-D index tensor), in that order, at the first `width` source positions (None: all)."""
         return CrossKV(k=[t[:, :width].index_select(0, rows) for t in self.k],
                        v=[t[:, :width].index_select(0, rows) for t in self.v],
                        src_pad=self.src_pad[:, :width].index_select(0, rows))
@@ -44,18 +41,16 @@ class CrossKV:
 
 class DecoderCache:
     """Self-attention cache for `n_layers` layers, buffers (B, capacity, D), plus the cross-attention
-    K/V of each row. Every row is at one length, `length` (also `lengths`, (B,) int64 on the model's
-    device); a block of T written tokens goes to positions length .. length+T-1, `commit(n)` keeps n."""
+    K/V. Every row is at one length, `length` (also `lengths`, (B,) int64 on the model's device); a
+    block of T written tokens goes to positions length .. length+T-1, `commit(n)` keeps n. group: every
+    row of `cross` serves `group` consecutive rows (a sentence's beams). indirect: `reorder` moves no
+    K/V but a map of where each row's positions are stored (`rows`), where the CPU attention kernel
+    reads this cache (`decode_attention.usable`)."""
 
     def __init__(self, cross: CrossKV, n_layers: int, d_model: int, capacity: int = 64, group: int = 1,
                  indirect: bool = False):
-        """group: every row of `cross` serves `group` consecutive rows (beam search: a sentence's
-        beams). indirect: `reorder` moves no K/V but a map of where each row's positions are stored
-        (`rows`), where the CPU attention kernel reads this cache (`decode_attention.usable`)."""
-        b = cross.src_pad.shape[0] * group
-        ref = cross.k[0]
-        self.cross = cross
-        self.group = group
+        b, ref = cross.src_pad.shape[0] * group, cross.k[0]
+        self.cross, self.group = cross, group
         self._heads: tuple[CrossKV, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # cross_heads' memo
         self.lengths = torch.zeros(b, dtype=torch.long, device=ref.device)
         self.length = 0
@@ -80,14 +75,11 @@ class DecoderCache:
         new_cap = max(need, 2 * capacity)
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
-                grown = self._new(t, (t.shape[0], new_cap, t.shape[2]))
-                grown[:, : t.shape[1]] = t
-                buf[i] = grown
+                buf[i] = torch.cat([t, self._new(t, (t.shape[0], new_cap - t.shape[1], t.shape[2]))], dim=1)
         self._full = []
         if self.rows is not None:
-            grown = self._identity(self.rows.shape[0], new_cap)
-            grown[:, : self.rows.shape[1]] = self.rows
-            self.rows = grown
+            b, have = self.rows.shape
+            self.rows = torch.cat([self.rows, self._identity(b, new_cap - have)], dim=1)
 
     def _identity(self, b: int, capacity: int) -> torch.Tensor:
         return torch.arange(b, device=self.lengths.device)[:, None].expand(b, capacity).contiguous()
@@ -105,9 +97,8 @@ class DecoderCache:
         return None if self.rows is None else self.rows[: self.lengths.shape[0], :span]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a block's K/V (B, T, D) at positions length .. length + T - 1 and return the first `span`
-        positions (B, span, D) of this layer's buffers (with `rows`: of every buffer row, which `key_rows`
-        maps); the caller masks keys beyond each query's limit."""
+        """Store a block's K/V (B, T, D) at positions length .. length + T - 1 -> the first `span` positions
+        (B, span, D) of this layer's buffers (with `rows`: of every buffer row, mapped by `key_rows`), unmasked."""
         bsz, t = k.shape[:2]
         self.k[layer][:bsz, self.length: self.length + t] = k
         self.v[layer][:bsz, self.length: self.length + t] = v
@@ -129,11 +120,10 @@ class DecoderCache:
         return self._heads[1][layer]
 
     def reorder(self, rows: torch.Tensor, prefix: int, take_cross: bool) -> None:
-        """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave), copying only
-        the first `prefix` positions (prefix >= every row's length) into a second set of buffers that
-        then swaps with the first; with `indirect`, only the map `rows`. With `group`, the rows of a new
-        group come from one old group. take_cross: also take the cross K/V by `rows` (False where every
-        new row keeps its sentence's)."""
+        """Beam search's `select`: row i becomes row rows[i] (rows may repeat and leave; with `group`, a
+        new group's rows come from one old group), copying the first `prefix` positions (>= every row's
+        length) into spare buffers that then swap with these, or with `indirect`, only the map `rows`.
+        take_cross: also take the cross K/V by `rows` (False where every row keeps its sentence's)."""
         if take_cross:
             groups = rows if self.group == 1 else rows[:: self.group] // self.group
             if self.sources is None:

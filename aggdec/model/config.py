@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORMS = ("layer", "rms")
+SINUSOIDAL = ("fairseq", "marian")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family). Special
-    token ids default to fairseq's Dictionary; the decoder starts from `eos` unless a model's
-    conventions (aggdec.conventions) name another token. T5 (and mT5) set `relative_buckets`
-    (aggdec.model.relative_bias) instead of absolute positions."""
+    """Shape and wiring of an encoder-decoder Transformer (fairseq `transformer` family). Special token
+    ids default to fairseq's Dictionary; the decoder starts from `eos` unless a model's conventions
+    (aggdec.conventions) name another token."""
 
     src_vocab: int  # rows of encoder.embed_tokens
     tgt_vocab: int  # rows of decoder.embed_tokens / output projection
@@ -61,12 +61,9 @@ class ModelConfig:
     double_token: bool = False  # the decoder emits a (head, tail) token pair per step (aggdec.double_token)
 
     def __post_init__(self) -> None:
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
-        if self.sinusoidal not in ("fairseq", "marian"):
-            raise ValueError(f"sinusoidal must be 'fairseq' or 'marian', got {self.sinusoidal!r}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        for name, allowed in (("activation", ACTIVATIONS), ("sinusoidal", SINUSOIDAL), ("norm", NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("d_model", "enc_heads", "dec_heads", "head_dim"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

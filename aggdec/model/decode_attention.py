@@ -2,31 +2,20 @@
 
 `attend(q, k, v, count, heads)`: q (B,T,D) queries, already projected; k, v (B,L,D) keys and values
 (views such as a prefix of a cache are read in place where their last dimension is contiguous);
-count (B,T) int64, any strides (a count per row broadcast over its queries): query
-[b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most L); returns (B,T,D), each head's
-softmax(q k^T * scale + bias) v, `scale` default (D/heads) ** -0.5. `bias` (B,heads,T,L), any
-strides, optional: added to the scores of (row, head, query, key) (T5's relative positions; each
-query of a block its own row of them). `rows` (B,L) int64, any strides, optional: key j of row b is
-read from row rows[b, j] of k and v, which then hold any number of rows (beam search: its beams'
-shared prefixes in place, where they were written, and a sentence's source shared by its beams);
-an entry a query reads that is not a row of k raises. This is the masked softmax of
+count (B,T) int64, any strides: query [b, t] attends to keys 0 .. count[b, t] - 1 of row b (at most
+L); returns (B,T,D), each head's softmax(q k^T * scale + bias) v, `scale` default (D/heads) ** -0.5.
+`bias` (B,heads,T,L), any strides, optional: added to the scores of (row, head, query, key) (T5's
+relative positions). `rows` (B,L) int64, any strides, optional: key j of row b is read from row
+rows[b, j] of k and v, which then hold any number of rows (beam search's shared prefixes and
+sources); an entry a query reads that is not a row of k raises. This is the masked softmax of
 `MultiheadAttention.core` where the visible keys are a prefix (causal self-attention; right-padded
-sources), with the same arithmetic per query (fp32 or fp64 products and sums, the softmax's maximum
-subtracted) in another summation order. A query with no key gives NaN, as the masked softmax does.
+sources), with the same arithmetic per query (fp32 or fp64, the softmax's maximum subtracted) in
+another summation order. A query with no key gives NaN, as the masked softmax does.
 
-Why: in a decode step the batched products over the padded layout cost more than the arithmetic.
-A step's rows sit at every length up to the longest (slots refill), and TorchInductor's loops for
-a handful of queries per row reduce each key's dot product across a vector; the kernel reads only
-each row's own keys, one task per (row, query, head) spread over ATen's threads.
-
-The kernel is C++ (`decode_attention.cpp`), compiled when the package is installed (`setup.py`:
-one library per CPU capability, `library`, each with the flags ATen builds its own vectorized
-kernels with, `FLAGS`); a process loads the one for this CPU's capability, ATen's own choice
-(`load`, about 0.1 s), and never compiles it. Where it is missing or cannot be loaded (installed
-without a C++ compiler, a torch other than the one it was built against, a source changed since),
-`load` warns once, saying how to rebuild it, and returns False, and callers keep the masked softmax,
-which computes every padded key too and costs more set-up than one row's arithmetic
-(docs/design.md, "Attention over each row's own keys").
+The kernel is C++ (`decode_attention.cpp`), built at install time (`setup.py`) as one library per
+CPU capability (`library`, `FLAGS`); a process loads the one for its capability (`load`) and never
+compiles it. Where it is missing or does not load, `load` warns once and callers keep the masked
+softmax (docs/design.md, "Attention over each row's own keys").
 """
 
 from __future__ import annotations
@@ -42,33 +31,27 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 OP = "decode_attention_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-"""The operator, `torch.ops.aggdec.<OP>`: its name carries the source's digest, so that a program
-TorchInductor compiled (and cached on disk) against another version of the kernel, whose call would
-not fit this one's signature, is never reused with it."""
+"""The operator, `torch.ops.aggdec.<OP>`: its name carries the source's digest, so that no program
+TorchInductor cached against another version of the kernel calls this one."""
 _loaded: bool | None = None  # None: not tried yet
 
 
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
          "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"]}
-"""Compiler flags by ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`), those ATen
-builds its own vectorized kernels with; any other capability has the library of ATen's portable
-vectors. `setup.py` builds these (on x86) with `CFLAGS` and `-DAGGDEC_OP=<OP>`."""
+"""Compiler flags by ATen's CPU capability, as ATen builds its own vectorized kernels; any other
+capability has the library of ATen's portable vectors. `setup.py` adds `CFLAGS` and `-DAGGDEC_OP=<OP>`."""
 CFLAGS = ["-O3", "-fopenmp", "-g0"]  # -g0: without the debug information Python's flags ask for, a fifth faster
-REBUILD = "pip install --no-build-isolation -e ."
-"""How a checkout builds the libraries (the Makefile's setup); the build links against the installed torch."""
+REBUILD = "pip install --no-build-isolation -e ."  # how a checkout builds the libraries, against the installed torch
 
 
 def library(capability: str) -> Path:
-    """The library built for an ATen CPU capability, next to this file: its own for a capability of
-    `FLAGS`, the portable one for any other."""
+    """The library built for an ATen CPU capability, next to this file (the portable one outside `FLAGS`)."""
     return Path(__file__).with_name(f"_decode_attention_{capability.lower() if capability in FLAGS else 'portable'}.so")
 
 
 def load() -> bool:
-    """Load the kernel built for this CPU's capability (ATen's: `torch.backends.cpu.get_cpu_capability()`,
-    which ATEN_CPU_CAPABILITY can lower); True once it is registered as `torch.ops.aggdec.<OP>`.
-    Never compiles and never raises: False, with one warning a process, where the library is missing
-    or cannot be loaded."""
+    """Load the kernel built for ATen's CPU capability (which ATEN_CPU_CAPABILITY can lower); True once
+    it is registered. Never compiles or raises: False, with one warning a process, where it cannot load."""
     global _loaded
     if _loaded is None:
         capability = torch.backends.cpu.get_cpu_capability()
@@ -85,10 +68,9 @@ def load() -> bool:
 
 def load_library(capability: str) -> None:
     """Load the library built for an ATen CPU capability (`library`, else its copy in the installed
-    aggdec: `_installed`) and register its shapes for torch.compile. A process loads one: the
-    operator's namespace is registered once. Raises FileNotFoundError where it was not built,
-    OSError where it does not link with this torch, RuntimeError where it was built from another
-    version of the source (its operator is not `OP`)."""
+    aggdec: `_installed`) and register its shapes for torch.compile (once a process). Raises
+    FileNotFoundError where it was not built, OSError where it does not link with this torch,
+    RuntimeError where it was built from another version of the source (its operator is not `OP`)."""
     path = next((p for p in (library(capability), _installed(library(capability))) if p and p.is_file()), None)
     if path is None:
         raise FileNotFoundError("not built")
@@ -100,9 +82,8 @@ def load_library(capability: str) -> None:
 
 def _installed(path: Path) -> Path | None:
     """`path`, a file of this copy of the package, in the aggdec installed in this environment, if
-    any: the checkout of an editable install (its direct_url.json), else the installed files. A job
-    submitted with the Jobs API runs a checkout uploaded without its built libraries (they are
-    git-ignored, which Ray's upload follows), on a cluster whose environment has aggdec installed."""
+    any (an editable install's checkout, else the installed files): a Jobs API job's uploaded
+    checkout has no built libraries (they are git-ignored)."""
     try:
         dist = metadata.distribution("aggdec")
     except metadata.PackageNotFoundError:
@@ -116,9 +97,8 @@ def _installed(path: Path) -> Path | None:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients
-    off (the kernel has no backward), and the kernel loaded (`load`, tried here the first time; while
-    torch.compile traces, only if it was loaded before)."""
+    """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients off
+    (no backward), and the kernel loaded (`load`; while torch.compile traces, only if loaded before)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64) or torch.is_grad_enabled():
         return False
     return bool(_loaded) if torch.compiler.is_compiling() else load()

@@ -1,9 +1,8 @@
 """GAD's draft head: a small non-autoregressive block drafter that reads the verifier (docs/design.md,
 "GAD draft head"). Row b's verifier state h (the one that produced its bonus token t) and t are fused
-into one context x_0 = W [h ; e(t)]; `block_size` mask queries x_i = m_i attend to it, to each other and
-to the verifier's last-layer self-attention K/V of the prefix, and cross-attend to its last-layer
-cross-attention K/V (pre-norm layers); draft_i = argmax W_out[vocab] . LN(x_i) with the verifier's frozen
-output projection, optionally restricted to a draft vocabulary.
+into x_0 = W [h ; e(t)]; `block_size` mask queries x_i = m_i attend to it, to each other and to the
+verifier's last-layer self-attention K/V of the prefix, and cross-attend to its last-layer cross K/V
+(pre-norm layers); draft_i = argmax W_out[vocab] . LN(x_i) with the verifier's output projection.
 """
 
 from __future__ import annotations
@@ -36,11 +35,9 @@ class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, kv: bool, inner: int):
         super().__init__()
         self.heads = heads
-        self.q_proj = Linear(dim, inner)
-        self.out_proj = Linear(inner, dim)
+        self.q_proj, self.out_proj = Linear(dim, inner), Linear(inner, dim)
         if kv:
-            self.k_proj = Linear(dim, inner)
-            self.v_proj = Linear(dim, inner)
+            self.k_proj, self.v_proj = Linear(dim, inner), Linear(dim, inner)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """q (B,T,D) queries before q_proj; k, v (B,L,E) projected (E: kv_dim); keep (B,1,1|T,L) bool or None."""
@@ -57,14 +54,12 @@ class _Layer(nn.Module):
         self.self_attn = _Attention(d, cfg.heads, kv=True, inner=cfg.kv_dim or d)
         self.cross_attn = _Attention(d, cfg.heads, kv=False, inner=cfg.kv_dim or d)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.fc1 = Linear(d, cfg.ffn)
-        self.fc2 = Linear(cfg.ffn, d)
+        self.fc1, self.fc2 = Linear(d, cfg.ffn), Linear(cfg.ffn, d)
 
     def forward(self, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, self_keep: torch.Tensor,
                 cross_k: torch.Tensor, cross_v: torch.Tensor, cross_keep: torch.Tensor) -> torch.Tensor:
-        """x (N,K1,D): one block of K1 = k + 1 positions per row; self-attention over the row's prefix
-        keys/values (prefix_k/v (N,L,E), E its kv_dim) and the block, keep (N,1,1,L+K1);
-        cross-attention to the row's source (cross_k/v (N,S,E), keep (N,1,1,S))."""
+        """x (N,K1,D): a block of K1 = k + 1 positions per row, self-attending to the row's prefix keys/values
+        (prefix_k/v (N,L,E), E: kv_dim) and the block, keep (N,1,1,L+K1); cross_k/v (N,S,E), keep (N,1,1,S)."""
         h = self.norm1(x)
         k = torch.cat([prefix_k, self.self_attn.k_proj(h)], dim=1)
         v = torch.cat([prefix_v, self.self_attn.v_proj(h)], dim=1)
@@ -92,8 +87,7 @@ class DraftHead(nn.Module):
     def token_context(self, embed: torch.Tensor) -> torch.Tensor:
         """(V,D): the token half of `fuse` for every token of `embed` (V,D), bias included, so that
         the context of (h, t) is h @ W_h.T + table[t] (one product and a gather)."""
-        d = self.cfg.d_model
-        return embed @ self.fuse.weight[:, d:].T + self.fuse.bias
+        return embed @ self.fuse.weight[:, self.cfg.d_model:].T + self.fuse.bias
 
     def context(self, h: torch.Tensor, token_table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The fused context (N,D) of states h (N,D) and tokens (N,) through `token_context`'s table."""
@@ -103,9 +97,9 @@ class DraftHead(nn.Module):
                prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, src_pad: torch.Tensor,
                k: int | None = None) -> torch.Tensor:
         """Final states (N,k,D) of the first `k` masks (default all). h, token_emb (N,D): verifier states
-        and the embeddings of the tokens they produced; prefix_k/v (N,L,E): the verifier's last-layer
-        self-attention K/V of each row's prefix (up to h's position), prefix_keep (N,L) bool; cross_k/v
-        (N,S,E): its last-layer cross-attention K/V of each row's source, src_pad (N,S) bool."""
+        and the embeddings of the tokens they produced; prefix_k/v (N,L,E), prefix_keep (N,L) bool: the
+        verifier's last-layer self-attention K/V of each row's prefix; cross_k/v (N,S,E), src_pad (N,S)
+        bool: its last-layer cross-attention K/V of each row's source."""
         return self.from_context(self.fuse(torch.cat([h, token_emb], dim=-1)), prefix_k, prefix_v, prefix_keep,
                                  cross_k, cross_v, src_pad, k)
 

@@ -26,8 +26,7 @@ class ProposalHeads(nn.Module):
         return self.fc1.shape[0]
 
     def forward(self, h: torch.Tensor, num: int | None = None) -> torch.Tensor:
-        """h (N,D) -> (N, num, D) from the first `num` heads (default all). Heads are independent,
-        so the first k-1 heads of a model trained with block size K >= k serve block size k."""
+        """h (N,D) -> (N, num, D) from the first `num` heads (default all; heads are independent)."""
         n = self.num_heads if num is None else num
         z = F.relu(torch.einsum("nd,kdh->nkh", h, self.fc1[:n]) + self.b1[:n])  # (N, n, hidden)
         # contiguous: einsum leaves a head-major layout, which the output projection reads several times slower

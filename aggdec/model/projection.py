@@ -1,11 +1,9 @@
 """The verifier's output projection, and its top-1 computed in bfloat16 but certified exact.
 
-Verification mostly needs one thing from the (N, V) logits: their argmax. On CPUs with native
-bfloat16 (AVX512-BF16, AMX) a bf16 matmul is several times faster than fp32, but its argmax
-sometimes differs from fp32's, so it cannot be used as is. Instead,
-`OutputProjection.top1` (certify=True) bounds the bf16 error of every logit and keeps the bf16 argmax only where the
-bound proves that the fp32 argmax is the same token; the other positions are recomputed in fp32.
-The result equals the argmax of the fp32 logits at every position.
+Verification mostly needs the argmax of the (N, V) logits. A bf16 product is faster on CPUs with
+native bf16, but its argmax sometimes differs from fp32's. `OutputProjection.top1` (certify=True)
+bounds the bf16 error of every logit and keeps the bf16 argmax only where the bound proves the fp32
+argmax is the same token; the others are settled in fp32. The result is the fp32 argmax everywhere.
 
 Error bound, for z_i = sum_j W_ij h_j over D terms, u = 2^-8 (bf16 unit roundoff), g = D * 2^-24:
 - rounding h and W to bf16 moves each product by at most (2u + u^2) |W_ij h_j|;
@@ -18,14 +16,12 @@ z_b,i + r |z_b,i| grows with z_b,i, so the top-1 a is certified when
     z_b,a - r |z_b,a| - A > z_b,b + r |z_b,b| + A     (b: the bf16 runner-up),
 which makes z_fp32,a > z_fp32,i for every i != a.
 
-Where that fails, most positions still have only a few tokens that could be the fp32 argmax: the
-candidates C = {i : z_b,i + delta_i >= L}, L = z_b,a - delta_a (no other i can reach z_fp32,a >= L).
-`OutputProjection._refine` computes their fp32 logits z_s,i from the fp32 weight rows alone (a gather and a small
-matmul, another summation order than the full product's). Both are within g' max_i ||W_i|| ||h|| of
-the exact value, so |z_s,i - z_fp32,i| <= E = 2 g' max_i ||W_i|| ||h||, and the candidate c with the
-largest z_s,c is the fp32 argmax when z_s,c - E > z_s,j + E for every other candidate j. Only the
-positions where that also fails (exact or ~1e-6 ties, or more than REFINE_WIDTH candidates) get the
-full fp32 row.
+Where that fails, only the candidates C = {i : z_b,i + delta_i >= L}, L = z_b,a - delta_a, can be the
+fp32 argmax (no other z_fp32,i reaches L <= z_fp32,a). `OutputProjection._refine` computes their fp32
+logits z_s,i from their weight rows alone (another summation order). Both are within g' max_i ||W_i||
+||h|| of the exact value, so |z_s,i - z_fp32,i| <= E = 2 g' max_i ||W_i|| ||h||, and the candidate c
+with the largest z_s,c is the fp32 argmax when z_s,c - E > z_s,j + E for every other candidate j.
+Positions where that also fails (ties, or more than REFINE_WIDTH candidates) get the full fp32 row.
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from aggdec.model.linear import linear, prepack
 from aggdec.thresholds import REFINE_WIDTH, TOP1_ROWS
@@ -44,13 +41,12 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 
 @dataclass
 class Rules:
-    """fairseq-generate's per-step rules at the verified positions, applied with no host read: `out_index`
-    (N,) the output index each predicts (0 = first target token), `max_len` (N,) its row's limit. pad is
+    """fairseq-generate's per-step rules at the verified positions, with no host read: `out_index` (N,)
+    the output index each predicts (0 = first target token), `max_len` (N,) its row's limit. pad is
     never produced; eos is forbidden before `min_len` tokens; at index max_len only eos is allowed.
-    forced (F,) int64, optional: the token at output index i < F is forced[i] (a model's forced first
-    tokens, aggdec.conventions), with logit 0 and every other token -inf, as Hugging Face's
-    forced-token logits processors. `apply` constrains whole logits; the top-1's path takes the argmax
-    of `mask`ed ones under `override`, the same token, without rewriting whole rows."""
+    forced (F,) int64, optional: the token at output index i < F is forced[i] (aggdec.conventions), with
+    logit 0 and every other token -inf. `apply` constrains whole logits; the top-1's path takes the
+    argmax of `mask`ed ones under `override`, the same token."""
 
     out_index: torch.Tensor
     max_len: torch.Tensor
@@ -97,37 +93,28 @@ class Rules:
 
 
 def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim via topk(1): faster than torch.argmax on CPU for ~8k-wide rows in
-    bf16 or fp32. Ties may resolve differently from argmax, so use it for drafts only."""
+    """argmax over the last dim via topk(1), faster on CPU; ties may resolve differently: drafts only."""
     return logits.topk(1, dim=-1).indices.squeeze(-1)
 
 
 def certified_pays(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is expected to beat fp32 on `device`, on calls of at least
-    `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles. Not on GPUs, nor on CPUs whose bf16
-    products are AVX512-BF16 at best, where the bf16 product saves less than the bound and the
-    recomputed rows cost (docs/design.md, "Certified bf16 top-1")."""
+    `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles (docs/design.md, "Certified bf16 top-1")."""
     return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
 class OutputProjection:
     """logits = hidden @ weight.T (+ bias) with weight (V, D) fp32, plus a bf16 copy for the certified
-    top-1. A half-precision verifier's weight (bf16, fp16) is kept as an fp32 copy and its states are
-    multiplied in fp32: its logits and top-1 are fp32's, so that no tie made by rounding the logits to
-    16 bits (whose rounding follows the product's summation order, which the call's shape picks) decides
-    a token. With the certified top-1, a bias (V,) is folded in as one more column of the weight against
-    a constant 1 appended to every hidden state, so that the bound above covers it unchanged; the
-    plain fp32 path adds it in the product.
+    top-1. A half-precision verifier's weight is kept as an fp32 copy and its states multiplied in
+    fp32, so that no tie made by rounding logits to 16 bits (in an order the call's shape picks)
+    decides a token. With the certified top-1, a bias (V,) is folded in as one more weight column
+    against a constant 1 appended to every hidden state, so that the bound above covers it unchanged.
+    int8: the quantized output projection (aggdec.model.precision.Int8Weight, bias included), which
+    then computes the logits (no certified top-1). Built once per set of weights (snapshots).
 
-    int8: the verifier's quantized output projection (aggdec.model.precision.Int8Weight, bias
-    included), which then computes the logits (no certified top-1).
-
-    Built once per set of weights: the bf16 copy and oneDNN's packed layouts (`linear.prepack`) are
-    snapshots taken here. `certify=False` makes `top1` the plain fp32 argmax; with `certify`, calls
-    of fewer than `certify_from` positions take it too (the argmax is the same either way).
-    Counters (positions, see `counts`): `certified` by the bf16 bound, `refined` from their
-    candidates' fp32 logits, `recomputed` as whole fp32 rows.
-    """
+    `certify=False` makes `top1` the plain fp32 argmax, as do calls of fewer than `certify_from`
+    positions. Counters of positions: `certified` by the bf16 bound, `refined` from their candidates'
+    fp32 logits, `recomputed` as whole fp32 rows."""
 
     def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None,
                  certify_from: int = 1):
@@ -156,20 +143,11 @@ class OutputProjection:
             self.abs_coef = (2 * u + u * u + g * (1 + u) ** 2 + g_ref) * max_norm
             self.rel_coef = u / (1 - u)
             self.ref_coef = 2 * g_ref * max_norm
-        self.reset_counts()
-
-    def counts(self) -> dict[str, int]:
-        """Positions settled each way since construction or the last `reset_counts`."""
-        return {"certified": self.certified, "refined": self.refined, "recomputed": self.recomputed}
-
-    def reset_counts(self) -> None:
         self.certified = self.refined = self.recomputed = 0
 
     def _extend(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> (N, D + 1) with a constant 1 where the weight carries the bias."""
-        if not self.with_bias:
-            return hidden
-        return torch.cat([hidden, hidden.new_ones(hidden.shape[0], 1)], dim=1)
+        return F.pad(hidden, (0, 1), value=1.0) if self.with_bias else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) -> fp32 logits (N, V) (float64 for a float64 verifier)."""

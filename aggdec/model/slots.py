@@ -1,15 +1,7 @@
-"""Fixed-shape decoder state: a set of batch slots whose buffers never change shape during a run.
-
-`SlotCache` holds, for `slots` rows, the self-attention keys/values of every decoder layer up to
-`length` positions and the cross-attention keys/values up to `src_width` source positions, all
-allocated once. A decoder call writes its block at each row's own positions (`positions`), reads a
-prefix of `span` key positions and `width` source positions, and masks the rest per row by its own
-counts, so the call is one fixed-shape tensor program for a given (slots, block width, span, width):
-capturable as a CUDA graph (which reads the whole buffers: its shape is (slots, block width) alone),
-compilable, and free of host reads. Buffers are sized in powers of two (`capacity`), so that a
-loop that meets longer sentences grows them a bounded number of times.
-Finished rows are overwritten in place by refills (`place`); no row selection or concatenation of the
-cache ever happens.
+"""Fixed-shape decoder state: a set of batch slots whose buffers never change shape during a run
+(docs/design.md, "The slot loop"). A decoder call writes its block at each row's own positions, reads
+a prefix of `span` key positions and `width` source positions, and masks the rest per row by its own
+counts: one fixed-shape program for a given (slots, block width, span, width), with no host reads.
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ from aggdec.model.cache import CrossKV
 class Tokens:
     """A decoder call's tokens as one flat batch (vLLM's layout): token i is `ids[i]`, of slot `rows[i]`, at
     offset `offs[i]` of that slot's block and decoder position `pos[i]` (N,) each, in row-major order;
-    `shape` (B, T): the slots and block width they were taken from. Every backend runs this layout:
-    an eager step takes its live rows' real positions (`of` with `keep`, which reads the host), a
-    fixed-shape one every position of every slot (N = B * T, no host read): only the padding differs."""
+    `shape` (B, T): the slots and block width they were taken from (an eager step takes its live rows'
+    real positions, a fixed-shape one every position of every slot)."""
 
     ids: torch.Tensor
     rows: torch.Tensor
@@ -77,8 +68,7 @@ def leading(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def capacity(need: int, floor: int) -> int:
     """Positions a buffer is allocated with to hold `need`: the power of two at or above it, at least
-    `floor` (a power of two). A buffer grown to the next capacity at least doubles, so a loop grows it
-    at most log2(largest / floor) times."""
+    `floor` (a power of two), so that a loop grows it at most log2(largest / floor) times."""
     return max(floor, 1 << (max(need, 1) - 1).bit_length())
 
 
@@ -89,13 +79,10 @@ def exact_span(n: int, limit: int) -> int:
 
 
 class SlotCache:
-    """Self- and cross-attention buffers of `slots` rows (see module docstring).
-
-    k, v: per decoder layer (slots, length, D); cross_k, cross_v: per layer (slots, src_width, D);
-    src_keep: (slots, src_width) bool, True at a row's real source positions, a prefix of the row
-    (sources are right-padded); src_count: (slots,) int64, that prefix's length. A slot that holds no
-    sentence keeps its last sentence's (or a dummy) cross K/V, so its garbage rows stay finite.
-    """
+    """Self- and cross-attention buffers of `slots` rows: k, v per decoder layer (slots, length, D);
+    cross_k, cross_v per layer (slots, src_width, D); src_keep (slots, src_width) bool, True at a row's
+    real source positions (a prefix); src_count (slots,) int64, that prefix's length. A slot that holds
+    no sentence keeps its last sentence's (or a dummy) cross K/V, so its garbage rows stay finite."""
 
     def __init__(self, n_layers: int, d_model: int, slots: int, length: int, src_width: int,
                  dtype: torch.dtype, device: torch.device):

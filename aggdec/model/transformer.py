@@ -8,6 +8,7 @@ T new target tokens in this call, L visible target prefix, D model dim, H heads,
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +24,9 @@ from aggdec.model.slots import SlotCache, Tokens
 
 
 def sinusoidal_table(num: int, dim: int, padding_idx: int | None, layout: str = "fairseq") -> torch.Tensor:
-    """A sinusoidal position table (num, dim) with [sin | cos] halves.
-
-    layout "fairseq" (fairseq's SinusoidalPositionalEmbedding, also M2M100/NLLB): frequencies
-    10000^(-i / (dim/2 - 1)), computed in float32, row `padding_idx` zeroed. "marian" (Marian/OPUS-MT):
-    frequencies 10000^(-2i / dim), computed in float64, no zeroed row.
-    """
+    """A sinusoidal position table (num, dim) with [sin | cos] halves. layout "fairseq" (also M2M100/NLLB):
+    frequencies 10000^(-i / (dim/2 - 1)), in float32, row `padding_idx` zeroed. "marian" (Marian/OPUS-MT):
+    frequencies 10000^(-2i / dim), in float64, no zeroed row."""
     half = dim // 2
     if layout == "marian":
         pos = torch.arange(num, dtype=torch.float64)[:, None]
@@ -59,23 +57,18 @@ class Positions(nn.Module):
             self.weight = nn.Parameter(torch.empty(self.rows, dim))
             nn.init.normal_(self.weight, mean=0, std=dim**-0.5)
             if zeroed is not None:
-                with torch.no_grad():
-                    self.weight[zeroed].zero_()
+                nn.init.zeros_(self.weight[zeroed])
         else:
             self.register_buffer("table", sinusoidal_table(self.rows, dim, zeroed, cfg.sinusoidal), persistent=False)
 
     def forward(self, index: torch.Tensor) -> torch.Tensor:
         """index: int64 table rows (any shape), already offset by cfg.position_offset -> (..., D)."""
-        if self.learned:
-            return F.embedding(index, self.weight)
-        return self.table[index]
+        return F.embedding(index, self.weight) if self.learned else self.table[index]
 
 
 class RMSNorm(nn.Module):
-    """T5's layer norm: x / sqrt(mean(x^2) + eps) * weight, no mean subtracted, no bias; the variance
-    (and the normalized states of a bf16 or fp16 model, cast back before the weight) in fp32 at least.
-    fp32 and fp64 states of a model of their dtype take PyTorch's `rms_norm`, which computes the same
-    products in one operator."""
+    """T5's layer norm: x / sqrt(mean(x^2) + eps) * weight (no mean subtracted, no bias); the variance and
+    a half-precision model's normalized states (cast back before the weight) in fp32 at least."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -96,15 +89,13 @@ def layer_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class MultiheadAttention(nn.Module):
-    """Projections (D -> H*Dh for queries, keys, values; back to D) and scaled dot-product attention,
-    with an optional additive bias on the scores (T5's relative positions, `core`'s `bias`). Scores
-    are scaled by Dh ** -0.5 unless `scaled` is False (T5)."""
+    """Projections (D -> H*Dh for queries, keys, values; back to D) and dot-product attention, scores
+    scaled by Dh ** -0.5 unless `scaled` is False (T5), with an optional additive bias (`core`)."""
 
     def __init__(self, dim: int, heads: int, dropout: float, head_dim: int | None = None, bias: bool = True,
                  scaled: bool = True):
         super().__init__()
-        self.heads = heads
-        self.dropout = dropout
+        self.heads, self.dropout = heads, dropout
         inner = dim if head_dim is None else heads * head_dim
         self.scale = (inner // heads) ** -0.5 if scaled else 1.0
         self.q_proj = Linear(dim, inner, bias=bias)
@@ -125,18 +116,13 @@ class MultiheadAttention(nn.Module):
              math: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
         -> (B,T,D) attention output before out_proj. bias (B|1,H,T,L), optional: added to the scaled
-        scores (T5's relative positions).
-
-        math: two batched products and a softmax, which TorchInductor compiles into its own loops
-        around the products (a compiled step's few queries per row: the CPU's flash-attention kernel
-        costs more in set-up than their arithmetic)."""
+        scores (T5's relative positions). math: batched products and a softmax instead of PyTorch's
+        fused kernel (a compiled step's few queries per row: TorchInductor fuses them)."""
         b, t, d = q.shape
         h = self.heads
-        # unflatten splits only the last dimension: views of a cache prefix need no contiguity check
-        # (under torch.compile, that check would specialize on whether the prefix is the whole cache)
-        q = q.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,T,Dh)
-        k = k.unflatten(-1, (h, d // h)).transpose(1, 2)  # (B,H,L,Dh)
-        v = v.unflatten(-1, (h, d // h)).transpose(1, 2)
+        # unflatten splits only the last dimension: a cache prefix's view needs no contiguity check
+        # (under torch.compile, one that would specialize on whether the prefix is the whole cache)
+        q, k, v = (x.unflatten(-1, (h, d // h)).transpose(1, 2) for x in (q, k, v))  # (B,H,T|L,Dh)
         if math:
             scores = torch.matmul(q, k.transpose(-1, -2))  # (B,H,T,L)
             scores = scores * self.scale if self.scale != 1.0 else scores
@@ -151,11 +137,9 @@ class MultiheadAttention(nn.Module):
 
     def core_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                     group: int) -> torch.Tensor:
-        """`core` where each `group` consecutive query rows share one row of keys/values: q (B,T,D) with
-        B = G * group; k, v (G,H,L,Dh), split by head; keep (G,1,1,L) -> (B,T,D). A group's queries
-        are one (group*T)-row product against its keys, which are read once (beam search's
-        cross-attention: a sentence's beams against its source), computed as fairseq computes
-        attention: scaled queries, products, softmax."""
+        """`core` where each `group` consecutive query rows share one row of keys/values (beam search's
+        cross-attention: a sentence's beams, one product against its source), in fairseq's arithmetic
+        (scaled queries, products, softmax): q (B,T,D), B = G * group; k, v (G,H,L,Dh); keep (G,1,1,L)."""
         b, t, d = q.shape
         h, g = self.heads, b // group
         q = (q * self.scale).reshape(g, group * t, h, d // h).transpose(1, 2)  # (G,H,group*T,Dh)
@@ -168,32 +152,35 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(self.core(self.q_proj(x), k, v, keep, bias=bias))
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (T5 v1.1's "gelu_new")."""
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh, "silu": F.silu}
+ACTIVATION = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu}
 
 
 def dropout_in_training(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """`F.dropout`, but `x` itself where it changes nothing (inference, or p = 0): no operator
-    dispatched (a decoder call of a one-layer model dispatched five)."""
+    """`F.dropout`, but `x` itself where it changes nothing (inference, or p = 0): no operator dispatched."""
     return F.dropout(x, p, training) if training and p > 0 else x
 
 
-class FeedForward(nn.Module):
-    """Mixin for fc1/fc2 with fairseq's names (and fc3, the linear half of a gated FFN: T5 v1.1's
-    wi_1); used by both layer kinds."""
+class Layer(nn.Module):
+    """An encoder layer, or with `cross` a decoder layer (cross-attention after self-attention), with
+    fairseq's names; fc3 is the linear half of a gated FFN (T5 v1.1's wi_1)."""
 
-    def init_ffn(self, cfg: ModelConfig, ffn: int) -> None:
-        d = cfg.d_model
+    def __init__(self, cfg: ModelConfig, cross: bool):
+        super().__init__()
+        side, d = "dec" if cross else "enc", cfg.d_model
+        heads, ffn = getattr(cfg, f"{side}_heads"), getattr(cfg, f"{side}_ffn")
+        self.pre = getattr(cfg, f"{side}_normalize_before")
         self.dropout, self.activation_dropout = cfg.dropout, cfg.activation_dropout
+        attention = partial(MultiheadAttention, d, heads, cfg.attention_dropout, cfg.head_dim, cfg.linear_bias,
+                            cfg.attention_scale)
+        self.self_attn, self.self_attn_layer_norm = attention(), layer_norm(cfg)
+        if cross:
+            self.encoder_attn, self.encoder_attn_layer_norm = attention(), layer_norm(cfg)
         self.act = ACTIVATION[cfg.activation]
         self.fc1 = Linear(d, ffn, bias=cfg.linear_bias)
         self.fc3 = Linear(d, ffn, bias=cfg.linear_bias) if cfg.gated_ffn else None
         self.fc2 = Linear(ffn, d, bias=cfg.linear_bias)
         self._up = FusedLinear()
+        self.final_layer_norm = layer_norm(cfg)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         if self.fc3 is not None:  # gated: act(fc1(x)) * fc3(x), one product at inference
@@ -201,91 +188,48 @@ class FeedForward(nn.Module):
             h = self.act(a) * b
         else:
             h = self.fc1.relu(x) if self.act is F.relu else self.act(self.fc1(x))
-        h = dropout_in_training(h, self.activation_dropout, self.training)
-        return dropout_in_training(self.fc2(h), self.dropout, self.training)
+        return self.fc2(dropout_in_training(h, self.activation_dropout, self.training))
 
+    def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
+        """x + dropout(sublayer(x)), normalized before (pre-norm) or after (post-norm)."""
+        h = sublayer(norm(x) if self.pre else x)
+        x = x + dropout_in_training(h, self.dropout, self.training)
+        return x if self.pre else norm(x)
 
-def attention(cfg: ModelConfig, heads: int) -> MultiheadAttention:
-    """An attention layer of `cfg` with `heads` heads."""
-    return MultiheadAttention(cfg.d_model, heads, cfg.attention_dropout, cfg.head_dim, cfg.linear_bias,
-                              cfg.attention_scale)
-
-
-class EncoderLayer(FeedForward, nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.pre = cfg.enc_normalize_before
-        self.self_attn = attention(cfg, cfg.enc_heads)
-        self.self_attn_layer_norm = layer_norm(cfg)
-        self.init_ffn(cfg, cfg.enc_ffn)
-        self.final_layer_norm = layer_norm(cfg)
-
-    def forward(self, x: torch.Tensor, self_attn) -> torch.Tensor:
-        """x: token states, (B,S,D) or packed (N,D); self_attn(h) returns the attention output in the
-        layout of h (it owns the projections, the mask and the layout)."""
-        h = self.self_attn_layer_norm(x) if self.pre else x
-        x = x + dropout_in_training(self_attn(h), self.dropout, self.training)
-        if not self.pre:
-            x = self.self_attn_layer_norm(x)
-        h = self.final_layer_norm(x) if self.pre else x
-        x = x + self.ffn(h)
-        return x if self.pre else self.final_layer_norm(x)
-
-
-class DecoderLayer(FeedForward, nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.pre = cfg.dec_normalize_before
-        self.self_attn = attention(cfg, cfg.dec_heads)
-        self.self_attn_layer_norm = layer_norm(cfg)
-        self.encoder_attn = attention(cfg, cfg.dec_heads)
-        self.encoder_attn_layer_norm = layer_norm(cfg)
-        self.init_ffn(cfg, cfg.dec_ffn)
-        self.final_layer_norm = layer_norm(cfg)
-
-    def forward(self, x: torch.Tensor, self_attn, cross_attn) -> torch.Tensor:
-        """x: token states, (B,T,D) or packed (N,D). self_attn(h) / cross_attn(h) return attention
-        outputs in the same layout as h (they own projections, the cache and the layout)."""
-        h = self.self_attn_layer_norm(x) if self.pre else x
-        x = x + dropout_in_training(self_attn(h), self.dropout, self.training)
-        if not self.pre:
-            x = self.self_attn_layer_norm(x)
-        h = self.encoder_attn_layer_norm(x) if self.pre else x
-        x = x + dropout_in_training(cross_attn(h), self.dropout, self.training)
-        if not self.pre:
-            x = self.encoder_attn_layer_norm(x)
-        h = self.final_layer_norm(x) if self.pre else x
-        x = x + self.ffn(h)
-        return x if self.pre else self.final_layer_norm(x)
+    def forward(self, x: torch.Tensor, self_attn, cross_attn=None) -> torch.Tensor:
+        """x: token states, (B,T,D) or packed (N,D). self_attn(h) / cross_attn(h) (a decoder layer's)
+        return attention outputs in the layout of h (they own projections, masks, cache and layout)."""
+        x = self._residual(x, self.self_attn_layer_norm, self_attn)
+        if cross_attn is not None:
+            x = self._residual(x, self.encoder_attn_layer_norm, cross_attn)
+        return self._residual(x, self.final_layer_norm, self.ffn)
 
 
 class Stack(nn.Module):
-    """Embeddings + layers of one side, named as fairseq's `encoder.*` / `decoder.*`.
+    """Embeddings + layers of one side, named as fairseq's `encoder.*` / `decoder.*`. Positions are
+    absolute (`embed_positions`) or, with `cfg.relative_buckets`, T5's relative bias
+    (`relative_attention_bias`: one table, or one per layer with `cfg.relative_per_layer`)."""
 
-    Positions are absolute (`embed_positions`) or, with `cfg.relative_buckets`, T5's relative bias
-    (`relative_attention_bias`: one table, or one per layer with `cfg.relative_per_layer`; the
-    encoder's buckets bidirectional, the decoder's causal)."""
-
-    def __init__(self, cfg: ModelConfig, vocab: int, learned_pos: bool, max_pos: int, pre: bool, layer_cls, n: int):
+    def __init__(self, cfg: ModelConfig, decoder: bool):
         super().__init__()
-        d = cfg.d_model
+        d, side = cfg.d_model, "dec" if decoder else "enc"
+        n, heads = getattr(cfg, f"{side}_layers"), getattr(cfg, f"{side}_heads")
+        vocab = cfg.tgt_vocab if decoder else cfg.src_vocab
+        max_pos = cfg.max_target_positions if decoder else cfg.max_source_positions
         self.dropout = cfg.dropout
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
         self.embed_tokens = nn.Embedding(vocab, d, padding_idx=cfg.pad)
         nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
-        with torch.no_grad():
-            self.embed_tokens.weight[cfg.pad].zero_()
+        nn.init.zeros_(self.embed_tokens.weight[cfg.pad])
         self.position_offset = cfg.position_offset
-        self.embed_positions = None if cfg.relative_buckets else Positions(cfg, max_pos, learned_pos)
-        self.relative_attention_bias = None
-        if cfg.relative_buckets:
-            heads = cfg.enc_heads if layer_cls is EncoderLayer else cfg.dec_heads
-            self.relative_attention_bias = nn.ModuleList(
-                RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, layer_cls is EncoderLayer)
-                for _ in range(n if cfg.relative_per_layer else 1))
+        learned = getattr(cfg, f"{side}_learned_pos")
+        self.embed_positions = None if cfg.relative_buckets else Positions(cfg, max_pos, learned)
+        self.relative_attention_bias = nn.ModuleList(
+            RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, not decoder)
+            for _ in range(n if cfg.relative_per_layer else 1)) if cfg.relative_buckets else None
         self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
-        self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(n))
-        self.layer_norm = layer_norm(cfg) if pre else None
+        self.layers = nn.ModuleList(Layer(cfg, decoder) for _ in range(n))
+        self.layer_norm = layer_norm(cfg) if getattr(cfg, f"{side}_normalize_before") else None
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens and their positions (0-based, int64, same shape) -> (..., D). Positions past the
@@ -299,9 +243,8 @@ class Stack(nn.Module):
         return dropout_in_training(x, self.dropout, self.training)
 
     def position_bias(self, query: torch.Tensor, keys: int) -> list[torch.Tensor | None]:
-        """Each layer's self-attention score bias (B,H,T,keys) for queries at positions `query` (B,T)
-        over key positions 0 .. keys - 1: T5's relative positions (computed once per table and
-        shared by the layers that read it), or None for each layer without them."""
+        """Each layer's self-attention score bias (B,H,T,keys) for queries at positions `query` (B,T) over
+        key positions 0 .. keys - 1: T5's relative positions (once per table), or None for each layer."""
         tables = self.relative_attention_bias
         if tables is None:
             return [None] * len(self.layers)
@@ -311,20 +254,15 @@ class Stack(nn.Module):
 
 
 class Transformer(nn.Module):
-    """fairseq-compatible encoder-decoder. See module docstring for shape letters.
-
-    `output_int8`: None, or the output projection quantized (aggdec.model.precision), which then
-    computes the logits."""
+    """fairseq-compatible encoder-decoder (shape letters: module docstring). `output_int8`: None, or the
+    output projection quantized (aggdec.model.precision), which then computes the logits."""
 
     output_int8 = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.encoder = Stack(cfg, cfg.src_vocab, cfg.enc_learned_pos, cfg.max_source_positions,
-                             cfg.enc_normalize_before, EncoderLayer, cfg.enc_layers)
-        self.decoder = Stack(cfg, cfg.tgt_vocab, cfg.dec_learned_pos, cfg.max_target_positions,
-                             cfg.dec_normalize_before, DecoderLayer, cfg.dec_layers)
+        self.encoder, self.decoder = Stack(cfg, decoder=False), Stack(cfg, decoder=True)
         if cfg.share_all_embeddings:
             self.decoder.embed_tokens.weight = self.encoder.embed_tokens.weight
         if (cfg.share_decoder_input_output_embed or cfg.share_all_embeddings) and not cfg.untied_output:
@@ -338,13 +276,9 @@ class Transformer(nn.Module):
     # -- encoder ---------------------------------------------------------------------------------
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B,S) int64, right-padded with pad -> (memory (B,S,D), src_pad (B,S)).
-
-        Padded batches run packed: embeddings, linear layers, FFN and norms on the N real tokens only,
-        attention alone on the padded layout (keys and values; with the CPU kernel, `decode_attention`,
-        each token's query reads its sentence's keys only). memory is zero at padding positions
-        (masked anyway).
-        """
+        """src (B,S) int64, right-padded with pad -> (memory (B,S,D), zero at padding; src_pad (B,S)).
+        Padded batches run packed: all but attention on the N real tokens only (docs/design.md,
+        "Packed tokens"); with the CPU kernel, each token's query reads its sentence's keys only."""
         src_pad = src.eq(self.cfg.pad)
         valid = ~src_pad
         nonpad = valid.long()
@@ -356,11 +290,7 @@ class Transformer(nn.Module):
         biases = self.encoder.position_bias(torch.arange(width, device=src.device)[None], width)  # (1,H,S,S) each
 
         def unpack(y: torch.Tensor) -> torch.Tensor:
-            if not packed:
-                return y
-            full = y.new_zeros(*src.shape, y.shape[-1])
-            full[valid] = y
-            return full
+            return y.new_zeros(*src.shape, y.shape[-1]).index_put_((valid,), y) if packed else y
 
         sees = rows = None  # with the CPU kernel: each query's number of keys, and its row's (packed)
         if decode_attention.usable(src.device, x.dtype):
@@ -383,9 +313,8 @@ class Transformer(nn.Module):
                 out = sa.core(unpack(q), unpack(k), unpack(v), keep, bias=bias)
                 return sa.out_proj(out[valid] if packed else out)
             if packed:  # (N,1,D): one query per token
-                out = decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows, bias,
-                                              sa.scale)[:, 0]
-                return sa.out_proj(out)
+                return sa.out_proj(decode_attention.attend(q[:, None], unpack(k), unpack(v), sees, sa.heads, rows,
+                                                           bias, sa.scale)[:, 0])
             return sa.out_proj(decode_attention.attend(q, k, v, sees, sa.heads, bias=bias, scale=sa.scale))
 
         for layer, bias in zip(self.encoder.layers, biases):
@@ -400,8 +329,7 @@ class Transformer(nn.Module):
         return CrossKV(k=[k.contiguous() for k, _ in kvs], v=[v.contiguous() for _, v in kvs], src_pad=src_pad)
 
     def start(self, src: torch.Tensor, capacity: int = 64, group: int = 1, indirect: bool = False) -> DecoderCache:
-        """Encode `src` and return an empty decoder cache for it (`group` rows per source: beams
-        sharing its cross K/V; `indirect` reorders: `DecoderCache`)."""
+        """Encode `src` and return an empty decoder cache for it (`group`, `indirect`: `DecoderCache`)."""
         return self.start_from(*self.encode(src), capacity=capacity, group=group, indirect=indirect)
 
     def start_from(self, memory: torch.Tensor, src_pad: torch.Tensor, capacity: int = 64,
@@ -415,9 +343,8 @@ class Transformer(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """(V, D): logits = hidden @ output_weight.T + output_bias."""
-        if self.decoder.output_projection is None:
-            return self.decoder.embed_tokens.weight
-        return self.decoder.output_projection.weight
+        tied = self.decoder.output_projection is None
+        return (self.decoder.embed_tokens if tied else self.decoder.output_projection).weight
 
     @property
     def output_bias(self) -> torch.Tensor | None:
@@ -425,29 +352,22 @@ class Transformer(nn.Module):
         return self.decoder.output_bias
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., D) -> logits (..., V). From 2 rows on, the fp32 CPU product multiplies by the weight
-        prepacked once (equal to the unpacked product there, and faster: no reorder per call); one
-        row keeps the unpacked product, which differs."""
+        """x (..., D) -> logits (..., V); from 2 rows on, an fp32 CPU product takes the weight prepacked
+        once (equal there; one row's unpacked product differs)."""
         if self.output_int8 is not None:
             return self.output_int8(x)
         w = self.output_weight
         return linear(x, w, self.output_bias, packed=packed_for(self._output_pack, w, x, min_rows=2))
 
     def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
-        """Score a block of T new tokens per row on top of each row's cached prefix.
-
-        tokens (B,T) int64: row b's tokens go to positions cache.lengths[b] + t (pad the tail of
-        shorter blocks with anything). Returns logits (B,T,V) where [b, t] predicts the token after
-        tokens[b, t]. All T positions are written to the cache but none is committed: call
-        `cache.commit(n)` with each row's accepted count.
-        """
+        """Score a block of T new tokens per row on top of each row's cached prefix: tokens (B,T) int64,
+        row b's at positions cache.lengths[b] + t -> logits (B,T,V), [b, t] predicting the token after
+        tokens[b, t]. All T positions are written to the cache, none committed (`cache.commit(n)`)."""
         return self.output_logits(self.decode_hidden(tokens, cache))
 
     def decode_hidden(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
-        """As `decode`, but returns the final decoder states (B,T,D), so that callers can project
-        only the positions they need. Causal: each position attends to itself and before (a
-        double-token model: to the end of its pair, so its blocks start at even positions and hold
-        whole pairs)."""
+        """As `decode`, but -> the final decoder states (B,T,D). Causal: each position attends to itself
+        and before (a double-token model: to the end of its pair; its blocks hold whole pairs)."""
         bsz, t = tokens.shape
         cache.reserve(t)
         pos = cache.lengths[:, None] + torch.arange(t, device=tokens.device)  # (B,T) absolute positions
@@ -486,17 +406,14 @@ class Transformer(nn.Module):
                      ragged: bool = False) -> torch.Tensor:
         """Score a flat batch of tokens (`Tokens`) on top of their slots' prefixes -> their final states (N,D).
 
-        Token i goes to position tokens.pos[i] of slot tokens.rows[i], where its keys and values are
-        written (positions past the cache's length into its last position, which no live row reaches).
-        It attends to its slot's keys at positions <= its own (a double-token model: the end of its pair)
-        within the first `span` positions, and to the first `width` source positions where
-        `cache.src_keep` (a prefix of each row). Linear layers, norms and the FFN run on the N tokens,
-        attention on the slot grid (`Tokens.grid`). Nothing here reads a tensor to the host; the shapes
-        depend only on (N, B, T, span, width). `ragged` where the CPU kernel is loaded
-        (`decode_attention.usable` for the cache's dtype): attention reads each query's visible keys only,
-        so its result does not depend on `span` or `width` (a half-precision model's cache may be fp32 for
-        it: attention then runs in fp32); else masked products over the `span` and `width` prefixes.
-        """
+        Token i's keys and values are written at position tokens.pos[i] of slot tokens.rows[i] (past the
+        cache's length: its last position, which no live row reaches). It attends to its slot's keys at
+        positions <= its own (a double-token model: the end of its pair) within the first `span`, and to
+        the first `width` source positions where `cache.src_keep`. Attention runs on the slot grid
+        (`Tokens.grid`), the rest on the N tokens; no host read; shapes depend only on (N, B, T, span,
+        width). `ragged` (used where `decode_attention.usable` for the cache's dtype): the kernel reads
+        each query's visible keys only (in the cache's dtype, which may be fp32 for a half-precision
+        model); else masked products over the `span` and `width` prefixes."""
         pos = tokens.grid(tokens.pos, 0)  # (B,T): each query's position (0 where no token is taken)
         biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
         # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
@@ -529,8 +446,7 @@ class Transformer(nn.Module):
         return self._final(x)
 
     def _final(self, x: torch.Tensor) -> torch.Tensor:
-        """The decoder's last layer's states -> its final states: the final norm (pre-norm), times
-        `cfg.output_scale` (tied T5)."""
+        """The decoder's last layer's states -> the final norm (pre-norm), times `cfg.output_scale`."""
         if self.decoder.layer_norm is not None:
             x = self.decoder.layer_norm(x)
         return x * self.cfg.output_scale if self.cfg.output_scale != 1.0 else x
@@ -539,11 +455,10 @@ class Transformer(nn.Module):
     def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor | None,
                    ragged: bool, math: bool = False) -> tuple:
         """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None, bias=None), self_sees,
-        cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T)
-        within the first `span`, and the first cross_count[b] (B,) source positions, which
-        cross_keep (B,1,1,S) marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU
-        kernel over each row's own keys (`decode_attention`; counts; `rows` its row map); else
-        masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
+        cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T) within
+        the first `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S)
+        marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU kernel (counts; `rows` its
+        row map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
         if ragged:  # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
             counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
             return (lambda mha, q, k, v, sees, rows=None, bias=None: decode_attention.attend(
@@ -557,8 +472,7 @@ class Transformer(nn.Module):
         return pair_limit(pos) if self.cfg.double_token else pos
 
     def forward(self, src: torch.Tensor, prev_output_tokens: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        """Teacher-forced logits (B,T,V) for training, no cache (hidden states (B,T,D) if
-        `return_hidden`), causal (pairs for a double-token model)."""
+        """Teacher-forced logits (B,T,V) for training, no cache, causal (hidden states (B,T,D) if `return_hidden`)."""
         memory, src_pad = self.encode(src)
         cross = self.cross_kv(memory, src_pad)
         bsz, t = prev_output_tokens.shape
