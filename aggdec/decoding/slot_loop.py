@@ -1,10 +1,13 @@
 """The decode loop: every draft -> verify method (greedy, IAD, GAD, GAD++, blockwise, double-token)
-runs here, on fixed batch slots with their bookkeeping on the device.
+runs here, on fixed batch slots with their bookkeeping on the device (docs/design.md, "The slot loop").
 
 Each iteration, for every slot at once:
   1. Propose: the drafter fills (slots, width) draft tokens and each row's draft length.
-  2. Verify: the verifier scores [last step ; draft] on top of each slot's cached prefix, one call.
-  3. Accept: the acceptance rule (`acceptance`) gives each row's accepted length m and its bonus.
+  2. Verify: the verifier scores [last step ; draft] on top of each slot's cached prefix, one call over
+     one flat batch of tokens (`slots.Tokens`): an eager step (`packed`) takes the live slots' real
+     positions, a fixed-shape one (compiled, captured as CUDA graphs, checked) every position of every
+     slot, with no host read; only padding differs.
+  3. Accept: the acceptance rule gives each row's accepted length m and its bonus (no draft: the top-1).
   4. Commit: each row appends d_1..d_m + bonus (a double-token verifier: whole pairs and a bonus pair);
      its cache keeps what it committed (the rest is overwritten by the next call).
   5. Observe: the drafter sees the accepted counts; a `from_states` drafter (draft head, proposal heads)
@@ -13,37 +16,11 @@ Each iteration, for every slot at once:
   6. Retire and refill: finished rows are read once and leave; their slots take pending requests
      (continuous batching), encoded ahead of admission (`scheduler`).
 
-- **Slots.** The loop owns `slots` rows (max_batch_size rounded up to a power of two) and a
-  `SlotCache`, allocated at its first run and kept: self-attention K/V up to the longest output any
-  request may reach, cross K/V up to the widest source, each a power of two (`slots.capacity`), grown
-  (at least doubled, with new buffers) only for a longer sentence. A run with fewer requests than
-  slots runs on the power of two that holds them (the first slots of the same buffers); a row stays
-  in its slot; a finished row's slot is overwritten by a refill. Once no request waits and half the
-  slots or more are empty, the live rows move into the first slots and the steps run on the power of
-  two that holds them.
-- **One step, one layout, three backends** (chosen when the loop is built, docs/design.md "What runs
-  where"). Every step verifies one flat batch of tokens (`slots.Tokens`: each token's slot, offset and
-  position on the device, vLLM's layout): `Transformer.decode_slots` runs linear layers on the tokens
-  and attention on the slot grid, the top-1 comes from the loop's `OutputProjection` under fairseq's
-  rules (`Rules`), and the acceptance rule reads the tokens' scores (`VerifierScores`). Only padding
-  differs. *Eager* (the CPU's default, `packed`): the live slots' real positions, each row's block as
-  wide as the longest draft; it may read the host (the token count, the certified bf16 top-1).
-  *Fixed-shape*: every position of every slot (rows that draft fewer masked by their own counts), the
-  plain fp32 top-1 (the same token as the certified one), no host reads; run as a TorchInductor
-  program on a CPU (`compile=True`: symbolic shapes, frozen weights, compiled once a process), or
-  captured as CUDA graphs on a GPU: every step the loop can take is captured once for its buffers
-  (`capture_plan`: each slot count a run narrows to, each width of `GRAPH_WIDTHS`, largest first;
-  each reads the whole cache and source width) and replayed, nothing captured after that until the
-  buffers grow (`graphs=True`, the default there; `graphs="check"` runs each step, admission and
-  retirement eagerly under a replay's rules, `capture_check`, and refuses a shape outside the plan).
-  A step that verifies no draft skips the acceptance rule (every rule takes the top-1 there).
-- **Device-side bookkeeping.** The commit, eos and length rules, and every row statistic
-  (iterations, drafted, accepted, accepted per call, decode time share) are batched tensor updates in
-  place. After the step the host reads one small tensor: which slots finished, the output lengths
-  (for the next span) and the call's token counts (for the draft budget). Admission copies a refill
-  batch to the device once (`_admission`); retirement reads the finished rows once (`_retired`).
-
-Outputs are greedy's under exact top-1, whatever the backend, slot count and refill order.
+Slots are allocated once (`max_batch_size` rounded up to a power of two) and grown only for a longer
+sentence; fewer requests and a run's tail run on the leading power of two of them. After each step the
+host reads one small tensor (`_summary`); admission copies a refill batch once, retirement reads the
+finished rows once. Outputs are greedy's under exact top-1, whatever the backend, slot count and
+refill order.
 """
 
 from __future__ import annotations
@@ -76,12 +53,8 @@ from aggdec.thresholds import CPP_GEMM_SLOTS, DRAFT_LONGEST, GRAPH_MIN_SLOTS, GR
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                    "freezing": True, "max_autotune": True}
-"""TorchInductor options of a compiled CPU step: a C++ wrapper; no guards on the model's modules; the
-weights frozen into the program as constants, so that its products can be TorchInductor's own C++
-GEMMs (`gemm_backend`) on weights packed once, inlined into the program instead of a library call
-per product, whose call costs more than one row's arithmetic.
-Static shapes would compile once per (width, span, source width), tens of programs a run at 20-30 s
-each; symbolic ones compile once."""
+"""TorchInductor options of a compiled CPU step (symbolic shapes): a C++ wrapper; no guards on the model's
+modules; the weights frozen into the program as constants (products: `gemm_backend`)."""
 
 
 def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
@@ -131,10 +104,12 @@ class SlotLoop:
     (DraftBudget); None verifies every drafted token. `prompt`: (decoder start token, forced first
     output tokens...), aggdec.conventions.Framing.prompt; default (eos,): fairseq's. A double-token
     model starts from the pair (bos, start) and takes no forced tokens.
-    `graphs`: capture steps as CUDA graphs (default: on a CUDA device), or "check": run each step eagerly
-    under a replayed graph's rules (`capture_check`, any device); `compile`: compile steps with
-    TorchInductor (CPU; the model's weights are frozen into the step: they must not change afterwards).
-    Elsewhere steps run eagerly on the live positions (`packed`). An int8 verifier on a CUDA device is refused
+    `graphs`: capture the fixed-shape steps as CUDA graphs (default: on a CUDA device; every step of
+    `capture_plan`, once for the loop's buffers), or "check": run each step, admission and retirement
+    eagerly under a replayed graph's rules (`capture_check`, any device). `compile` (CPU, TorchInductor,
+    the model's weights frozen in: they must not change afterwards): True or "step", the whole
+    fixed-shape step; "model", the model's call over the live tokens within eager steps. Elsewhere steps
+    run eagerly on the live positions (`packed`). An int8 verifier on a CUDA device is refused
     (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
