@@ -459,11 +459,14 @@ class Transformer(nn.Module):
         the first `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S)
         marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU kernel (counts; `rows` its
         row map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
-        if ragged:  # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
-            counts = (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
-            return (lambda mha, q, k, v, sees, rows=None, bias=None: decode_attention.attend(
-                q.to(k.dtype), k, v, sees, mha.heads, rows, None if bias is None else bias.to(k.dtype),
-                mha.scale).to(q.dtype), *counts)
+        if ragged:
+            def attend(mha, q, k, v, sees, rows=None, bias=None):
+                if q.dtype == k.dtype:
+                    return decode_attention.attend(q, k, v, sees, mha.heads, rows, bias, mha.scale)
+                # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
+                bias = None if bias is None else bias.to(k.dtype)
+                return decode_attention.attend(q.to(k.dtype), k, v, sees, mha.heads, rows, bias, mha.scale).to(q.dtype)
+            return attend, (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
         keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
         return (lambda mha, q, k, v, sees, rows=None, bias=None: mha.core(q, k, v, sees, math, bias)), keep, cross_keep
 
