@@ -39,7 +39,6 @@ class DraftBudget:
         self.choice = 0  # the best length so far: a cold budget starts on the plain path
         self._drafting = max_length  # the last choice that drafted: a challenger of none
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
-        self.calls = 0
         self._gap, self._since, self._turn = 1, 1, 0  # challenger blocks every _gap best blocks
         self._owed = 0.0  # seconds of best-length blocks to run before the next challenger (`DRAFT_EXPLORE`)
         self._current = 0  # the length of the block being measured
@@ -60,7 +59,6 @@ class DraftBudget:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
         `seconds`; `offered`: the longest draft proposed for it before the length cap (None: unknown).
         Calls at another length than the current block's are not counted."""
-        self.calls += 1
         if min(length, self.max_length) != self._current:
             return
         self._tokens += tokens

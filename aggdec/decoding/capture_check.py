@@ -90,12 +90,11 @@ def checked(step: Callable[[], object], owner: object, outputs: str | None = Non
             raise CaptureError(f"the step left a tensor it allocated in {path.lstrip('.')}: a replay rewrites "
                                "it; keep state in a buffer allocated before the step, updated in place")
     if out is not None:
-        static = getattr(owner, "_static_" + outputs, {})
+        static = owner.__dict__.setdefault("_static_" + outputs, {})
         key = tuple(t.shape for t in out)
         if key not in static:
             static[key] = tuple(torch.empty_like(t) for t in out)
         for dst, src in zip(static[key], out):
             dst.copy_(src)
-        setattr(owner, "_static_" + outputs, static)
         setattr(owner, outputs, static[key])
     return result

@@ -8,18 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from aggdec.decoding.options import (
-    AdaptiveDraft,
-    CompiledStep,
-    DecodeOptions,
-    Drafting,
-    DraftModel,
-    OptionError,
-    coerce,
-    option,
-    option_fields,
-    type_hints,
-)
+from aggdec.decoding.options import (AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, DraftModel, OptionError,
+                                     coerce, option, option_fields, type_hints)
 from aggdec.versions import package_version
 
 if TYPE_CHECKING:
@@ -190,5 +180,4 @@ def output_options(opts: DecodeOptions) -> dict[str, Any]:
 
 def signature(opts: DecodeOptions, sha: str = "") -> str:
     """`output_options` as one string, plus the checkpoint's hash when given."""
-    parts = [f"{k}:{v}" for k, v in output_options(opts).items()]
-    return "|".join(parts + ([f"ckpt:{sha}"] if sha else []))
+    return "|".join([f"{k}:{v}" for k, v in output_options(opts).items()] + ([f"ckpt:{sha}"] if sha else []))

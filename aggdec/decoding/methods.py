@@ -19,15 +19,8 @@ from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
 from aggdec.decoding.metadata import Hypothesis, Request
-from aggdec.decoding.method_options import (
-    OPTIONS,
-    BeamOptions,
-    BlockwiseOptions,
-    GADOptions,
-    GADPlusOptions,
-    GreedyOptions,
-    IADOptions,
-)
+from aggdec.decoding.method_options import (OPTIONS, BeamOptions, BlockwiseOptions, GADOptions, GADPlusOptions,
+                                            GreedyOptions, IADOptions)
 from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.streams import decode_in_streams, stream_count

@@ -1,26 +1,11 @@
 """The decode loop: every draft -> verify method (greedy, IAD, GAD, GAD++, blockwise, double-token)
 runs here, on fixed batch slots with their bookkeeping on the device (docs/design.md, "The slot loop").
-
-Each iteration, for every slot at once:
-  1. Propose: the drafter fills (slots, width) draft tokens and each row's draft length.
-  2. Verify: the verifier scores [last step ; draft] on top of each slot's cached prefix, one call over
-     one flat batch of tokens (`slots.Tokens`): an eager step (`packed`) takes the live slots' real
-     positions, a fixed-shape one (compiled, captured as CUDA graphs, checked) every position of every
-     slot, with no host read; only padding differs.
-  3. Accept: the acceptance rule gives each row's accepted length m and its bonus (no draft: the top-1).
-  4. Commit: each row appends d_1..d_m + bonus (a double-token verifier: whole pairs and a bonus pair);
-     its cache keeps what it committed (the rest is overwritten by the next call).
-  5. Observe: the drafter sees the accepted counts; a `from_states` drafter (draft head, proposal heads)
-     drafts the next call from this call's verifier states, once the draft budget has chosen that
-     call's length and only where it drafts.
-  6. Retire and refill: finished rows are read once and leave; their slots take pending requests
-     (continuous batching), encoded ahead of admission (`scheduler`).
-
-Slots are allocated once (`max_batch_size` rounded up to a power of two) and grown only for a longer
-sentence; fewer requests and a run's tail run on the leading power of two of them. After each step the
-host reads one small tensor (`_summary`); admission copies a refill batch once, retirement reads the
-finished rows once. Outputs are greedy's under exact top-1, whatever the backend, slot count and
-refill order.
+Each iteration, for every slot at once: the drafter proposes (slots, width) draft tokens; the verifier
+scores [last step ; draft] on each slot's cached prefix as one flat batch of tokens (`slots.Tokens`);
+the acceptance rule gives each row's accepted length m and bonus; each row commits d_1..d_m + bonus; the
+drafter observes (a `from_states` one after the draft budget's choice); finished rows retire and their
+slots take pending requests (continuous batching). The host reads one small tensor a step (`_summary`).
+Outputs are greedy's under exact top-1, whatever the backend, slot count and refill order.
 """
 
 from __future__ import annotations
@@ -81,9 +66,8 @@ def slot_count(rows: int) -> int:
 def capture_plan(slots: int, max_draft: int, fewest: int) -> list[tuple[int, int]]:
     """The (slots, width) of every step a captured loop over `slots` slots can take, largest first: the
     slot counts a run narrows to (halving down to `fewest`), the widths 0, `max_draft` and the
-    `GRAPH_WIDTHS` below it. A captured step reads the whole cache and source width, each row masked by
-    its own counts, so neither is a dimension of the plan: 2 x 8 = 16 steps for IAD's 64-token
-    drafts over 64 slots narrowing to 32 (`GRAPH_MIN_SLOTS`), 2 for greedy."""
+    `GRAPH_WIDTHS` below it. A captured step reads the whole cache and source width, so neither is a
+    dimension of the plan."""
     counts = [slots] + [n for n in (slots >> i for i in range(1, slots.bit_length())) if n >= fewest]
     widths = sorted({0, max_draft, *(w for w in GRAPH_WIDTHS if w < max_draft)}, reverse=True)
     return [(n, w) for n in counts for w in widths]
@@ -144,40 +128,30 @@ class SlotLoop:
             raise ValueError(f"compile must be False, True, 'step' or 'model', got {compile!r}")
         self.compile = "step" if compile is True else compile
         slots = slot_count(max_batch_size)
-        # attention over each row's own keys (the masked products where the kernel cannot be built)
+        # attention over each row's own keys where the kernel builds (docs/design.md)
         self.ragged = (self.device.type == "cpu" and (self.compile != "step" or slots >= RAGGED_SLOTS)
                        and decode_attention.load())
-        # a half-precision model's CPU slot cache holds fp32 keys and values, which the kernel reads: its
-        # attention over each row's own keys gives a row the same states whatever the span a step reads
-        # (masked bf16 products over a longer span sum in another order), so a fixed-shape step, which
-        # reads the whole cache, decides as an eager one
+        # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
         half = self.dtype in (torch.bfloat16, torch.float16)
         kernel = half and self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel else self.dtype
-        # the compiled whole step, or the model's call compiled within eager steps (`compile`)
         self._compiled = self._compile(SlotLoop._step, self, slots) if self.compile == "step" else None
         self._decode = (self._compile(Transformer.decode_slots, model, slots) if self.compile == "model"
                         else model.decode_slots)
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
         self.packed = self.compile != "step" and self.graphs is False
-        # the top-1: `projection`'s on eager steps; fixed-shape ones, which read no host, its plain fp32 twin
-        # (the same token: a certified one's bound reads the host)
+        # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
         if projection is None or (projection.certify and not self.packed):
             projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
                                           int8=model.output_int8)
         self.projection = projection
         self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
-        # slots a run narrows to at least: on CUDA graphs (and checked as such) GRAPH_MIN_SLOTS, compiled 2 (a
-        # compiled step specializes a batch of 1), eager 1
+        # slots a run narrows to at least (a compiled step specializes a batch of 1)
         self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if self.compile else 1
-        # drafts from each call's verifier states, after the step (the draft head, proposal heads)
-        self._after = self.drafter.from_states
+        self._after = self.drafter.from_states  # drafts from each call's verifier states, after the step
         self._source_bound = getattr(self.drafter, "source_bound", False)  # optional (`Drafter`)
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
-        self._graph_states: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
-        self._whole_cache = self._whole_state = None  # the slot buffers (`_allocate`)
+        self.release()  # no slot buffers (`_allocate`) nor graphs yet
 
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
@@ -196,8 +170,7 @@ class SlotLoop:
     def _step(self, width: int, span: int, src_width: int) -> None:
         """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
         committed tokens, fed tokens, the longest draft offered before the cut at `width`)."""
-        st, cfg, s = self.state, self.model.cfg, self.stride
-        active = self.active
+        st, cfg, s, active = self.state, self.model.cfg, self.stride, self.active
         if width:
             draft = self.drafter.propose(st, width)
             drafts = draft.tokens
@@ -210,8 +183,7 @@ class SlotLoop:
             block = torch.cat([st.last_step(), drafts], dim=1)  # (B, T)
         else:
             block = st.last_step()
-        # 2. Verify [last step ; draft]: eagerly (`packed`) the live slots' real positions, else every position
-        # of every slot, as one flat batch of tokens
+        # 2. Verify [last step ; draft] as one flat batch of tokens (`packed`: only the live slots' real positions)
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
         keep = None  # every position (a fixed-shape step; an eager greedy one where every slot holds a row)
@@ -242,8 +214,7 @@ class SlotLoop:
         at = (st.out_len[:, None] + offs).clamp(max=st.out.shape[1] - 1)
         st.out.index_put_((rows[:, None], at), new)  # an empty slot's writes are never read: a refill resets its row
         st.out_len.add_(n_new)
-        # Statistics (a refill zeroes its row's; no draft adds none): drafts accepted past an accepted eos
-        # are not counted.
+        # statistics (a refill zeroes its row's): drafts accepted past an accepted eos are not counted
         fed = (num + s) * active if width else n_new
         self.ms.addcmul_(self.fed_before, self.ms_per_fed)
         self.fed_before.copy_(fed)
@@ -276,15 +247,13 @@ class SlotLoop:
         if self.compile:
             import torch._inductor.config as inductor_config  # only where a compiled step was chosen
 
-            # TorchDynamo reads `freezing` from the global config when it traces, and a recompile can
-            # come at any call (Inductor's option alone would leave the weights inputs)
+            # TorchDynamo reads `freezing` from the global config when it traces (docs/design.md)
             frozen = inductor_config.freezing
             inductor_config.freezing = True
             try:
                 (self._compiled or self._step)(width, span, src_width)
                 return
-            except torch._dynamo.exc.BackendCompilerFailed as e:  # before a program ran (a drafter's proposal
-                # is a function of the state): the step runs again eagerly
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # before a program ran: rerun eagerly
                 warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
                 self.compile, self._compiled, self._decode = False, None, self.model.decode_slots
             finally:
@@ -314,8 +283,7 @@ class SlotLoop:
         for key in self._plan:
             if key in self._captured:
                 continue
-            if self.state.batch_size != key[0]:
-                self._narrow(key[0])
+            self._narrow(key[0])
             try:
                 self._capture(key)
             except RuntimeError as e:
@@ -328,28 +296,24 @@ class SlotLoop:
                           f"{failed[0]}", stacklevel=3)
 
     def _programs(self) -> int:
-        """How many step programs were built so far: frames TorchDynamo compiled (in any loop of the
-        process)."""
+        """How many programs TorchDynamo compiled so far (in any loop of the process)."""
         return torch._dynamo.utils.counters["frames"]["total"]
 
     def _compile(self, fn, owner, slots: int):
-        """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone.
-        TorchDynamo keeps compiled programs per code object, and with frozen weights and no guards on
-        modules, a program compiled for one loop would serve another loop's model of the same shapes with
-        the first one's weights: it runs from a copy of its code object. `slots`: the loop's slot count,
-        which picks the products (`gemm_backend`)."""
+        """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone,
+        from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products
+        (`gemm_backend`)."""
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         backend = gemm_backend(self.dtype, slots, drafts=self.drafter.max_draft != 0)
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
         compile_cache.prepare()  # a cache per vector ISA; another process's compile waited for 60 s at most
         return torch.compile(types.MethodType(own, owner), dynamic=True, options=options)
 
-    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int]) -> None:
         """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
         one warm-up run whose effects are undone, also where the warm-up or the capture raises (an eager
         retry then runs the step once)."""
-        mutable = [self.state.out, self.state.out_len, *(getattr(self, name) for name in self._whole_rows),
-                   *self._drafter_tensors()]
+        mutable = [self.state.out, self.state.out_len, *self._whole_rows.values(), *self._whole_drafter.values()]
         saved = [t.clone() for t in mutable]
         with torch.cuda.device(self.device):
             try:
@@ -370,11 +334,6 @@ class SlotLoop:
         self.counters.captures += 1
         if self._after:
             self._graph_states[key] = self._states
-        return graph
-
-    def _drafter_tensors(self) -> list[torch.Tensor]:
-        rows = getattr(self.drafter, "rows", None)
-        return list(rows.tensors().values()) if rows is not None else []
 
     # -- slots -----------------------------------------------------------------------------------
 
@@ -384,8 +343,7 @@ class SlotLoop:
         or wide (`slots.capacity`), counted in `LoopCounters.allocations`. Always `slot_count(max_batch_size)`
         slots: a run of fewer requests narrows to its own (`run`)."""
         cfg = self.model.cfg
-        # one position more than any span or width reads: a read is never the whole buffer, so a
-        # compiled step's shapes stay symbolic (prefix == whole buffer would be specialized)
+        # one position more than any span or width reads, so a compiled step's shapes stay symbolic
         need = max(r.max_len for r in requests) + self.max_draft + 2 + self.stride
         need_src = max(len(r.src) for r in requests)
         cache = self._whole_cache
@@ -402,31 +360,23 @@ class SlotLoop:
         self.counters.allocations += 1
         self.cache = SlotCache(cfg.dec_layers, cfg.inner_dim(cfg.dec_heads), b, length, src_width, self.cache_dtype,
                                dev)
-        out = torch.full((b, length), cfg.pad, dtype=torch.long, device=dev)
-        out[:, : self.stride] = self.starts
+        long = functools.partial(torch.zeros, dtype=torch.long, device=dev)  # rows `_reset` fills
         self.state = DecodeState(
-            src=torch.full((b, src_width), cfg.pad, dtype=torch.long, device=dev),
-            src_len=torch.ones(b, dtype=torch.long, device=dev), out=out,
-            out_len=torch.full((b,), self.stride, dtype=torch.long, device=dev),
-            max_len=torch.ones(b, dtype=torch.long, device=dev), cache=self.cache,
-            requests=[None] * b, pad=cfg.pad, eos=cfg.eos, stride=self.stride,
-            fixed=not self.packed, index=torch.zeros(b, dtype=torch.long, device=dev))
-        # on CUDA, a refill batch's packed rows in pinned host memory and on the device (the one copy of an
-        # admission, `_admission`): slot, source length, length limit, row in the cross K/V encoded ahead,
-        # request index, source
+            src=torch.full((b, src_width), cfg.pad, dtype=torch.long, device=dev), src_len=long(b),
+            out=long(b, length), out_len=long(b), max_len=long(b), cache=self.cache, requests=[None] * b,
+            pad=cfg.pad, eos=cfg.eos, stride=self.stride, fixed=not self.packed, index=long(b))
+        # on CUDA, a refill batch's `_admission` rows in pinned host memory and on the device
         self._pinned = self._admitted = None
         if dev.type == "cuda":
             self._admitted = torch.empty((b, ADMISSION + src_width), dtype=torch.long, device=dev)
             self._pinned = torch.empty_like(self._admitted, device="cpu").pin_memory()
-        count = torch.zeros(b, dtype=torch.long, device=dev)
-        self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": count,
-                            "drafted": torch.zeros_like(count), "accepted": torch.zeros_like(count),
+        self._whole_rows = {"active": torch.zeros(b, dtype=torch.bool, device=dev), "iterations": long(b),
+                            "drafted": long(b), "accepted": long(b),
                             "hist": torch.zeros(b, length, dtype=torch.int32, device=dev),
                             "ms": torch.zeros(b, dtype=torch.float64, device=dev),
                             "fed_before": torch.zeros(b, dtype=torch.float64, device=dev)}
         self.ms_per_fed = torch.zeros((), dtype=torch.float64, device=dev)
-        self._zero = torch.zeros(1, dtype=torch.long, device=dev)
-        self._whole_summary = torch.zeros(2 * b + 3, dtype=torch.long, device=dev)
+        self._zero, self._whole_summary = long(1), long(2 * b + 3)
         self._whole_state, self._whole_cache, self._whole_drafter = self.state, self.cache, {}
         self._plan = capture_plan(b, self.max_draft, self._fewest)
         self._widths = sorted({w for _, w in self._plan})  # once, not per call
@@ -473,15 +423,11 @@ class SlotLoop:
         """Every slot empty; tensors keep their storage (captured steps stay valid), the drafter's too:
         its rows are its whole tensors again (a tail may have narrowed them), admitted in place."""
         self._narrow(self._whole_state.batch_size)
-        st = self.state
-        st.out.fill_(st.pad)
-        st.out[:, : self.stride] = self.starts
-        for t, fill in ((st.out_len, self.stride), (st.src_len, 1), (st.max_len, 1)):
-            t.fill_(fill)
-        for t in (self.active, self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
-            t.zero_()
+        for t in (self.state.src_len, self.state.max_len):
+            t.fill_(1)
+        self.active.zero_()
+        self._fresh(torch.arange(self.state.batch_size, device=self.device))
         if self.max_draft:
-            self.drafter.admit(st, torch.arange(st.batch_size, device=self.device))
             self._whole_drafter = self.drafter.rows.tensors()
 
     def _fill(self, slots: list[int], reqs: list[Request], queue: list[Request]) -> None:
@@ -525,12 +471,17 @@ class SlotLoop:
         st.src.index_copy_(0, idx, admitted[:, ADMISSION:])
         for t, column in ((st.src_len, 1), (st.max_len, 2), (st.index, 4)):
             t.index_copy_(0, idx, admitted[:, column])
+        self.active.index_fill_(0, idx, True)
+        self._fresh(idx)
+
+    def _fresh(self, idx: torch.Tensor) -> None:
+        """The rows `idx`: outputs at the start tokens, statistics zero, the drafter's rows admitted."""
+        st = self.state
         st.out.index_fill_(0, idx, st.pad)
         st.out[:, : self.stride].index_copy_(0, idx, self.starts.expand(idx.shape[0], -1))
         st.out_len.index_fill_(0, idx, self.stride)
         for t in (self.iterations, self.drafted, self.accepted, self.hist, self.ms, self.fed_before):
             t.index_fill_(0, idx, 0)
-        self.active.index_fill_(0, idx, True)
         if self.max_draft:
             self.drafter.admit(st, idx)
 
@@ -580,13 +531,11 @@ class SlotLoop:
         # the slots the steps run on: the power of two that holds the requests (all slots where they
         # fill them) until the queue is empty
         n = min(self.state.batch_size, max(self._fewest, slot_count(len(queue))))
-        if n < self.state.batch_size:
-            self._narrow(n)
+        self._narrow(n)
         free = list(range(n))
         src_len = [0] * n  # host copy of each occupied slot's source length
         out_len = [self.stride] * n
-        length = 0 if self.max_draft == 0 else (self.max_draft if self.budget is None
-                                                else self.budget.next_length(1, self.max_draft))
+        length = self.max_draft if self.budget is None else self.budget.next_length(1, self.max_draft)
         observed = 0.0  # seconds of the last call's drafting from states: drafting for this call
         while queue or len(free) < n:
             if free and queue and (self.refill or len(free) == n):
@@ -642,11 +591,9 @@ class SlotLoop:
                 # at least)
                 fewer = max(self._fewest, slot_count(len(live))) if live else n
                 if not queue and fewer < n:
-                    placed = self._compact(live, fewer)
+                    placed = dict(zip(self._compact(live, fewer), live))  # new slot -> old
                     n = self.state.batch_size
-                    moved_src, moved_out = [0] * n, [self.stride] * n
-                    for old, new in zip(live, placed):
-                        moved_src[new], moved_out[new] = src_len[old], out_len[old]
-                    src_len, out_len = moved_src, moved_out
-                    free = [s for s in range(n) if not src_len[s]]
+                    src_len = [src_len[placed[s]] if s in placed else 0 for s in range(n)]
+                    out_len = [out_len[placed[s]] if s in placed else self.stride for s in range(n)]
+                    free = [s for s in range(n) if s not in placed]
         self._refills.reset()
