@@ -27,10 +27,11 @@ that package after tracing (no AOTAutograd, no Inductor, no C++ compiler). Packa
 `<base>/aggdec-steps/torch-<version>/<cpu>/<key>.pt2`, `<base>` being TORCHINDUCTOR_CACHE_DIR, or
 Inductor's default (`/tmp/torchinductor_<user>`), as first found in the process (`store_dir`). A
 package's key digests everything its program depends on: the graph's code and input shapes, the
-bytes of every tensor it holds (weights frozen as constants: Inductor keys a frozen weight by shape
-and dtype alone, so two models of the same shapes would otherwise share a program and the second
-decode with the first one's weights), the Inductor options and configuration, the thread count;
-the directory names torch's version and the CPU's vector features. A package is written whole
+bytes of every tensor the graph holds (the weights, frozen into the package as constants: two models
+of the same shapes have the same graph, and one loading the other's package decodes with the other's
+weights, measured; Inductor's FX graph cache keys a frozen weight by shape and dtype alone, taking
+its values from the running graph), the Inductor options and configuration, the thread count; the
+directory names torch's version and the CPU's vector features. A package is written whole
 (renamed into place); builders of the same key take a lock in Inductor's lock directory, waited for
 at most `LOCK_TIMEOUT_S` like Inductor's own and released by the operating system when its owner dies.
 """
@@ -162,8 +163,8 @@ def store_dir() -> str:
 
 def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """TorchDynamo backend: `gm` as the AOTInductor package of its key (module docstring) in `store_dir`,
-    loaded if there, else built with Inductor `options` (`prepare` first), weights frozen where
-    `options` say so, while holding the key's lock. Its integer inputs reach the program as the
+    loaded if there, else built with Inductor `options` (`prepare` first) while holding the key's lock,
+    every tensor `gm` holds (the weights, where TorchDynamo traced under `freezing`) in the package. Its integer inputs reach the program as the
     sizes of empty tensors (AOTInductor takes tensors only). Raises what the build raises, and
     filelock's `Timeout` after `LOCK_TIMEOUT` s waiting for another builder."""
     import torch
