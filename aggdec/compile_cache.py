@@ -16,13 +16,37 @@ AVX2 (`ATEN_CPU_CAPABILITY=avx2`, or a cache directory shared by machines of two
 rebuilt from its AVX-512 source with AVX2's flags and computes garbage in its vectors' tails
 (measured with torch 2.13 on an AMX Xeon: int8 products and compiled steps wrong, every test of
 them failing). `cache_per_isa` gives each ISA a directory of its own.
+
+A compiled slot-loop step is compiled once per machine, not once per process (`compile_step`,
+`stored`). Inductor's own caches do not serve it: with `freezing` its FX graph cache is bypassed
+(the frozen weights are packed as mkldnn tensors, which do not pickle) and so is AOTAutograd's
+("Cannot cache a graph with freezing enabled"), and even a hit there would leave TorchDynamo's and
+AOTAutograd's tracing to every process. Each graph TorchDynamo captures is compiled instead by
+AOTInductor into a package that holds its program and its frozen weights, and later processes load
+that package after tracing (no AOTAutograd, no Inductor, no C++ compiler). Packages live in
+`<base>/aggdec-steps/torch-<version>/<cpu>/<key>.pt2`, `<base>` being TORCHINDUCTOR_CACHE_DIR, or
+Inductor's default (`/tmp/torchinductor_<user>`), as first found in the process (`store_dir`). A
+package's key digests everything its program depends on: the graph's code and input shapes, the
+bytes of every tensor the graph holds (the weights, frozen into the package as constants: two models
+of the same shapes have the same graph, and one loading the other's package decodes with the other's
+weights, measured; Inductor's FX graph cache keys a frozen weight by shape and dtype alone, taking
+its values from the running graph), the Inductor options and configuration, the thread count; the
+directory names torch's version and the CPU's vector features. A package is written whole
+(renamed into place); builders of the same key take a lock in Inductor's lock directory, waited for
+at most `LOCK_TIMEOUT_S` like Inductor's own and released by the operating system when its owner dies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 LOCK_TIMEOUT_S = 60
 """The longest wait for another process's lock on a program, unless TORCHINDUCTOR_FILE_LOCK_TIMEOUT is set."""
@@ -51,6 +75,15 @@ def lowered_isa() -> str | None:
 _BASE: list[str] = []  # the cache directory as first found in this process, before `cache_per_isa`
 
 
+def _base() -> str:
+    """TORCHINDUCTOR_CACHE_DIR, or Inductor's default cache directory, as first found in this process."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if not _BASE:
+        _BASE.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    return _BASE[0]
+
+
 def prepare(timeout_s: float = LOCK_TIMEOUT_S) -> None:
     """`cache_per_isa` and `bound_locks`: call where a compile is set up, before it runs."""
     cache_per_isa()
@@ -62,12 +95,9 @@ def cache_per_isa() -> str:
     for the vector ISA Inductor generates code for in this process (`pick_vec_isa`, which follows
     ATEN_CPU_CAPABILITY) and return it. Programs compiled before the first call stay where they are."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    if not _BASE:
-        _BASE.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     isa = "-".join(str(pick_vec_isa()).split()) or "novec"
-    path = os.path.join(_BASE[0], f"isa-{isa}")
+    path = os.path.join(_base(), f"isa-{isa}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
 
@@ -108,3 +138,152 @@ class _SayWaits(logging.Filter):
                 warnings.warn(f"aggdec: waiting (at most {LOCK_TIMEOUT:g} s) for {path}: another process is "
                               "compiling the same TorchInductor program", stacklevel=2)
         return record.levelno >= self.level
+
+
+def compile_step(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """`fn` compiled by TorchDynamo with symbolic shapes and Python floats specialized (as Inductor's own
+    compile ends up with them, after a restart), each graph run as the AOTInductor package `stored`
+    finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to TorchDynamo)."""
+    import torch
+
+    return torch._dynamo.config.patch(specialize_float=True)(
+        torch.compile(fn, dynamic=True, backend=stored, options=dict(options)))
+
+
+def store_dir() -> str:
+    """Where compiled steps are kept: `<base>/aggdec-steps/torch-<version>/<cpu>` (module docstring), <cpu>
+    naming ATen's vector capability and a digest of the CPU's instruction-set features."""
+    import torch
+
+    caps = torch.cpu.get_capabilities()
+    features = hashlib.sha256(",".join(sorted(k for k, v in caps.items() if v is True)).encode()).hexdigest()
+    cpu = f"{caps.get('architecture', 'cpu')}-{torch.backends.cpu.get_cpu_capability()}-{features[:12]}"
+    return os.path.join(_base(), "aggdec-steps", f"torch-{torch.__version__}", cpu)
+
+
+def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """TorchDynamo backend: `gm` as the AOTInductor package of its key (module docstring) in `store_dir`,
+    loaded if there, else built with Inductor `options` (`prepare` first) while holding the key's lock,
+    every tensor `gm` holds (the weights, where TorchDynamo traced under `freezing`) in the package. Its integer inputs reach the program as the
+    sizes of empty tensors (AOTInductor takes tensors only). Raises what the build raises, and
+    filelock's `Timeout` after `LOCK_TIMEOUT` s waiting for another builder."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    options = dict(options or {})
+    inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
+    ints = [not isinstance(v, torch.Tensor) for v in inputs]
+    path = os.path.join(store_dir(), f"{_key(gm, inputs, options)}.pt2")
+    program = _load(path)
+    if program is None:
+        from torch._inductor import codecache
+        from torch.utils._filelock import FileLock
+
+        prepare()
+        with FileLock(os.path.join(codecache.get_lock_dir(), os.path.basename(path) + ".lock"),
+                      timeout=codecache.LOCK_TIMEOUT):
+            program = _load(path) or _build(gm, example_inputs, inputs, ints, options, path)
+    if program is None:
+        raise RuntimeError(f"the program compiled into {path} does not load")
+    loader, out_spec = program
+
+    def run(*args):
+        return pytree.tree_unflatten(loader.boxed_run([_carrier(a) if i else a for a, i in zip(args, ints)]), out_spec)
+
+    return run
+
+
+def _carrier(n: int):
+    """An integer as an empty tensor's first size, shifted by 2 (export specializes sizes 0 and 1)."""
+    import torch
+
+    return torch.empty((n + 2, 0), dtype=torch.uint8)
+
+
+def _key(gm: torch.fx.GraphModule, inputs: list, options: dict[str, Any]) -> str:
+    """A digest of what `gm`'s program depends on: its code (and its subgraphs'), its inputs' dtypes,
+    shapes and strides, the bytes of every tensor it reads as an attribute (frozen weights), `options`,
+    Inductor's configuration and the thread count its parallel loops are generated for."""
+    import torch
+    import torch._inductor.config as config
+
+    h = hashlib.sha256()
+    h.update(repr([(v.dtype, v.shape, v.stride()) if isinstance(v, torch.Tensor) else v for v in inputs]).encode())
+    h.update(repr((sorted(options.items()), sorted(config.save_config_portable().items()))).encode())
+    h.update(str(torch.get_num_threads()).encode())
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            h.update(module.code.encode())
+            for node in module.graph.find_nodes(op="get_attr"):
+                value = torch.fx.graph_module._get_attr(module, node.target)
+                if isinstance(value, torch.Tensor):
+                    h.update(repr((node.target, value.dtype, value.shape)).encode())
+                    h.update(memoryview(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def _load(path: str):
+    """The package at `path` as (its loader, its outputs' tree spec), or None where there is none or it
+    does not load. Loaded as torch's `aoti_load_package` does, without its check of the CPU, whose
+    `pick_vec_isa` takes seconds (builds and loads a probe per vector ISA) and which `store_dir` has made.
+    Counts `counters["aggdec"]["steps_loaded"]` (torch._dynamo.utils)."""
+    import torch
+    import torch.utils._pytree as pytree
+    from torch._dynamo.utils import counters
+
+    if not os.path.exists(path):
+        return None
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+    except Exception as e:  # a package from an interrupted copy, a library that changed: rebuilt
+        warnings.warn(f"aggdec: {path} did not load ({type(e).__name__}: {e}), compiling it again", stacklevel=2)
+        return None
+    counters["aggdec"]["steps_loaded"] += 1
+    return loader, pytree.treespec_loads(loader.get_call_spec()[1])
+
+
+def _build(gm: torch.fx.GraphModule, example_inputs: list, inputs: list, ints: list[bool], options: dict[str, Any],
+           path: str):
+    """Export `gm` (integers carried as tensor sizes, `_shapes`), compile it with AOTInductor into a
+    file beside `path`, rename that into place and load it. Counts `counters["aggdec"]["steps_built"]`."""
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    class Carried(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args):
+            return self.gm(*[a.shape[0] - 2 if i else a for a, i in zip(args, ints)])
+
+    args = tuple(_carrier(guarding_hint_or_throw(a)) if i else a for a, i in zip(example_inputs, ints))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path[:-4]}.{os.getpid()}.pt2"
+    try:
+        with torch._guards.tracing(None):  # a trace and a compile of their own, outside TorchDynamo's
+            program = torch.export.export(Carried(), args, dynamic_shapes=(_shapes(inputs),), strict=False,
+                                          prefer_deferred_runtime_asserts_over_guards=True)
+            torch._inductor.aoti_compile_and_package(program, package_path=part, inductor_configs=dict(options))
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
+    counters["aggdec"]["steps_built"] += 1
+    return _load(path)
+
+
+def _shapes(inputs: list) -> tuple:
+    """torch.export's dynamic shapes for TorchDynamo's graph inputs `inputs` (their example values), each
+    integer carried as a size (`_carrier`): `Dim.DYNAMIC` where TorchDynamo's size is symbolic (export
+    fails rather than fix it), fixed where TorchDynamo fixed it. Sizes get symbols of their own (no
+    duck sizing), related only as the graph's operations relate them."""
+    import torch
+    from torch.export import Dim
+
+    def dynamic(size) -> bool:
+        return isinstance(size, torch.SymInt) and not size.node.shape_env.simplify(size.node.expr).is_number
+
+    return tuple(({i: Dim.DYNAMIC for i, s in enumerate(v.shape) if dynamic(s)} if isinstance(v, torch.Tensor)
+                  else {0: Dim.DYNAMIC} if dynamic(v) else None) or None for v in inputs)

@@ -306,8 +306,7 @@ class SlotLoop:
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         backend = gemm_backend(self.dtype, slots, drafts=self.drafter.max_draft != 0)
         options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
-        compile_cache.prepare()  # a cache per vector ISA; another process's compile waited for 60 s at most
-        return torch.compile(types.MethodType(own, owner), dynamic=True, options=options)
+        return compile_cache.compile_step(types.MethodType(own, owner), options)  # compiled once per machine
 
     def _capture(self, key: tuple[int, int]) -> None:
         """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
