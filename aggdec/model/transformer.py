@@ -425,7 +425,11 @@ class Transformer(nn.Module):
         attend, self_sees, cross_sees = self._attention(
             self._default_limit(pos), span, cache.src_count.clamp(max=width),
             None if ragged else cache.src_keep[:, None, None, :width], ragged, math)
-        if ragged and not tokens.full:  # the kernel skips the queries of positions not taken (no keys)
+        grid, flat = (lambda y: tokens.grid(y, 0)), tokens.at
+        if tokens.full:  # every position of every slot: the states stay on the grid (no layout change a layer)
+            b, t = tokens.shape
+            x, at, grid, flat = x.view(b, t, -1), (at[0].view(b, t), at[1].view(b, t)), (lambda y: y), (lambda y: y)
+        elif ragged:  # the kernel skips the queries of positions not taken (no keys)
             taken = tokens.grid(torch.ones_like(tokens.pos, dtype=torch.bool), False)
             self_sees, cross_sees = self_sees * taken, cross_sees * taken
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
@@ -435,15 +439,15 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
-                return sa.out_proj(tokens.at(attend(sa, tokens.grid(q, 0), cache.k[i][:, :span],
-                                                    cache.v[i][:, :span], self_sees, bias=bias)))
+                return sa.out_proj(flat(attend(sa, grid(q), cache.k[i][:, :span], cache.v[i][:, :span], self_sees,
+                                               bias=bias)))
 
             def cross_attn(h, i=i, ca=ca):
-                return ca.out_proj(tokens.at(attend(ca, tokens.grid(ca.q_proj(h), 0), cache.cross_k[i][:, :width],
-                                                    cache.cross_v[i][:, :width], cross_sees)))
+                return ca.out_proj(flat(attend(ca, grid(ca.q_proj(h)), cache.cross_k[i][:, :width],
+                                               cache.cross_v[i][:, :width], cross_sees)))
 
             x = layer(x, self_attn, cross_attn)
-        return self._final(x)
+        return self._final(x).flatten(0, -2)
 
     def _final(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder's last layer's states -> the final norm (pre-norm), times `cfg.output_scale`."""
