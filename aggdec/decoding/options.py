@@ -129,11 +129,11 @@ class CompiledStep:
     compile: bool = option(False, "On a CPU, compile the decoder with TorchInductor, the weights frozen into it "
                                   "(aggdec.decoding.slot_loop): each step as one program over every slot "
                                   "position, or, from the batch size where that measured slower (iad: 3), the "
-                                  "model's call over the live tokens within eager steps. greedy: 2.2-3.2x eager "
-                                  "at batch size 1, about 1.1x at 64; iad: 1.3x at 1, 1.9x at 64 "
+                                  "model's call over the live tokens within eager steps. greedy: 1.7-3.2x eager "
+                                  "at batch size 1, about 1.1x at 64; iad: 1.3x at 1, 0.92-1.02x at 64 "
                                   "(docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
-                                  "20-60 s once per process. fp32 verifiers; on a GPU steps are CUDA graphs "
-                                  "anyway.", output=False)
+                                  "20-60 s once per machine (kept: README). fp32 verifiers; on a GPU steps are "
+                                  "CUDA graphs anyway.", output=False)
 
     def validate(self) -> None:
         super().validate()
