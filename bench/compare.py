@@ -263,8 +263,8 @@ class Matrix:
         """What a system's process needs (bench/systems.py's runners)."""
         a, m = self.a, self.model(system)
         beam = a.beam if system.method == "beam" else 1
-        job = {"kind": system.kind, "threads": system.threads or a.threads, "device": a.device, "work": str(self.work),
-               "model": str(m.path), "beam": beam}
+        job = {"kind": system.kind, "threads": system.threads or a.threads, "workers": system.workers,
+               "device": a.device, "work": str(self.work), "model": str(m.path), "beam": beam}
         if system.kind == "aggdec":
             for item in a.set:
                 if item.partition("=")[0] in ("max_len_a", "max_len_b"):

@@ -2,8 +2,8 @@
 
 A system is named on the command line as
 
-    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [/THREADS] [:MODEL]   aggdec
-    ct2 | ct2-beam [@COMPUTE] [/THREADS] [:MODEL]          CTranslate2 (COMPUTE: float32, the default, int8, ...)
+    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [/LAYOUT] [:MODEL]   aggdec
+    ct2 | ct2-beam [@COMPUTE] [/LAYOUT] [:MODEL]           CTranslate2 (COMPUTE: float32, the default, int8, ...)
     transformers | transformers-beam [@fp32|@bf16] [/THREADS] [:MODEL]   transformers `generate` (Hugging Face
                                                            directories; @bf16: the model loaded in bfloat16)
     fairseq | fairseq-beam [/THREADS] [:MODEL]             fairseq-generate (aggdec's models, exported)
@@ -11,18 +11,28 @@ A system is named on the command line as
 `/THREADS` runs the system on that many threads instead of the benchmark's `--threads` (a peer's
 best setting can be another than aggdec's: CTranslate2 at batch 1, on some CPUs, is several times
 faster on one thread than on two); `:MODEL` runs it on another model than the benchmark's default.
+`/LAYOUT` is `/THREADS`, `/PxT` or `/best`:
 
-Every system runs in a process of its own, started once and kept while the benchmark runs: the
-parent sends it one request per batch size and repeat, in turn with the other systems, so repeats
-interleave and no process pays another's start-up. A peer's process imports nothing of aggdec, and
-a CTranslate2 process does not import torch either (two threading runtimes in one process slow each
-other down): it gets its input as token pieces, tokenized beforehand by the parent. Each reply
-lists which of `WATCHED` the process has loaded, and `check_clean` refuses a reply from a peer
-whose process loaded what it must not.
+- `/PxT` runs P workers of T threads each. CTranslate2: one process with `inter_threads=P,
+  intra_threads=T`, given each request's inputs at once (`max_batch_size` = the batch size), so
+  that its P workers decode its batches in parallel. aggdec: P processes of T threads, each
+  decoding its contiguous share of each request's inputs (`share`), all sent their request
+  together; the time is the slower one's (`Process.request`). `/T` is `/1xT`.
+- `/best` stands for every layout on the benchmark's `--threads` cores (`layouts`: P * T <=
+  --threads), each a system of its own named `SPEC/PxT[:MODEL]` (`System.expand`); the harness
+  also reports, per batch size, the fastest of them under the `/best` name.
 
-This file is also the program those processes run (`python -I bench/systems.py JOB`: a peer's
-process then has neither PYTHONPATH nor this folder on its path), so it imports only the standard
-library at its top; each kind's libraries are imported in its own runner.
+Every system runs in a process of its own (aggdec's `/PxT`: in P), started once and kept while the
+benchmark runs: the parent sends it one request per batch size and repeat, in turn with the other
+systems, so repeats interleave and no process pays another's start-up. A peer's process imports
+nothing of aggdec, and a CTranslate2 process does not import torch either (two threading runtimes in
+one process slow each other down): it gets its input as token pieces, tokenized beforehand by the
+parent. Each reply lists which of `WATCHED` the process has loaded, and `check_clean` refuses a
+reply from a peer whose process loaded what it must not.
+
+This file is also the program those processes run (`python -I bench/systems.py JOB PART PARTS`: a
+peer's process then has neither PYTHONPATH nor this folder on its path), so it imports only the
+standard library at its top; each kind's libraries are imported in its own runner.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 METHODS = ("greedy", "iad", "gad", "gad++", "blockwise", "beam")
@@ -43,6 +53,25 @@ TRANSFORMERS_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # @precision -> t
 WATCHED = ("aggdec", "jobs", "cluster", "torch")  # modules whose presence in a process is checked
 FORBIDDEN = {"ct2": {"aggdec", "jobs", "cluster", "torch"}, "transformers": {"aggdec", "jobs", "cluster"},
              "fairseq": {"aggdec", "jobs", "cluster"}}
+LAYOUT_KINDS = ("aggdec", "ct2")  # the kinds that run a /PxT layout with P > 1, and so /best
+
+
+def layouts(cores: int) -> list[tuple[int, int]]:
+    """Every layout (workers P, threads T each) with P * T <= `cores`, by P, then T."""
+    return [(p, t) for p in range(1, cores + 1) for t in range(1, cores // p + 1)]
+
+
+def parse_layout(name: str, text: str) -> tuple[int | None, int, bool]:
+    """`/text` of system `name` (module docstring): (threads, workers, search); ValueError naming it."""
+    if text == "best":
+        return None, 1, True
+    workers, x, threads = text.partition("x")
+    if not x:
+        workers, threads = "1", text
+    if not (workers.isdigit() and threads.isdigit() and int(workers) > 0 and int(threads) > 0):
+        raise ValueError(f"system {name!r}: /{text} is not a thread count (/N), a layout (/PxT, P and T "
+                         "positive) or /best")
+    return int(threads), int(workers), False
 
 
 @dataclass(frozen=True)
@@ -55,16 +84,17 @@ class System:
     precision: str = "fp32"  # aggdec: the verifier's precision; CTranslate2: its compute type
     compile: bool = False
     model: str | None = None  # None: the benchmark's default model
-    threads: int | None = None  # None: the benchmark's --threads
+    threads: int | None = None  # each worker's; None: the benchmark's --threads
+    workers: int = 1  # CTranslate2: inter_threads; aggdec: processes, each decoding its share
+    search: bool = False  # /best: stands for its layouts (`expand`), runs none itself
+    searched: str | None = None  # the /best system this one is a layout of
 
     @classmethod
     def parse(cls, name: str) -> "System":
         """The system `name` names; ValueError naming what is wrong."""
         spec, _, model = name.partition(":")
-        spec, slash, count = spec.partition("/")
-        if slash and not (count.isdigit() and int(count) > 0):
-            raise ValueError(f"system {name!r}: /{count} is not a thread count")
-        threads = int(count) if slash else None
+        spec, slash, layout = spec.partition("/")
+        threads, workers, search = parse_layout(name, layout) if slash else (None, 1, False)
         head, plus, flag = spec.rpartition("+")
         if plus and flag:  # a flag after the last "+" ("gad++" ends in no flag)
             if flag != "compile":
@@ -83,13 +113,30 @@ class System:
                     raise ValueError(f"system {name!r}: unknown precision {precision!r} for transformers "
                                      f"({', '.join(TRANSFORMERS_DTYPES)})")
                 precision = precision or "fp32"
-            return cls(name, peer, "beam" if beam else "greedy", precision or "float32", False, model or None, threads)
+            if (workers > 1 or search) and peer not in LAYOUT_KINDS:
+                raise ValueError(f"system {name!r}: {peer} runs on one worker: /THREADS, not /{layout}")
+            return cls(name, peer, "beam" if beam else "greedy", precision or "float32", False, model or None, threads,
+                       workers, search)
         if base not in METHODS:
             raise ValueError(f"system {name!r}: unknown method {base!r} (aggdec: {', '.join(METHODS)}; "
                              f"peers: {', '.join(PEERS)})")
         if precision and precision not in PRECISIONS:
             raise ValueError(f"system {name!r}: unknown precision {precision!r} ({', '.join(PRECISIONS)})")
-        return cls(name, "aggdec", base, precision or "fp32", bool(plus), model or None, threads)
+        return cls(name, "aggdec", base, precision or "fp32", bool(plus), model or None, threads, workers, search)
+
+    def expand(self, cores: int) -> list["System"]:
+        """The systems this one stands for on `cores` threads: a /best search's layouts (`layouts`),
+        each named `SPEC/PxT[:MODEL]` with `searched` its name; any other system, itself."""
+        if not self.search:
+            return [self]
+        spec, colon, model = self.name.partition(":")
+        base = spec.removesuffix("/best")
+        return [replace(self, name=f"{base}/{p}x{t}{colon}{model}", threads=t, workers=p, search=False,
+                        searched=self.name) for p, t in layouts(cores)]
+
+    def layout(self, cores: int) -> str:
+        """`PxT`: its workers and each one's threads (`cores`: the benchmark's --threads)."""
+        return f"{self.workers}x{self.threads or cores}"
 
 
 def check_clean(system: System, modules: list[str]) -> None:
@@ -106,7 +153,8 @@ __init__): peers and competing processes start from it, so they run as they woul
 
 
 class Process:
-    """A system's process (`serve` in a child): `request` sends it one decode and waits for the reply."""
+    """A system's process (`serve` in a child; aggdec's `/PxT`: P of them, each decoding its share):
+    `request` sends it one decode and waits for the reply."""
 
     def __init__(self, system: System, job: Path, threads: int, repo: Path):
         env = dict(START_ENV, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
@@ -117,27 +165,71 @@ class Process:
         else:  # -I: no PYTHONPATH, no user site, nothing of aggdec within reach but an installed copy
             flags = ["-I"]
         self.system = system
-        self.child = subprocess.Popen([sys.executable, *flags, __file__, str(job)], cwd=repo, env=env, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        parts = system.workers if system.kind == "aggdec" else 1  # CTranslate2's workers are its own threads
+        self.children = [subprocess.Popen([sys.executable, *flags, __file__, str(job), str(part), str(parts)],
+                                          cwd=repo, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                         for part in range(parts)]
+        self.warm: set[int] = set()  # batch sizes every child has warmed up at (several children only)
 
     def request(self, batch_size: int, n: int) -> dict:
-        """Decode the first `n` inputs at `batch_size`: {"seconds", "outputs", "modules", ...} or {"error"}."""
-        self.child.stdin.write(json.dumps({"batch_size": batch_size, "n": n}) + "\n")
-        self.child.stdin.flush()
-        line = self.child.stdout.readline()
-        if not line:
-            return {"error": f"the process exited with status {self.child.wait()}", "modules": []}
-        reply = json.loads(line)
-        check_clean(self.system, reply["modules"])
-        return reply
+        """Decode the first `n` inputs at `batch_size`: {"seconds", "outputs", "modules", ...} or {"error"}.
+
+        Several children each get the request at once (written to all before any reply is read) and
+        decode their share; before the first at a batch size, a round of no inputs lets each warm up
+        on its own, so that the timed round starts them together, warm. The replies are `merged`."""
+        if len(self.children) > 1 and batch_size not in self.warm:
+            warm = merged(self._round(batch_size, 0))
+            if "error" in warm:
+                return warm
+            self.warm.add(batch_size)
+        return merged(self._round(batch_size, n))
+
+    def _round(self, batch_size: int, n: int) -> list[dict]:
+        for child in self.children:
+            child.stdin.write(json.dumps({"batch_size": batch_size, "n": n}) + "\n")
+            child.stdin.flush()
+        replies = []
+        for child in self.children:
+            line = child.stdout.readline()
+            if not line:
+                replies.append({"error": f"the process exited with status {child.wait()}", "modules": []})
+                continue
+            replies.append(json.loads(line))
+            check_clean(self.system, replies[-1]["modules"])
+        return replies
 
     def close(self) -> None:
-        self.child.stdin.close()
-        try:
-            self.child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.child.kill()
-            self.child.wait()
+        for child in self.children:
+            child.stdin.close()
+        for child in self.children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def share(n: int, part: int, parts: int) -> slice:
+    """The rows of the first `n` inputs that process `part` of `parts` decodes: contiguous, in
+    order, sizes differing by at most one."""
+    return slice(part * n // parts, (part + 1) * n // parts)
+
+
+def merged(replies: list[dict]) -> dict:
+    """One reply from the replies of a system's processes, in part order: the first error, named by
+    its process; else seconds: the slowest process's (they started together), outputs in input
+    order, every other figure averaged over sentences, and "process_seconds": each one's time."""
+    if len(replies) == 1:
+        return replies[0]
+    modules = sorted({m for r in replies for m in r["modules"]})
+    for part, r in enumerate(replies):
+        if "error" in r:
+            return {"error": f"process {part + 1} of {len(replies)}: {r['error']}", "modules": modules}
+    outputs = [o for r in replies for o in r["outputs"]]
+    figures = {key: sum(r[key] * len(r["outputs"]) for r in replies) / max(1, len(outputs))
+               for key in replies[0].keys() - {"seconds", "outputs", "modules"}}
+    return {"seconds": max(r["seconds"] for r in replies), "outputs": outputs, **figures,
+            "process_seconds": [r["seconds"] for r in replies], "modules": modules}
 
 
 # -- in the system's process ----------------------------------------------------------------------
@@ -151,7 +243,8 @@ def warm_count(batch_size: int, available: int) -> int:
 
 
 def aggdec_runner(job: dict) -> Decode:
-    """aggdec through its public API: outputs are token ids; extra: verifier calls per sentence."""
+    """aggdec through its public API, on this process's `share` of each request's inputs (`job`'s
+    "part" of "parts"): outputs are token ids; extra: verifier calls per sentence."""
     import torch
 
     from aggdec.api import Translator, decode_options
@@ -172,7 +265,7 @@ def aggdec_runner(job: dict) -> Decode:
             warmed.add(bs)
         sync()
         t0 = time.perf_counter()
-        res = tr.translate_batch(sources[:n], opts)
+        res = tr.translate_batch(sources[share(n, job["part"], job["parts"])], opts)
         sync()
         seconds = time.perf_counter() - t0
         failed = [r.error for r in res if r.status == "error"]
@@ -185,17 +278,22 @@ def aggdec_runner(job: dict) -> Decode:
 
 
 def ct2_runner(job: dict) -> Decode:
-    """CTranslate2 on token pieces: outputs are pieces."""
+    """CTranslate2 on token pieces, `job["workers"]` batches at a time: outputs are pieces.
+
+    Each request's inputs go to `translate_batch` at once with `max_batch_size` = the batch size:
+    CTranslate2 sorts them by length, cuts them into batches and queues each as a job of its own
+    for its `inter_threads` workers (ReplicaPool::post_examples), so P workers decode P batches in
+    parallel; the results come back in input order."""
     import ctranslate2
 
     tr = ctranslate2.Translator(job["ct2_model"], device=job["device"], compute_type=job["compute"],
-                                inter_threads=1, intra_threads=job["threads"])
+                                inter_threads=job["workers"], intra_threads=job["threads"])
     pieces = job["inputs"]
     warmed: set[int] = set()
 
     def run(xs: list, bs: int):
-        return tr.translate_batch(xs, beam_size=job["beam"], max_batch_size=bs, max_decoding_length=job["max_len"],
-                                  min_decoding_length=1)
+        return tr.translate_batch(xs, beam_size=job["beam"], max_batch_size=bs, batch_type="examples",
+                                  max_decoding_length=job["max_len"], min_decoding_length=1)
 
     def decode(bs: int, n: int):
         if bs not in warmed:
@@ -284,10 +382,10 @@ def loaded() -> list[str]:
     return sorted({name.split(".")[0] for name in sys.modules} & set(WATCHED))
 
 
-def serve(job_path: str) -> int:
-    """A system's process: build its runner, then answer one request a line on stdin with one JSON
-    line on the stdout it started with (what the libraries print goes to stderr)."""
-    job = json.loads(Path(job_path).read_text())
+def serve(job_path: str, part: int = 0, parts: int = 1) -> int:
+    """A system's process, `part` of `parts`: build its runner, then answer one request a line on
+    stdin with one JSON line on the stdout it started with (what the libraries print goes to stderr)."""
+    job = json.loads(Path(job_path).read_text()) | {"part": part, "parts": parts}
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     try:
@@ -311,4 +409,4 @@ def serve(job_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1]))
+    sys.exit(serve(sys.argv[1], *map(int, sys.argv[2:])))

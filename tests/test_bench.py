@@ -1,5 +1,6 @@
 """The benchmark harness's guarantees (bench/): a peer's process is clean, the names of systems parse or
-fail with a reason, and the documents' tables are regenerated from results files."""
+fail with a reason, several processes' replies make one, and the documents' tables are regenerated
+from results files."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.compare import identical_share  # noqa: E402
-from bench.systems import Process, System, check_clean  # noqa: E402
+from bench.systems import Process, System, check_clean, layouts, merged, share  # noqa: E402
 
 
 def test_system_names():
@@ -36,6 +37,43 @@ def test_system_names():
                      ("ct2/0", "not a thread count"), ("ct2/x", "not a thread count")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)
+
+
+def test_layouts_parse_and_a_search_expands_to_every_layout_on_the_cores():
+    assert System.parse("ct2@int8/2x1") == System("ct2@int8/2x1", "ct2", "greedy", "int8", threads=1, workers=2)
+    assert System.parse("iad@int8/2x1:m") == System("iad@int8/2x1:m", "aggdec", "iad", "int8", False, "m", 1, 2)
+    assert System.parse("ct2/1x2").layout(4) == "1x2" and System.parse("ct2/3").layout(4) == "1x3"
+    assert System.parse("greedy").layout(2) == "1x2" and System.parse("transformers/1x2").threads == 2
+    best = System.parse("ct2@int8/best:models/x")
+    assert best.search and best.threads is None and best.workers == 1
+    assert layouts(1) == [(1, 1)] and layouts(2) == [(1, 1), (1, 2), (2, 1)]
+    assert layouts(4) == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1)]
+    expanded = best.expand(2)
+    assert [s.name for s in expanded] == ["ct2@int8/1x1:models/x", "ct2@int8/1x2:models/x", "ct2@int8/2x1:models/x"]
+    assert expanded[2] == System("ct2@int8/2x1:models/x", "ct2", "greedy", "int8", False, "models/x", 1, 2,
+                                 searched="ct2@int8/best:models/x")
+    assert [s.layout(2) for s in System.parse("iad/best").expand(2)] == ["1x1", "1x2", "2x1"]
+    assert System.parse("ct2/2x1").expand(2) == [System.parse("ct2/2x1")]
+    for bad, why in (("ct2/0x1", "/0x1 is not a thread count"), ("ct2/2x", "/2x is not"), ("iad/bestx", "/bestx"),
+                     ("ct2/2x1x1", "/2x1x1 is not"), ("transformers/2x1", "transformers runs on one worker"),
+                     ("fairseq/best", "fairseq runs on one worker: /THREADS, not /best")):
+        with pytest.raises(ValueError, match=why):
+            System.parse(bad)
+
+
+def test_each_process_decodes_its_contiguous_share_and_the_replies_make_one():
+    for n in range(7):
+        for parts in (1, 2, 3):
+            rows = [list(range(n))[share(n, part, parts)] for part in range(parts)]
+            assert sum(rows, []) == list(range(n)) and max(map(len, rows)) - min(map(len, rows)) <= 1
+    one = {"seconds": 1.0, "outputs": [[1]], "modules": ["torch"]}
+    assert merged([one]) is one
+    replies = [{"seconds": 2.0, "outputs": [[1], [2], [3]], "calls_per_sentence": 2.0, "modules": ["torch"]},
+               {"seconds": 3.0, "outputs": [[4]], "calls_per_sentence": 6.0, "modules": ["aggdec", "torch"]}]
+    assert merged(replies) == {"seconds": 3.0, "outputs": [[1], [2], [3], [4]], "calls_per_sentence": 3.0,
+                               "process_seconds": [2.0, 3.0], "modules": ["aggdec", "torch"]}
+    failed = merged([replies[0], {"error": "boom", "modules": []}])
+    assert failed == {"error": "process 2 of 2: boom", "modules": ["torch"]}
 
 
 def test_identity_is_taken_under_each_sentences_length_limit():
@@ -66,7 +104,8 @@ def test_a_ctranslate2_process_loads_neither_torch_nor_aggdec(tmp_path):
 
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"kind": "ct2", "ct2_model": str(tmp_path / "missing"), "device": "cpu",
-                               "compute": "float32", "threads": 1, "inputs": [["a"]], "beam": 1, "max_len": 4}))
+                               "compute": "float32", "threads": 1, "workers": 1, "inputs": [["a"]], "beam": 1,
+                               "max_len": 4}))
     process = Process(System.parse("ct2"), job, 1, ROOT)
     try:
         reply = process.request(1, 1)
