@@ -3,6 +3,9 @@ competing processes.
 
 Each system runs in a process of its own (bench/systems.py) kept for the whole run; the repeats go
 round every batch size and system in turn, and each figure is the median of a system's repeats.
+A `/best` system stands for its layouts (bench/systems.py), timed as systems of their own; after
+them, `compare` records per batch size a run under the `/best` name: the fastest layout's figures,
+with `best` (its system), `layout` and `layouts` (every layout's sentences/s).
 Outputs are token ids, and each run's identical share is taken against the reference system
 (`--reference`, one of the systems) on the same model at the same batch size, in the same run, over
 each sentence's first `limit` tokens: aggdec's length rule (`--max-new` N, or the decode options'
@@ -223,7 +226,8 @@ class Matrix:
         from aggdec.train.ar import read_tsv
 
         self.a = a
-        self.systems = [System.parse(s) for s in a.systems.split(",") if s]
+        named = [System.parse(s) for s in a.systems.split(",") if s]
+        self.systems = [layout for s in named for layout in s.expand(a.threads)]
         names = [s.name for s in self.systems]
         if len(set(names)) != len(names):
             raise ValueError("--systems: a system is named twice")
@@ -361,6 +365,7 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
     seconds: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     extra: dict[tuple[str, int], dict] = {}
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
     for system, bs, _, reply in matrix.rounds({"": None}):
         key = (system.name, bs)
         seconds.setdefault(key, []).append(reply["seconds"])
@@ -373,9 +378,11 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
         for bs in matrix.sizes:
             key, n = (system.name, bs), matrix.count(bs)
             run: dict[str, Any] = {"model": model.name, "system": system.name, "method": system.name,
-                                   "batch_size": bs, "sentences": n}
+                                   "batch_size": bs, "sentences": n, "layout": system.layout(a.threads)}
+            runs[key] = run
             if key in matrix.errors:
-                yield {**run, "error": matrix.errors[key]}
+                run["error"] = matrix.errors[key]
+                yield run
                 continue
             outs = outputs[key]
             toks = sum(len(o) + 1 for o in outs)
@@ -395,6 +402,27 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     scores[hyps] = score(matrix.sources[:n], list(hyps), matrix.refs[:n], a.errant and bs != 1)
                 run.update(scores[hyps])
             yield run
+    searches: dict[str, list[System]] = {}
+    for system in matrix.systems:
+        if system.searched:
+            searches.setdefault(system.searched, []).append(system)
+    for name, members in searches.items():
+        for bs in matrix.sizes:
+            yield best_of(name, [runs[(s.name, bs)] for s in members])
+
+
+def best_of(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of search `name` at one batch size, from its layouts' runs there: the fastest one's
+    fields under `name`, with `best` (its system) and `layouts` (each layout's sentences/s, None
+    where it failed); an error where every layout failed."""
+    head = {"model": runs[0]["model"], "system": name, "method": name, "batch_size": runs[0]["batch_size"],
+            "sentences": runs[0]["sentences"]}
+    layouts = {r["layout"]: r.get("sentences_per_s") for r in runs}
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return {**head, "layouts": layouts, "error": f"every layout failed; {runs[0]['layout']}: {runs[0]['error']}"}
+    top = max(done, key=lambda r: r["sentences_per_s"])
+    return {**top, **head, "best": top["system"], "layouts": layouts}
 
 
 def identical_share(outs: list[list[int]], ref: list[list[int]], limits: list[int]) -> float:

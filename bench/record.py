@@ -157,8 +157,8 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def _compare(data: dict, systems: list[str] | None) -> str:
     """Rows (model, system) of `systems` (default: all), a column per batch size: sentences/s and the
-    ratio to the reference system (on its model) at that batch size; the least identical
-    share; BLEU at the largest batch size."""
+    ratio to the reference system (on its model) at that batch size, and a `/best` search's layout
+    there ("at 2x1"); the least identical share; BLEU at the largest batch size."""
     runs = data["runs"]
     sizes = sorted({r["batch_size"] for r in runs})
     by = {(r["model"], r["system"], r["batch_size"]): r for r in runs}
@@ -178,7 +178,8 @@ def _compare(data: dict, systems: list[str] | None) -> str:
                 cells.append("failed" if r else "—")
                 continue
             ratio = f" ({r['sentences_per_s'] / b['sentences_per_s']:.2f}x)" if b and "error" not in b else ""
-            cells.append(f"{r['sentences_per_s']:,.1f}{ratio}")
+            at = f" at {r['layout']}" if "best" in r else ""
+            cells.append(f"{r['sentences_per_s']:,.1f}{ratio}{at}")
         done = [by[(model, system, bs)] for bs in sizes if "error" not in by.get((model, system, bs), {"error": 0})]
         shares = [r["identical"] for r in done if r.get("identical") is not None]
         cells.append(_share(min(shares)) if shares else "—")

@@ -19,7 +19,7 @@ faster on one thread than on two); `:MODEL` runs it on another model than the be
   decoding its contiguous share of each request's inputs (`share`), all sent their request
   together; the time is the slower one's (`Process.request`). `/T` is `/1xT`.
 - `/best` stands for every layout on the benchmark's `--threads` cores (`layouts`: P * T <=
-  --threads), each a system of its own named `SPEC/PxT[:MODEL]` (`System.expand`); the harness
+  --threads), each a system of its own named `SPEC/PxT[:MODEL]` (`System.expand`); `compare`
   also reports, per batch size, the fastest of them under the `/best` name.
 
 Every system runs in a process of its own (aggdec's `/PxT`: in P), started once and kept while the

@@ -1,6 +1,6 @@
 """The benchmark harness's guarantees (bench/): a peer's process is clean, the names of systems parse or
-fail with a reason, several processes' replies make one, and the documents' tables are regenerated
-from results files."""
+fail with a reason, a layout search expands and picks its fastest layout, several processes' replies
+make one, and the documents' tables are regenerated from results files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from bench.compare import identical_share  # noqa: E402
+from bench.compare import best_of, identical_share  # noqa: E402
 from bench.systems import Process, System, check_clean, layouts, merged, share  # noqa: E402
 
 
@@ -76,6 +76,18 @@ def test_each_process_decodes_its_contiguous_share_and_the_replies_make_one():
     assert failed == {"error": "process 2 of 2: boom", "modules": ["torch"]}
 
 
+def test_a_search_reports_its_fastest_layout_and_every_layouts_figure():
+    head = {"model": "m", "batch_size": 64, "sentences": 10}
+    runs = [{**head, "system": "ct2/1x1", "layout": "1x1", "sentences_per_s": 10.0, "identical": 1.0},
+            {**head, "system": "ct2/1x2", "layout": "1x2", "error": "refused"},
+            {**head, "system": "ct2/2x1", "layout": "2x1", "sentences_per_s": 19.0, "identical": 0.9}]
+    assert best_of("ct2/best", runs) == {**head, "system": "ct2/best", "method": "ct2/best", "layout": "2x1",
+                                         "sentences_per_s": 19.0, "identical": 0.9, "best": "ct2/2x1",
+                                         "layouts": {"1x1": 10.0, "1x2": None, "2x1": 19.0}}
+    failed = best_of("ct2/best", [runs[1]])
+    assert failed["error"] == "every layout failed; 1x2: refused" and failed["layouts"] == {"1x2": None}
+
+
 def test_identity_is_taken_under_each_sentences_length_limit():
     """An output cut at its limit equals a peer's that ran one step further; one that ended earlier
     must end at the same token; a difference inside the limit counts."""
@@ -127,8 +139,12 @@ def test_tables_are_regenerated_from_results(tmp_path, monkeypatch):
             for s, bs, v, same in (("greedy", 1, 10.0, 1.0), ("iad", 1, 30.0, 1.0), ("ct2", 1, 20.0, 0.99),
                                    ("greedy", 64, 100.0, 1.0), ("iad", 64, 150.0, 1.0), ("ct2", 64, 90.0, 0.98))]
     runs.append({"model": "m", "system": "ct2@int8", "batch_size": 1, "sentences": 10, "error": "refused"})
-    table = record.table(record.load(results(tmp_path / "r.json", runs)), ["greedy", "ct2", "ct2@int8"])
+    runs += [{"model": "m", "system": "ct2/best", "batch_size": bs, "sentences": 10, "sentences_per_s": v,
+              "identical": 1.0, "layout": layout, "best": f"ct2/{layout}"} for bs, v, layout in ((1, 25.0, "1x1"),
+                                                                                            (64, 200.0, "2x1"))]
+    table = record.table(record.load(results(tmp_path / "r.json", runs)), ["greedy", "ct2", "ct2@int8", "ct2/best"])
     assert "| m | ct2 | 20.0 (2.00x) | 90.0 (0.90x) | 98% |" in table
+    assert "| m | ct2/best | 25.0 (2.50x) at 1x1 | 200.0 (2.00x) at 2x1 | 100% |" in table
     assert "| m | ct2@int8 | failed | — | — |" in table and "iad" not in table
     assert "CPU X (`avx2`, 2 cores), 2 threads" in table
     monkeypatch.setattr(record, "REPO", tmp_path)
