@@ -16,7 +16,7 @@ ENCODE_AHEAD_TOKENS = 4096
 cross K/V beyond the batch stays small for long sentences and large models."""
 
 HOST_MATCH_ROWS = 64
-"""Most rows whose IAD suffix match runs on the host (`InputCopy.match_rows`) in an eager step: a few
+"""Most rows whose IAD suffix match runs on the host (`InputCopy.propose_rows`) in an eager step: a few
 rows match in plain Python for less than the tensor `match` costs in operators (at batch 1, 11 us
 against 130 us a call on a 2-core AVX-512 CPU); from about a hundred rows the tensor match is the
 cheaper."""

@@ -125,14 +125,27 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
-    def match_rows(self, state: DecodeState, depth: int = MATCH_DEPTH, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`match`, the same positions, computed on the host row by row from one read of the state (where
-        the step may read the host, `state.fixed` False)."""
+    def propose_rows(self, state: DecodeState, width: int, depth: int = MATCH_DEPTH) -> tuple[torch.Tensor, DraftBatch]:
+        """`propose`'s (x index of each row's first draft token, drafts) computed on the host row by row
+        from one read of the state and the drafter's rows: what `match`, `_drafts` and `_copy` compute
+        (where the step may read the host, `state.fixed` False)."""
+        n, resumes = state.batch_size, self.substitution or self.nearest_match
+        resume = self.rows.resume.tolist() if resumes else [-1] * n
+        cap = self.rows.cap.tolist() if self.adaptive else [self.max_draft or state.src.shape[1]] * n
         src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
-        anchors = anchor.tolist() if anchor is not None else [-1] * len(src)
-        pos = [_match_row([_BOS_MARK, *x[:n]], [_BOS_MARK, *o[1:m]], a, depth)
-               for x, n, o, m, a in zip(src, src_len, out, out_len, anchors)]
-        return torch.tensor(pos, dtype=torch.long, device=state.out.device)
+        table = []
+        for x, size, o, m, back, most in zip(src, src_len, out, out_len, resume, cap):
+            x = [_BOS_MARK, *x[:size]]
+            pos = _match_row(x, [_BOS_MARK, *o[1:m]], back if self.nearest_match else -1, depth)
+            if pos < 0 and self.skip_prefix and m == 2 * state.stride and o[m - 1] in x:
+                pos = x.index(o[m - 1])  # as _first_occurrence
+            if pos < 0 and self.substitution and back >= 0:
+                pos = back - 1
+            num = max(min(size - pos, most), 0) if pos >= 0 else 0
+            drafted = x[pos + 1: pos + 1 + min(num, width)] if pos >= 0 else []
+            table.append([pos + 1 if pos >= 0 else -1, num, *drafted, *[state.pad] * (width - len(drafted))])
+        table = torch.tensor(table, dtype=torch.long, device=state.out.device)
+        return table[:, 0], DraftBatch(tokens=table[:, 2:], num_draft=table[:, 1])
 
     def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
@@ -160,10 +173,12 @@ class InputCopy:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
     def propose(self, state, width):
-        """Drafts (B, width): each row's input after its unique suffix match: `match`, or `match_rows`
-        where the step may read the host and the rows are few."""
-        anchor = self.rows.resume if self.nearest_match else None
-        match = self.match_rows if not state.fixed and state.batch_size <= HOST_MATCH_ROWS else self.match
-        start, num = self._drafts(state, match(state, anchor=anchor))
+        """Drafts (B, width): each row's input after its unique suffix match, by tensors (`match`, `_drafts`,
+        `_copy`), or on the host (`propose_rows`, the same drafts) where the step may read it and rows are few."""
+        if not state.fixed and state.batch_size <= HOST_MATCH_ROWS:
+            start, draft = self.propose_rows(state, width)
+        else:
+            start, num = self._drafts(state, self.match(state, anchor=self.rows.resume if self.nearest_match else None))
+            draft = _copy(state, start, num, width)
         self.rows.start.copy_(start)
-        return _copy(state, start, num, width)
+        return draft

@@ -171,12 +171,13 @@ class SlotLoop:
         """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
         committed tokens, fed tokens, the longest draft offered before the cut at `width`)."""
         st, cfg, s, active = self.state, self.model.cfg, self.stride, self.active
+        generated = st.generated
         if width:
             draft = self.drafter.propose(st, width)
             drafts = draft.tokens
-            room = (st.max_len - st.generated).clamp(min=0, max=width)
+            room = (st.max_len - generated).clamp(min=0, max=width)
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
-            num = num - num % s  # whole steps only
+            num = num - num % s if s > 1 else num  # whole steps only
             offered = torch.where(active, draft.num_draft, 0).max()[None]
             if self.packed:  # as wide as the longest draft
                 drafts = drafts[:, : int(num.max())]
@@ -191,7 +192,7 @@ class SlotLoop:
             keep = (offs < num[:, None] + s) & active[:, None]
         elif self.packed and not self._full:
             keep = active[:, None].expand(b, t)
-        tokens = Tokens.of(block, st.generated, keep)
+        tokens = Tokens.of(block, generated, keep)
         hidden = self._decode(tokens, self.cache, span, src_width, self.ragged)
         scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,
                                                                 self.min_len, self.forced))

@@ -56,5 +56,7 @@ class DecodeState:
 
     def last_step(self) -> torch.Tensor:
         """(B, stride) the decoder inputs of each row's last step (not yet fed to the verifier)."""
+        if self.stride == 1:
+            return self.out.gather(1, (self.out_len - 1)[:, None])
         offs = torch.arange(self.stride, device=self.out.device) - self.stride
         return self.out.gather(1, self.out_len[:, None] + offs)
