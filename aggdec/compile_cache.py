@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -142,14 +143,36 @@ class _SayWaits(logging.Filter):
         return record.levelno >= self.level
 
 
+_SECONDS = [0.0]  # compile_seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent compiling decoder programs: the calls of functions `compile_step` made
+    during which TorchDynamo compiled a frame (traced a graph, had `stored` load or build its program;
+    a compile that failed too), each with the one run of the program within it (milliseconds)."""
+    return _SECONDS[0]
+
+
 def compile_step(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
     """`fn` compiled by TorchDynamo with symbolic shapes and Python floats specialized (as Inductor's own
     compile ends up with them, after a restart), each graph run as the AOTInductor package `stored`
-    finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to TorchDynamo)."""
+    finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to TorchDynamo);
+    its calls that compile are counted in `compile_seconds`."""
     import torch
+    from torch._dynamo.utils import counters
 
-    return torch._dynamo.config.patch(specialize_float=True)(
+    compiled = torch._dynamo.config.patch(specialize_float=True)(
         torch.compile(fn, dynamic=True, backend=stored, options=dict(options)))
+
+    def timed(*args, **kwargs):
+        frames, t0 = counters["frames"]["total"], time.perf_counter()
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            if counters["frames"]["total"] != frames:
+                _SECONDS[0] += time.perf_counter() - t0
+
+    return timed
 
 
 def steps_key(model: torch.nn.Module, settings: str) -> str:

@@ -195,3 +195,15 @@ def test_kept_loops_are_kept_by_what_they_compile():
     assert list(context.slot_loops) == [(opts, False, 0), (opts, "step", 0)]
     assert greedy.loop(opts, context, greedy.drafter(opts, context), compile=False) is eager
 
+
+def test_compile_seconds_count_the_calls_that_compile(monkeypatch):
+    """`compile_cache.compile_seconds` grows by the calls of a `compile_step` function that traced a graph
+    (here with a backend that builds nothing), not by those that ran a program already traced."""
+    monkeypatch.setattr(compile_cache, "stored", lambda gm, example_inputs, options=None: gm.forward)
+    step = compile_cache.compile_step(lambda x: torch.sin(x) + 1, {})
+    before = compile_cache.compile_seconds()
+    step(torch.ones(3))
+    traced = compile_cache.compile_seconds()
+    step(torch.ones(5))
+    step(torch.ones(7))
+    assert traced > before and compile_cache.compile_seconds() == traced
