@@ -87,8 +87,8 @@ KEPT_BUDGETS = 16
 """Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
 
 KEPT_LOOPS = 8
-"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
-their compiled steps: options used in turn compile once each, not at every switch."""
+"""Slot loops a DraftContext keeps (one per distinct options and compile choice, least recently used
+dropped first), for their compiled steps: options used in turn compile once each, not at every switch."""
 
 KEPT_BUFFERS = 4
 """Distinct options whose kept loops also keep their slot buffers (and CUDA graphs) between calls, the

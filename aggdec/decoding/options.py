@@ -139,11 +139,12 @@ class CompiledStep:
                 "batch size where that measured slower (iad: 3), the model's call over the live tokens within "
                 "eager steps. greedy: 1.7-3.2x eager at batch size 1, about 1.1x at 64; iad: 1.3x at 1, "
                 "0.92-1.02x at 64 (docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
-                "20-60 s once per machine, loading the stored program about 2.5 s in every later process "
+                "20-60 s once per machine, loading the stored program about 2.5 s in each later process "
                 "(README). true: compile (fp32 verifiers; on a GPU steps are CUDA graphs anyway). auto: compile "
-                "where it measured faster (greedy; iad below batch size 3) and the call has enough sentences per "
-                "slot to repay the compile (aggdec.thresholds.COMPILE_COLD_S; the load where the program is "
-                "stored: a one-sentence decode stays eager), on a CPU with an fp32 verifier; else as false.",
+                "where it pays by measurement: on a CPU, an fp32 verifier, greedy, or iad below batch size 3, "
+                "and a call of enough sentences per slot (sentences / batch size) to repay the compile: greedy "
+                "about 2,200, or 220 where the machine stored the program already (aggdec.thresholds; a "
+                "one-sentence decode stays eager); else false. Its choice is logged once a process.",
         choices=("auto", True, False), output=False)
 
     def validate(self) -> None:
