@@ -46,9 +46,9 @@ class DraftContext:
     projection: OutputProjection
     bf16: bool
     load: Callable[[str, bool], Any]
-    budgets: dict = field(default_factory=dict)  # DraftBudget per options, kept across runs
+    budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
     prompt: tuple[int, ...] | None = None
-    slot_loops: dict = field(default_factory=dict)  # SlotLoops by options, kept across runs (KEPT_LOOPS)
+    slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, compile, stream), kept (KEPT_LOOPS)
     backends: Counter = field(default_factory=Counter)
 
 
@@ -183,7 +183,8 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
 
 def _steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:
     """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier: every option
-    but `compile` (more than the programs depend on, so a marker may be missed, never mistaken), the prompt."""
+    but `compile` (more than the programs depend on: options that differ in any miss each other's marker
+    rather than find programs of another loop), the prompt."""
     settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
     return compile_cache.steps_key(context.model, repr((sorted(settings.items()), mode, context.prompt)))
 
