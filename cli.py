@@ -20,6 +20,7 @@ def _interrupted_while_loading(kind, value, tb, hook=sys.excepthook) -> None:
 sys.excepthook = _interrupted_while_loading
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -73,9 +74,16 @@ def main(debug: bool) -> None:
 
 def run() -> None:
     """The `aggdec` entry point: `main`, with any unexpected error and every warning as one line
-    unless --debug, and SIGINT / SIGTERM as a Stopped line with exit status 130 / 143."""
+    unless --debug, what aggdec logs at INFO (logger "aggdec") on stderr, and SIGINT / SIGTERM as a
+    Stopped line with exit status 130 / 143."""
     if "--debug" not in sys.argv[1:]:
         warnings.showwarning = _one_line_warning
+    said = logging.StreamHandler()  # what aggdec logs for the user (compile = "auto"'s choice): as it is, on stderr
+    said.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("aggdec")
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     signal.signal(signal.SIGTERM, _terminate)
     try:
         main(standalone_mode=False)
@@ -129,15 +137,18 @@ def _decoding_params() -> list[click.Option]:
     (aggdec.decoding.method_options), generated from the options' fields: name, type, bounds, choices and
     help. Unset flags are None."""
     from aggdec.decoding.method_options import OPTIONS, all_options
+    from aggdec.decoding.options import choice_text
 
     params = [click.Option(["--method"], default="greedy", show_default=True, type=click.Choice(list(OPTIONS)),
                            help="greedy/iad/gad/blockwise are lossless (= greedy); gad++ and beam are not.")]
     for name, (f, hint) in all_options().items():
         meta, base = f.metadata, _base_type(hint)
-        if base is bool:
+        if meta.get("choices"):  # the flag alone, where true is a choice, means true
+            kind = {"type": click.Choice([choice_text(c) for c in meta["choices"]])}
+            if True in meta["choices"]:
+                kind.update(is_flag=False, flag_value="true")
+        elif base is bool:
             kind = {"is_flag": True}
-        elif meta.get("choices"):
-            kind = {"type": click.Choice(meta["choices"])}
         elif meta.get("path"):
             kind = {"type": click.Path(exists=True, file_okay=False)}
         elif base in (int, float):

@@ -15,6 +15,7 @@ lacks; decoded anyway); "error" (decoding this row raised; `error` says why).
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,9 @@ class Translator:
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
         self._slot_loops: dict = {}  # slot loops by options (thresholds.KEPT_LOOPS), with their compiled steps
+        # requests decoded by each backend over this translator's calls (SlotLoop.backend: "eager", "compiled
+        # step", "compiled model call", "CUDA graphs")
+        self.backends: Counter[str] = Counter()
 
     def verifier(self, precision: str = "fp32") -> Transformer:
         """The model at `precision` (aggdec.model.precision: fp32, bf16, int8), converted once; on a
@@ -134,7 +138,8 @@ class Translator:
         dtype = next(model.parameters()).dtype
         return DraftContext(model, projection, drafts_in_bf16(opts, projection),
                             lambda path, bf16: self._drafter_model(path, bf16, dtype),
-                            self._budgets, prompt=self.framing(opts).prompt, slot_loops=self._slot_loops)
+                            self._budgets, prompt=self.framing(opts).prompt, slot_loops=self._slot_loops,
+                            backends=self.backends)
 
     def framing(self, opts: DecodeOptions | None = None) -> Framing:
         """The model's special-token framing for the languages of `opts` (aggdec.conventions); raises

@@ -87,8 +87,8 @@ KEPT_BUDGETS = 16
 """Draft budgets a DraftContext keeps (one per distinct options, least recently used dropped first)."""
 
 KEPT_LOOPS = 8
-"""Slot loops a DraftContext keeps (one per distinct options, least recently used dropped first), for
-their compiled steps: options used in turn compile once each, not at every switch."""
+"""Slot loops a DraftContext keeps (one per distinct options and compile choice, least recently used
+dropped first), for their compiled steps: options used in turn compile once each, not at every switch."""
 
 KEPT_BUFFERS = 4
 """Distinct options whose kept loops also keep their slot buffers (and CUDA graphs) between calls, the
@@ -96,6 +96,28 @@ most recently used; older loops release theirs (`SlotLoop.release`). Options use
 IAD and back, a call's streams and its single loop) then allocate and capture once each, while what
 the loops hold stays bounded: 4 x max_batch_size slots of cache (64 slots of a gec-base-sized model
 at 256 positions: about 100 MB each)."""
+
+COMPILE_COLD_S = 26.0
+"""Seconds `compile = "auto"` counts for compiling a loop's step where the store does not hold it yet
+(aggdec.compile_cache): a one-sentence `aggdec decode` of `gec-base` greedy took 27.6 s cold against
+1.6 s eager (`ende-base`'s step: about 25 s; docs/benchmarks.md, "Compiled steps")."""
+
+COMPILE_WARM_S = 2.6
+"""Seconds it counts where the store holds the step (tracing it, loading its package): the same decode
+took 4.2 s warm. Where a loop of the same options compiled in this process already, it counts none."""
+
+GREEDY_COMPILE_SAVES_S = 0.012
+"""Seconds greedy's compiled step saved a sentence at batch size 1: `ende-base`, 54-57 against 33
+sentences/s eager (1/33 - 1/55 s). A compiled step saves about a fixed time a verifier call (the host
+work and operators it fuses), and a call at batch size b serves b rows, so `auto` counts b times less a
+sentence there (`methods.compile_pays`: at 64, 0.0002 s, where 1.1x of 307 sentences/s saved 0.0003 s: on
+the safe side). Compiling then pays from COMPILE_COLD_S / 0.012 = about 2,200 sentences a slot (requests /
+batch size) where the store is cold, COMPILE_WARM_S / 0.012 = about 220 where it is warm: at batch size 1,
+2,200 and 220 sentences; at 64, 140,000 and 14,000. One sentence saves 0.012 s: it decodes eagerly."""
+
+IAD_COMPILE_SAVES_S = 0.002
+"""IAD's at batch size 1: `gec-base`, 114 sentences/s eager, compiled 1.3x (1/114 - 1/148 s; its 4-5 calls
+a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 1,300 warm."""
 
 MIN_STREAM_BATCH = 16
 """The fewest rows a stream decodes at once (`max_batch_size // streams`) and the fewest requests it

@@ -4,6 +4,7 @@
      "ray_version": "2.60.0", "model": {"path": ..., "sha": ...}, "signature": "aggdec|method:iad|...",
      "shards": {"part-00000": {marker record}, ...},
      "totals": {"rows", "ok", "error", "status": {...}, "speedup": SpeedupStats.to_dict(),
+                "backends": {backend: actors}, "compile_s": seconds,
                 "distill": {"kept": n, "filtered": {reason: n}}  (distill jobs only)},
      "timings": {...}, "run": {"committed": [...], "skipped": [...], "stale_tmp_deleted": [...]}}
 
@@ -23,19 +24,28 @@ FORMAT = "aggdec-job-manifest v1"
 
 
 def totals(records: dict[str, dict]) -> dict[str, Any]:
-    """Merge per-shard records into job totals."""
+    """Merge per-shard records into job totals; `backends`: how many actors decoded units with each
+    backend (aggdec.decoding.slot_loop.SlotLoop.backend; an actor that used two counts under both),
+    `compile_s`: the seconds the actors spent compiling while they decoded the units
+    (aggdec.compile_cache.compile_seconds), summed. Records of aggdec versions before these fields add
+    nothing to them."""
     stats = SpeedupStats()
     status: dict[str, int] = {}
-    rows = 0
+    rows, compile_s = 0, 0.0
+    actors: dict[str, set] = {}
     for rec in records.values():
         rows += rec["rows"]
+        compile_s += rec.get("compile_s", 0.0)
+        for backend in rec.get("backends", {}):
+            actors.setdefault(backend, set()).add(rec.get("actor"))
         for k, v in rec["status"].items():
             status[k] = status.get(k, 0) + v
         fields = {k: rec["speedup"][k] for k in ("sentences", "iterations", "drafted", "accepted",
                                                   "output_tokens", "decode_ms")}
         stats = stats.merge(SpeedupStats(**fields))
     out = {"rows": rows, "ok": status.get("ok", 0), "error": status.get("error", 0), "status": status,
-           "speedup": stats.to_dict()}
+           "speedup": stats.to_dict(), "backends": {k: len(v) for k, v in sorted(actors.items())},
+           "compile_s": round(compile_s, 3)}
     distill = [rec["distill"] for rec in records.values() if "distill" in rec]
     if distill:
         out["distill"] = merge_counts(distill)

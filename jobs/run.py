@@ -89,6 +89,8 @@ class JobResult:
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
     attempts: int = 0  # pipeline runs (more than 1 after lost actors or nodes)
+    backends: dict[str, int] = field(default_factory=dict)  # actors that decoded units with each backend
+    compile_seconds: float = 0.0  # seconds the actors spent compiling decoder programs, summed
     distill: dict | None = None  # distill jobs: {"kept": n, "filtered": {reason: n}}, all units
 
     @property
@@ -107,7 +109,8 @@ class JobResult:
     def summary_line(self) -> str:
         """One line: rows by status; this run's rows and wall-clock time ("wall"); the decoder time
         of all rows (summed over actors, so it can exceed the wall time; aggdec report uses the same
-        names); acceptance where the method drafted; the output."""
+        names); which backend decoded on how many actors, and the seconds they spent compiling (where
+        any compiled); acceptance where the method drafted; the output."""
         other = {k: v for k, v in self.status.items() if k not in ("ok", "error")}
         per_decoder_s = self.decoder_sentences / self.decoder_seconds if self.decoder_seconds > 0 else 0.0
         return (f"{self.rows} rows ({self.ok} ok, {self.errors} error"
@@ -116,11 +119,20 @@ class JobResult:
                   "sentences/s"
                 + (f", skipped {len(self.skipped)} committed unit(s)" if self.skipped else "")
                 + f"; decoder time {self.decoder_seconds:.2f} s ({per_decoder_s:.1f} sentences/s of decoder time)"
+                + (f"; backend {self._backend_text()}" if self.backends else "")
                 + (f"; kept {self.distill['kept']} pairs" + "".join(
                     f", {n} {r}" for r, n in self.distill["filtered"].items()) if self.distill else "")
                 + (f"; mean accepted draft tokens per verifier call {self.mean_accepted_per_iter:.2f}"
                    if self.drafted else "")
                 + f"; output {self.output_dir}")
+
+
+    def _backend_text(self) -> str:
+        """"compiled step on 2 actors, eager on 1, compiling 31.2 s" (the compiling where any did)."""
+        text = ", ".join(f"{name} on {n} actor{'' if n == 1 else 's'}" if i == 0 else f"{name} on {n}"
+                         for i, (name, n) in enumerate(sorted(self.backends.items(), key=lambda kv: -kv[1])))
+        compiled = self.compile_seconds > 0 or any(name.startswith("compiled") for name in self.backends)
+        return text + (f", compiling {self.compile_seconds:.1f} s" if compiled else "")
 
 
 def fingerprint(spec: JobSpec, model_sha: str) -> dict:
@@ -289,7 +301,8 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      decoder_seconds=speed["decode_ms"] / 1000.0, decoder_sentences=speed["sentences"],
                      drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
-                     attempts=attempts, distill=tot.get("distill"))
+                     attempts=attempts, distill=tot.get("distill"), backends=tot["backends"],
+                     compile_seconds=tot["compile_s"])
 
 
 def _committed_units(out: OutputDir, units: list[Unit], found: dict[str, dict | None]) -> dict[str, dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -17,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from aggdec.api import Translator
+from aggdec.compile_cache import compile_seconds
 from aggdec.decoding.options import DecodeOptions
 from aggdec.distill import PairFilter, distill_table
 from aggdec.schema import decoded_columns, decoded_schema
@@ -62,7 +64,9 @@ class UnitTask:
         except UnreadableInput as e:
             return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
         texts, bad_utf8 = texts_of(source.column(self.text_column))
+        backends, compiling = Counter(translator.backends), compile_seconds()
         results = translator.translate_batch(texts, options)
+        backends, compiling = translator.backends - backends, compile_seconds() - compiling
         for i in bad_utf8:
             results[i].status = "invalid_utf8"
             results[i].error = "the text is not valid UTF-8; invalid bytes were decoded as U+FFFD"
@@ -77,14 +81,15 @@ class UnitTask:
         record = {"unit": unit.name, "input": {**unit.identity, "content": sl.content}, "path": unit.path,
                   "rows": unit.rows, "hashed_bytes": sl.bytes, "hash_s": round(sl.seconds, 4),
                   "output": self._out.loc.uri_of(f"{unit.name}.parquet"), "status": status,
-                  "speedup": stats.to_dict(), "fingerprint": self.fingerprint}
+                  "speedup": stats.to_dict(), "fingerprint": self.fingerprint, "backends": dict(backends),
+                  "compile_s": round(compiling, 3)}
         tsv = None
         if self.distill is not None:
             table, tsv, record["distill"] = distill_table(table, self.distill, tsv=self.tsv)
             record["tsv"] = self._out.loc.uri_of(f"{unit.name}.tsv") if tsv is not None else None
         record["seconds"] = round(time.perf_counter() - t0, 3)
         record["committed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        record["node"] = _node_id()
+        record["node"], record["actor"] = _node_id(), _actor_id()
         try:
             self._out.commit(unit.name, table, record, tsv)
         except UnwritableOutput as e:
@@ -97,6 +102,13 @@ def _node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _actor_id() -> str | None:
+    """The Ray actor this runs in (None outside one): which actor decoded a unit."""
+    import ray
+
+    return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
 
 
 def read_rows(unit: Unit, columns: list[str]) -> tuple[pa.Table, Slice]:

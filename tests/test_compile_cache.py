@@ -99,3 +99,111 @@ def test_the_key_holds_the_weights_and_the_directory_torch_and_the_cpu(monkeypat
     assert torch.__version__ in here and torch.backends.cpu.get_cpu_capability() in here
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert compile_cache.store_dir() != here
+
+
+def _context(model):
+    from aggdec.decoding.methods import DraftContext
+    from aggdec.model.projection import OutputProjection
+
+    return DraftContext(model, OutputProjection(model.output_weight, certify=False), False, None)
+
+
+def test_auto_compiles_where_compiling_repays_itself():
+    """`compile = "auto"` (`methods.compile_pays`): greedy compiles a long call at batch size 1 (about 2,200
+    sentences a slot cold, 220 where the store holds the step), never one sentence; a batch of 64 needs 64
+    times the sentences; IAD only below batch size 3; methods not measured never. The store is asked
+    only where it decides, and a loop compiled in this process already compiles any call."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import compile_pays
+
+    def pays(requests, method="greedy", stored=None, compiled=False, **options):
+        def ask():
+            assert stored is not None, "the store was asked where it does not decide"
+            return stored
+        return compile_pays(decode_options(method, **options), requests, compiled=compiled, stored=ask)[0]
+
+    assert not pays(1, max_batch_size=1) and not pays(1) and pays(1, max_batch_size=1, compiled=True)
+    assert pays(3000, max_batch_size=1) and not pays(2000, max_batch_size=1, stored=False)
+    assert pays(300, max_batch_size=1, stored=True) and not pays(300, max_batch_size=1, stored=False)
+    assert not pays(150, max_batch_size=1) and not pays(3000)
+    assert pays(200_000) and pays(20_000, stored=True) and not pays(20_000, stored=False)
+    assert pays(20_000, "iad", max_batch_size=1) and not pays(10**7, "iad") and not pays(10**7, "iad", compiled=True)
+    assert not pays(10**7, "gad", drafter="d", max_batch_size=1)
+
+
+def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):
+    """`methods.compiles` on an fp32 CPU verifier: `auto` compiles greedy's step for a long call at batch
+    size 1, decodes a short one eagerly unless the store holds the step (`compile_cache.mark_warm`, keyed by
+    the weights and the options); other precisions and float64 models quietly eager; `true` compiles."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import _steps_key, compiles
+    from tiny_models import tiny_model
+
+    monkeypatch.setattr(compile_cache, "_BASE", [str(tmp_path)])
+    monkeypatch.setattr(compile_cache, "lowered_isa", lambda: None)
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9).float()
+    context, opts = _context(model), decode_options("greedy", max_batch_size=1)
+    choice, line = compiles(context, opts, 3000)
+    assert choice == "step" and line.startswith("compiling the greedy step (3,000 requests at batch size 1")
+    choice, line = compiles(context, opts, 300)
+    assert choice is False and line.startswith("eager (greedy, 300 requests at batch size 1, not stored")
+    compile_cache.mark_warm(_steps_key(context, opts, "step"))
+    assert compiles(context, opts, 300) == ("step", "compiling the greedy step (300 requests at batch size 1, "
+                                                    "stored: saves about 4 s, loading takes about 2.6 s)")
+    other = decode_options("greedy", max_batch_size=1, max_len_b=3)  # options of its own: not stored
+    assert compiles(context, other, 300)[0] is False
+    twin = tiny_model("prenorm-learned-separate", seed=4, vocab=9).float()  # same shapes, other weights
+    assert compiles(_context(twin), opts, 300)[0] is False
+    assert compiles(context, decode_options("greedy", precision="bf16", max_batch_size=1), 3000) == (False, None)
+    assert compiles(_context(tiny_model("prenorm-learned-separate", seed=3, vocab=9)), opts, 3000) == (False, None)
+    assert compiles(context, decode_options("greedy", compile=True), 1) == ("step", None)
+    assert compiles(context, decode_options("greedy", compile=False, max_batch_size=1), 3000) == (False, None)
+
+
+def test_a_default_decode_of_one_sentence_is_eager_and_said_once(tiny_model_dir, monkeypatch, caplog):
+    """Through the API with default options (`compile = "auto"`), one sentence decodes eagerly, the loop kept
+    under that choice; the choice is logged once a process, however many calls make it."""
+    import logging
+
+    from aggdec.api import Translator
+    from aggdec.decoding import methods
+
+    monkeypatch.setattr(methods, "_SAID", set())
+    tr = Translator.load(tiny_model_dir)
+    with caplog.at_level(logging.INFO, logger="aggdec"):
+        for _ in range(2):
+            tr.translate_batch(["the cat runs ."])
+    assert tr.backends == {"eager": 2}
+    assert [(opts.compile, compile, stream) for opts, compile, stream in tr._slot_loops] == [("auto", False, 0)]
+    said = [r.getMessage() for r in caplog.records if "compile=auto" in r.getMessage()]
+    assert said == ["aggdec: compile=auto: eager (greedy, 1 request at batch size 64: would save about 0.012 s, "
+                    "loading a stored step takes about 2.6 s)"], said
+
+
+def test_kept_loops_are_kept_by_what_they_compile():
+    """A decode's choice is part of its loop's key: options decoded eagerly, then compiled, keep a loop each
+    (one built compiled, which compiles nothing until it runs), and each call takes its own back."""
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import get_method
+    from tiny_models import tiny_model
+
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9).float()
+    context, opts, greedy = _context(model), decode_options("greedy", max_batch_size=2), get_method("greedy")
+    eager = greedy.loop(opts, context, greedy.drafter(opts, context), compile=False)
+    compiled = greedy.loop(opts, context, greedy.drafter(opts, context), compile="step")
+    assert eager is not compiled and eager.backend == "eager" and compiled.backend == "compiled step"
+    assert list(context.slot_loops) == [(opts, False, 0), (opts, "step", 0)]
+    assert greedy.loop(opts, context, greedy.drafter(opts, context), compile=False) is eager
+
+
+def test_compile_seconds_count_the_calls_that_compile(monkeypatch):
+    """`compile_cache.compile_seconds` grows by the calls of a `compile_step` function that traced a graph
+    (here with a backend that builds nothing), not by those that ran a program already traced."""
+    monkeypatch.setattr(compile_cache, "stored", lambda gm, example_inputs, options=None: gm.forward)
+    step = compile_cache.compile_step(lambda x: torch.sin(x) + 1, {})
+    before = compile_cache.compile_seconds()
+    step(torch.ones(3))
+    traced = compile_cache.compile_seconds()
+    step(torch.ones(5))
+    step(torch.ones(7))
+    assert traced > before and compile_cache.compile_seconds() == traced

@@ -189,6 +189,7 @@ def test_missing_extras_name_the_install_command_for_this_copy(tmp_path, monkeyp
 
 def test_the_job_summary_names_each_figure_once_wall_clock_first():
     """Wall-clock time and rate of this run first, then the decoder time under its own name; the
+    backend and the actors it decoded on, with the seconds spent compiling where any compiled; the
     acceptance figure only where the method drafted."""
     from jobs.run import JobResult
 
@@ -197,8 +198,13 @@ def test_the_job_summary_names_each_figure_once_wall_clock_first():
     line = result.summary_line()
     assert "; decoded 300: wall 17.6 s, 17.0 sentences/s; decoder time 4.30 s (69.8 sentences/s of decoder time)" in line
     assert "accepted" not in line
+    assert "backend" not in line  # (records of aggdec versions that did not say)
     result.drafted, result.mean_accepted_per_iter = 900, 2.5
     assert "; mean accepted draft tokens per verifier call 2.50;" in result.summary_line()
+    result.backends = {"eager": 1}
+    assert "(69.8 sentences/s of decoder time); backend eager on 1 actor;" in result.summary_line()
+    result.backends, result.compile_seconds = {"compiled step": 2, "eager": 1}, 51.24
+    assert "; backend compiled step on 2 actors, eager on 1, compiling 51.2 s;" in result.summary_line()
 
 
 def test_bad_input_exits_2_and_the_codes_are_documented(tmp_path):

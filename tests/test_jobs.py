@@ -112,6 +112,11 @@ def test_end_to_end_then_resume_after_killed_driver(ray_local, tiny_model_dir, t
     assert "|method:iad|" in manifest["signature"] and manifest["signature"].endswith(manifest["model"]["sha"])
     assert manifest["totals"]["speedup"]["accepted"] == sum(r.stats.accepted for r in ref)
     assert manifest["timings"]["actors"]["actors"] == 2 and manifest["aggdec_version"]
+    # each unit's record says which backend decoded it on which actor (a few rows: eager, nothing compiled)
+    assert {tuple(r["backends"]) for r in manifest["shards"].values()} == {("eager",)}
+    assert manifest["totals"]["backends"] == result.backends and result.backends["eager"] in (1, 2)
+    assert manifest["totals"]["compile_s"] == result.compile_seconds == 0
+    assert f"; backend eager on {result.backends['eager']} actor" in result.summary_line()
     first = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
 
     # "kill" the driver: shard 1 left as output without marker (partial), shard 2 lost, a stale tmp file

@@ -28,12 +28,12 @@ class OptionError(ValueError):
         self.name, self.message = name, message
 
 
-def option(default: Any, help: str, *, low: float | None = None, choices: tuple[str, ...] | None = None,
+def option(default: Any, help: str, *, low: float | None = None, choices: tuple[str | bool, ...] | None = None,
            flag: str | None = None, output: bool = True, path: bool = False) -> Any:
     """A dataclass field with its documentation and rules. low: smallest allowed value (None allowed
-    where the type is optional); choices: allowed strings; flag: the `aggdec decode` flag (default
-    --field-name); output: False for options that never change an output (left out of the signature);
-    path: a directory path (checked to exist by the CLI)."""
+    where the type is optional); choices: allowed values (strings, and bools where the type has them);
+    flag: the `aggdec decode` flag (default --field-name); output: False for options that never change an
+    output (left out of the signature); path: a directory path (checked to exist by the CLI)."""
     meta = {"help": help, "low": low, "choices": choices, "flag": flag, "output": output, "path": path}
     return field(default=default, metadata=meta)
 
@@ -79,8 +79,9 @@ class DecodeOptions:
             value, meta = getattr(self, f.name), f.metadata
             if meta.get("low") is not None and value is not None and value < meta["low"]:
                 raise OptionError(f.name, f"must be >= {meta['low']}, got {value}")
-            if meta.get("choices") and value not in meta["choices"]:
-                raise OptionError(f.name, f"must be one of {', '.join(meta['choices'])}; got {value!r}")
+            choices = meta.get("choices")
+            if choices and (value not in choices or not isinstance(value, tuple(type(c) for c in choices))):
+                raise OptionError(f.name, f"must be one of {', '.join(map(choice_text, choices))}; got {value!r}")
         self.validate()
 
     def validate(self) -> None:
@@ -120,24 +121,35 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop compiles on request. `whole_step_below`: the batch
-    size from which the compiled whole step (every position of every slot) measured slower than eager
-    steps; from there the model's call over the live tokens is compiled instead (None: at none measured)."""
+    """Mixin: methods whose decoder step the slot loop compiles on a CPU (`compile`). `whole_step_below`: the
+    batch size from which the compiled whole step (every position of every slot) measured slower than eager
+    steps; from there the model's call over the live tokens is compiled instead (None: at none measured).
+    `compile_pays_below` and `compile_saves_s` are what `compile = "auto"` knows of the method
+    (aggdec.decoding.methods.compile_pays): the batch size from which compiled decoding measured no faster
+    than eager (None: faster at every batch size measured; 1: not measured, so auto decodes eagerly), and
+    the seconds it measured saving a sentence at batch size 1 (aggdec.thresholds)."""
 
     whole_step_below: ClassVar[int | None] = None
+    compile_pays_below: ClassVar[int | None] = 1
+    compile_saves_s: ClassVar[float] = 0.0
 
-    compile: bool = option(False, "On a CPU, compile the decoder with TorchInductor, the weights frozen into it "
-                                  "(aggdec.decoding.slot_loop): each step as one program over every slot "
-                                  "position, or, from the batch size where that measured slower (iad: 3), the "
-                                  "model's call over the live tokens within eager steps. greedy: 1.7-3.2x eager "
-                                  "at batch size 1, about 1.1x at 64; iad: 1.3x at 1, 0.92-1.02x at 64 "
-                                  "(docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
-                                  "20-60 s once per machine (kept: README). fp32 verifiers; on a GPU steps are "
-                                  "CUDA graphs anyway.", output=False)
+    compile: bool | str = option(
+        "auto", "On a CPU, compile the decoder with TorchInductor, the weights frozen into it "
+                "(aggdec.decoding.slot_loop): each step as one program over every slot position, or, from the "
+                "batch size where that measured slower (iad: 3), the model's call over the live tokens within "
+                "eager steps. greedy: 1.7-3.2x eager at batch size 1, about 1.1x at 64; iad: 1.3x at 1, "
+                "0.92-1.02x at 64 (docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
+                "20-60 s once per machine, loading the stored program about 2.5 s in each later process "
+                "(README). true: compile (fp32 verifiers; on a GPU steps are CUDA graphs anyway). auto: compile "
+                "where it pays by measurement: on a CPU, an fp32 verifier, greedy, or iad below batch size 3, "
+                "and a call of enough sentences per slot (sentences / batch size) to repay the compile: greedy "
+                "about 2,200, or 220 where the machine stored the program already (aggdec.thresholds; a "
+                "one-sentence decode stays eager); else false. Its choice is logged once a process.",
+        choices=("auto", True, False), output=False)
 
     def validate(self) -> None:
         super().validate()
-        if self.compile and self.precision != "fp32":
+        if self.compile is True and self.precision != "fp32":
             raise OptionError("compile", f"takes the fp32 verifier, not precision={self.precision}")
 
 
@@ -167,6 +179,11 @@ class DraftModel:
                                          "directory)")
 
 
+def choice_text(choice: str | bool) -> str:
+    """An option's choice as TOML and the command line spell it (true, false; strings as they are)."""
+    return str(choice).lower() if isinstance(choice, bool) else choice
+
+
 def option_fields(cls: type[DecodeOptions]) -> dict[str, dataclasses.Field]:
     """{name: field} of an options class, common fields last."""
     own = [f for f in dataclasses.fields(cls) if f.name not in _COMMON]
@@ -177,22 +194,23 @@ _COMMON = {f.name: f for f in dataclasses.fields(DecodeOptions)}
 
 
 def coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value`, as read from TOML or the command line, as type `hint` (int, float, bool, str, or X | None):
-    ints widen to float, whole floats narrow to int, "true"/"false" become bools, none/null mean None.
-    Raises OptionError naming `name` when the value does not fit."""
-    args = typing.get_args(hint)
-    optional = isinstance(hint, types.UnionType) and type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    """`value`, as read from TOML or the command line, as type `hint` (int, float, bool, str, or a union of
+    them, X | None among them): ints widen to float, whole floats narrow to int, "true"/"false" become
+    bools, none/null mean None. Raises OptionError naming `name` when the value does not fit."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    optional = type(None) in args
+    bases = tuple(a for a in args if a is not type(None))
     if optional and value in (None, "none", "None", "null"):
         return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
+    if float in bases and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if base is int and isinstance(value, float) and value.is_integer():
+    if int in bases and isinstance(value, float) and value.is_integer():
         return int(value)
-    if base is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+    if bool in bases and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
-        raise OptionError(name, f"must be {base.__name__}{' or none' if optional else ''}, got {value!r}")
+    if not isinstance(value, bases) or (bool not in bases and isinstance(value, bool)):
+        kinds = " or ".join(b.__name__ for b in bases)
+        raise OptionError(name, f"must be {kinds}{' or none' if optional else ''}, got {value!r}")
     return value
 
 
