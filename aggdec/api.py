@@ -83,7 +83,7 @@ class Translator:
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
         self._slot_loops: dict = {}  # slot loops by options (thresholds.KEPT_LOOPS), with their compiled steps
-        # requests decoded by each backend over this translator's calls (SlotLoop.backend: "eager", "compiled
+        # requests decoded by each backend over this translator's calls (compile_choice.backend: "eager", "compiled
         # step", "compiled model call", "CUDA graphs")
         self.backends: Counter[str] = Counter()
 

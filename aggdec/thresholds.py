@@ -110,7 +110,7 @@ GREEDY_COMPILE_SAVES_S = 0.012
 """Seconds greedy's compiled step saved a sentence at batch size 1: `ende-base`, 54-57 against 33
 sentences/s eager (1/33 - 1/55 s). A compiled step saves about a fixed time a verifier call (the host
 work and operators it fuses), and a call at batch size b serves b rows, so `auto` counts b times less a
-sentence there (`methods.compile_pays`: at 64, 0.0002 s, where 1.1x of 307 sentences/s saved 0.0003 s: on
+sentence there (`compile_choice.compile_pays`: at 64, 0.0002 s, where 1.1x of 307 sentences/s saved 0.0003 s: on
 the safe side). Compiling then pays from COMPILE_COLD_S / 0.012 = about 2,200 sentences a slot (requests /
 batch size) where the store is cold, COMPILE_WARM_S / 0.012 = about 220 where it is warm: at batch size 1,
 2,200 and 220 sentences; at 64, 140,000 and 14,000. One sentence saves 0.012 s: it decodes eagerly."""

@@ -25,7 +25,7 @@ FORMAT = "aggdec-job-manifest v1"
 
 def totals(records: dict[str, dict]) -> dict[str, Any]:
     """Merge per-shard records into job totals; `backends`: how many actors decoded units with each
-    backend (aggdec.decoding.slot_loop.SlotLoop.backend; an actor that used two counts under both),
+    backend (aggdec.compile_choice.backend; an actor that used two counts under both),
     `compile_s`: the seconds the actors spent compiling while they decoded the units
     (aggdec.compile_cache.compile_seconds), summed. Records of aggdec versions before these fields add
     nothing to them."""

@@ -109,12 +109,12 @@ def _context(model):
 
 
 def test_auto_compiles_where_compiling_repays_itself():
-    """`compile = "auto"` (`methods.compile_pays`): greedy compiles a long call at batch size 1 (about 2,200
+    """`compile = "auto"` (`compile_choice.compile_pays`): greedy compiles a long call at batch size 1 (about 2,200
     sentences a slot cold, 220 where the store holds the step), never one sentence; a batch of 64 needs 64
     times the sentences; IAD only below batch size 3; methods not measured never. The store is asked
     only where it decides, and a loop compiled in this process already compiles any call."""
     from aggdec.decoding.method_options import decode_options
-    from aggdec.decoding.methods import compile_pays
+    from aggdec.compile_choice import compile_pays
 
     def pays(requests, method="greedy", stored=None, compiled=False, **options):
         def ask():
@@ -132,11 +132,11 @@ def test_auto_compiles_where_compiling_repays_itself():
 
 
 def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):
-    """`methods.compiles` on an fp32 CPU verifier: `auto` compiles greedy's step for a long call at batch
+    """`compile_choice.compiles` on an fp32 CPU verifier: `auto` compiles greedy's step for a long call at batch
     size 1, decodes a short one eagerly unless the store holds the step (`compile_cache.mark_warm`, keyed by
     the weights and the options); other precisions and float64 models quietly eager; `true` compiles."""
     from aggdec.decoding.method_options import decode_options
-    from aggdec.decoding.methods import _steps_key, compiles
+    from aggdec.compile_choice import compiles, steps_key as _steps_key
     from tiny_models import tiny_model
 
     monkeypatch.setattr(compile_cache, "_BASE", [str(tmp_path)])
@@ -165,10 +165,10 @@ def test_a_default_decode_of_one_sentence_is_eager_and_said_once(tiny_model_dir,
     under that choice; the choice is logged once a process, however many calls make it."""
     import logging
 
+    from aggdec import compile_choice
     from aggdec.api import Translator
-    from aggdec.decoding import methods
 
-    monkeypatch.setattr(methods, "_SAID", set())
+    monkeypatch.setattr(compile_choice, "_SAID", set())
     tr = Translator.load(tiny_model_dir)
     with caplog.at_level(logging.INFO, logger="aggdec"):
         for _ in range(2):
@@ -183,6 +183,7 @@ def test_a_default_decode_of_one_sentence_is_eager_and_said_once(tiny_model_dir,
 def test_kept_loops_are_kept_by_what_they_compile():
     """A decode's choice is part of its loop's key: options decoded eagerly, then compiled, keep a loop each
     (one built compiled, which compiles nothing until it runs), and each call takes its own back."""
+    from aggdec.compile_choice import backend
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import get_method
     from tiny_models import tiny_model
@@ -191,7 +192,7 @@ def test_kept_loops_are_kept_by_what_they_compile():
     context, opts, greedy = _context(model), decode_options("greedy", max_batch_size=2), get_method("greedy")
     eager = greedy.loop(opts, context, greedy.drafter(opts, context), compile=False)
     compiled = greedy.loop(opts, context, greedy.drafter(opts, context), compile="step")
-    assert eager is not compiled and eager.backend == "eager" and compiled.backend == "compiled step"
+    assert eager is not compiled and backend(eager) == "eager" and backend(compiled) == "compiled step"
     assert list(context.slot_loops) == [(opts, False, 0), (opts, "step", 0)]
     assert greedy.loop(opts, context, greedy.drafter(opts, context), compile=False) is eager
 

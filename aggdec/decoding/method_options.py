@@ -22,7 +22,6 @@ class GreedyOptions(CompiledStep, DecodeOptions):
     """Greedy decoding: one verifier call per output token; the reference of every lossless method."""
 
     method: ClassVar[str] = "greedy"
-    compile_pays_below: ClassVar[int | None] = None  # faster at every batch size measured (1.7x at 1, 1.1x at 64)
     compile_saves_s: ClassVar[float] = GREEDY_COMPILE_SAVES_S
 
 
@@ -32,7 +31,6 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
 
     method: ClassVar[str] = "iad"
     whole_step_below: ClassVar[int | None] = 3
-    compile_pays_below: ClassVar[int | None] = 3  # whole step 1.3x at 1; from 3 the model's call, 0.92-1.02x at 64
     compile_saves_s: ClassVar[float] = IAD_COMPILE_SAVES_S
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "

@@ -122,29 +122,20 @@ class Drafting:
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
     """Mixin: methods whose decoder step the slot loop compiles on a CPU (`compile`). `whole_step_below`: the
-    batch size from which the compiled whole step (every position of every slot) measured slower than eager
-    steps; from there the model's call over the live tokens is compiled instead (None: at none measured).
-    `compile_pays_below` and `compile_saves_s` are what `compile = "auto"` knows of the method
-    (aggdec.decoding.methods.compile_pays): the batch size from which compiled decoding measured no faster
-    than eager (None: faster at every batch size measured; 1: not measured, so auto decodes eagerly), and
-    the seconds it measured saving a sentence at batch size 1 (aggdec.thresholds)."""
+    batch size from which the compiled whole step measured slower than eager steps, so the model's call is
+    compiled instead (None: none), which measured no faster than eager. `compile_saves_s`: the seconds the
+    whole step measured saving a sentence at batch size 1 (0: not measured), for `compile = "auto"`."""
 
     whole_step_below: ClassVar[int | None] = None
-    compile_pays_below: ClassVar[int | None] = 1
     compile_saves_s: ClassVar[float] = 0.0
 
     compile: bool | str = option(
-        "auto", "On a CPU, compile the decoder with TorchInductor, the weights frozen into it "
-                "(aggdec.decoding.slot_loop): each step as one program over every slot position, or, from the "
-                "batch size where that measured slower (iad: 3), the model's call over the live tokens within "
-                "eager steps. greedy: 1.7-3.2x eager at batch size 1, about 1.1x at 64; iad: 1.3x at 1, "
-                "0.92-1.02x at 64 (docs/benchmarks.md); gad, gad++, blockwise: not measured. Compiling takes "
-                "20-60 s once per machine, loading the stored program about 2.5 s in each later process "
-                "(README). true: compile (fp32 verifiers; on a GPU steps are CUDA graphs anyway). auto: compile "
-                "where it pays by measurement: on a CPU, an fp32 verifier, greedy, or iad below batch size 3, "
-                "and a call of enough sentences per slot (sentences / batch size) to repay the compile: greedy "
-                "about 2,200, or 220 where the machine stored the program already (aggdec.thresholds; a "
-                "one-sentence decode stays eager); else false. Its choice is logged once a process.",
+        "auto", "On a CPU, compile the decoder with TorchInductor (weights frozen in): each step as one program, "
+                "or from iad's batch size 3 the model's call. greedy: 1.7-3.2x eager at batch size 1, 1.1x at "
+                "64; iad: 1.3x at 1 (docs/benchmarks.md). Compiling takes 20-60 s once per machine, loading it "
+                "about 2.5 s a process (README). true: compile (fp32 verifiers). auto: compile where it measured "
+                "faster (greedy; iad below 3) and the call repays it: greedy at batch size 1 from about 2,200 "
+                "sentences, 220 once stored (per slot at larger sizes; aggdec.compile_choice); logged once.",
         choices=("auto", True, False), output=False)
 
     def validate(self) -> None:

@@ -153,13 +153,6 @@ class SlotLoop:
         self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
         self.release()  # no slot buffers (`_allocate`) nor graphs yet
 
-    @property
-    def backend(self) -> str:
-        """What runs the steps: "compiled step", "compiled model call", "CUDA graphs" or "eager" (also after
-        a compile that failed, which decodes eagerly)."""
-        compiled = {"step": "compiled step", "model": "compiled model call"}.get(self.compile)
-        return compiled or ("CUDA graphs" if self.graphs is True else "eager")
-
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
         source or length limit the model cannot take."""

@@ -1,0 +1,108 @@
+"""`compile = "auto"`: whether a slot loop compiles its step for a call (`compiles`), by what compiled
+decoding measured against eager and what compiling costs (aggdec.thresholds), and the line that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aggdec import compile_cache
+from aggdec.decoding.method_options import to_mapping
+from aggdec.decoding.options import DecodeOptions
+from aggdec.thresholds import COMPILE_COLD_S, COMPILE_WARM_S
+
+if TYPE_CHECKING:
+    from aggdec.decoding.methods import DraftContext
+
+
+def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple[bool | str, str | None]:
+    """What a loop of `opts` decoding `requests` requests in one call compiles (SlotLoop's `compile`), and
+    under `compile = "auto"` why, as a line (else None). On a CPU, `compile = true` compiles the whole step
+    ("step") or, from the method's `whole_step_below` batch size, the model's call within eager steps
+    ("model"); "auto" does the same where `compile_pays` says so, for an fp32 verifier and at ATen's own
+    ISA (`compile_cache.lowered_isa`), else decodes eagerly (False): quietly where the verifier is not fp32
+    or not on a CPU, where compiling does not apply."""
+    setting = getattr(opts, "compile", False)
+    weight = next(context.model.parameters())
+    if setting is False or weight.device.type != "cpu":
+        return False, None
+    below = opts.whole_step_below
+    mode = "model" if below is not None and opts.max_batch_size >= below else "step"
+    if setting is True:
+        return mode, None
+    if opts.precision != "fp32" or weight.dtype != torch.float32:
+        return False, None
+    if lowered := compile_cache.lowered_isa():
+        return False, f"eager ({lowered}, where a compiled step decodes wrongly)"
+    kept = context.slot_loops.get((opts, mode, 0))
+    pays, why = compile_pays(opts, requests, compiled=kept is not None and bool(kept.compile),
+                             stored=lambda: compile_cache.warm(steps_key(context, opts, mode)))
+    what = f"compiling the {opts.method} {'step' if mode == 'step' else 'model call'}"
+    return (mode, f"{what} ({why})") if pays else (False, f"eager ({opts.method}, {why})")
+
+
+def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: Callable[[], bool]) -> tuple[bool, str]:
+    """Whether `compile = "auto"` compiles a call of `requests` requests under `opts` (a CompiledStep's), and
+    why. Only where the whole step compiles (below the method's `whole_step_below` batch size), which
+    measured faster where measured (`compile_saves_s`); there where what it saves repays what compiling costs: `compile_saves_s` a sentence at batch size 1, so
+    `compile_saves_s` x requests / min(batch size, requests) seconds (a compiled step saves about a fixed
+    time a verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S), against nothing where the kept loop
+    of these options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds its
+    programs; asked only where that decides), else COMPILE_COLD_S."""
+    batch, saves_s = opts.max_batch_size, opts.compile_saves_s
+    if not saves_s or (opts.whole_step_below is not None and batch >= opts.whole_step_below):
+        return False, f"batch size {batch}: compiled measured no faster" if saves_s else "compiled not measured faster"
+    saved = saves_s * requests / max(1, min(batch, requests))
+    call = f"{requests:,} request{'' if requests == 1 else 's'} at batch size {batch}"
+    if compiled:
+        return True, f"{call}: compiled in this process already"
+    if saved < COMPILE_WARM_S:
+        return False, f"{call}: would save about {saved:.2g} s, loading a stored step takes about {COMPILE_WARM_S:g} s"
+    if saved >= COMPILE_COLD_S:
+        return True, f"{call}: saves about {saved:.0f} s, compiling takes about {COMPILE_COLD_S:g} s"
+    if stored():
+        return True, f"{call}, stored: saves about {saved:.0f} s, loading takes about {COMPILE_WARM_S:g} s"
+    return False, f"{call}, not stored: would save about {saved:.0f} s, compiling takes about {COMPILE_COLD_S:g} s"
+
+
+def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:
+    """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier: every option
+    but `compile` (more than the programs depend on: options that differ in any miss each other's marker
+    rather than find programs of another loop), the prompt."""
+    settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
+    return compile_cache.steps_key(context.model, repr((sorted(settings.items()), mode, context.prompt)))
+
+
+_SAID: set = set()  # say_once
+
+
+def say_once(key: Any, line: str) -> None:
+    """Log `line` (INFO, logger "aggdec"; `aggdec decode` prints it on stderr) the first time this
+    process sees `key`."""
+    if key not in _SAID:
+        _SAID.add(key)
+        logging.getLogger("aggdec").info(line)
+
+
+def choose(context: DraftContext, opts: DecodeOptions, requests: int) -> bool | str:
+    """`compiles`'s choice, its line said once a process for each (method, batch size, choice)."""
+    compile, line = compiles(context, opts, requests)
+    if line:
+        say_once((opts.method, opts.max_batch_size, compile), f"aggdec: compile=auto: {line}")
+    return compile
+
+
+def mark_stored(context: DraftContext, opts: DecodeOptions, mode: str) -> None:
+    """Mark the store as holding the programs of a loop of `opts` that decoded compiling `mode`."""
+    compile_cache.mark_warm(steps_key(context, opts, mode))
+
+
+def backend(loop) -> str:
+    """What ran a slot loop's steps: "compiled step", "compiled model call", "CUDA graphs" or "eager" (also
+    after a compile that failed, which decodes eagerly)."""
+    compiled = {"step": "compiled step", "model": "compiled model call"}.get(loop.compile)
+    return compiled or ("CUDA graphs" if loop.graphs is True else "eager")
