@@ -48,6 +48,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from aggdec.thresholds import CPP_GEMM_SLOTS
+
 if TYPE_CHECKING:
     import torch
 
@@ -153,12 +155,25 @@ def compile_seconds() -> float:
     return _SECONDS[0]
 
 
+def step_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
+    """TorchInductor options of a compiled CPU slot-loop step (symbolic shapes): a C++ wrapper; no guards on
+    the model's modules; the weights frozen into the program as constants; products by Inductor's C++
+    template for fp32 steps of at most `CPP_GEMM_SLOTS` slots, else by ATen's, as in a step that verifies
+    `drafts` (for its products the C++ template offered no choice: `NoValidChoicesError`)."""
+    import torch
+
+    gemm = "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
+    return {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
+
+
 def compile_step(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
     """`fn` compiled by TorchDynamo with symbolic shapes and Python floats specialized (as Inductor's own
     compile ends up with them, after a restart), each graph run as the AOTInductor package `stored`
     finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to TorchDynamo);
     its calls that compile are counted in `compile_seconds`."""
     import torch
+    import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
     compiled = torch._dynamo.config.patch(specialize_float=True)(
@@ -166,9 +181,12 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..
 
     def timed(*args, **kwargs):
         frames, t0 = counters["frames"]["total"], time.perf_counter()
+        frozen = inductor_config.freezing  # TorchDynamo reads it from the global config when it traces
+        inductor_config.freezing = True
         try:
             return compiled(*args, **kwargs)
         finally:
+            inductor_config.freezing = frozen
             if counters["frames"]["total"] != frames:
                 _SECONDS[0] += time.perf_counter() - t0
 

@@ -34,20 +34,7 @@ from aggdec.model.projection import OutputProjection, Rules
 from aggdec.model.slots import SlotCache, Tokens, capacity, exact_span, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-from aggdec.thresholds import CPP_GEMM_SLOTS, DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
-
-COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                   "freezing": True, "max_autotune": True}
-"""TorchInductor options of a compiled CPU step (symbolic shapes): a C++ wrapper; no guards on the model's
-modules; the weights frozen into the program as constants (products: `gemm_backend`)."""
-
-
-def gemm_backend(dtype: torch.dtype, slots: int, drafts: bool) -> str:
-    """TorchInductor's `max_autotune_gemm_backends` for a compiled step (`CPP_GEMM_SLOTS`). A step that
-    verifies drafts takes ATen's: for its products the C++ template offered no choice
-    (`NoValidChoicesError`, and the step decoded eagerly)."""
-    return "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
-
+from aggdec.thresholds import DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "index")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
@@ -246,19 +233,12 @@ class SlotLoop:
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
         if self.compile:
-            import torch._inductor.config as inductor_config  # only where a compiled step was chosen
-
-            # TorchDynamo reads `freezing` from the global config when it traces (docs/design.md)
-            frozen = inductor_config.freezing
-            inductor_config.freezing = True
             try:
                 (self._compiled or self._step)(width, span, src_width)
                 return
             except torch._dynamo.exc.BackendCompilerFailed as e:  # before a program ran: rerun eagerly
                 warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
                 self.compile, self._compiled, self._decode = False, None, self.model.decode_slots
-            finally:
-                inductor_config.freezing = frozen
         key = (self.state.batch_size, width)
         if self.graphs == "check":
             if key not in self._plan or (span, src_width) != (self.cache.length - 1, self.cache.src_width - 1):
@@ -296,17 +276,11 @@ class SlotLoop:
             warnings.warn(f"aggdec: {len(failed)} CUDA graph capture(s) failed, those steps run eagerly; first: "
                           f"{failed[0]}", stacklevel=3)
 
-    def _programs(self) -> int:
-        """How many programs TorchDynamo compiled so far (in any loop of the process)."""
-        return torch._dynamo.utils.counters["frames"]["total"]
-
     def _compile(self, fn, owner, slots: int):
         """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone,
-        from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products
-        (`gemm_backend`)."""
+        from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products."""
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        backend = gemm_backend(self.dtype, slots, drafts=self.drafter.max_draft != 0)
-        options = {**COMPILE_OPTIONS, "max_autotune_gemm_backends": backend}
+        options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0)
         return compile_cache.compile_step(types.MethodType(own, owner), options)  # compiled once per machine
 
     def _capture(self, key: tuple[int, int]) -> None:
@@ -555,10 +529,10 @@ class SlotLoop:
                 # no draft copied from the source is longer than it (other drafters' keep their length)
                 width = min(length, src_width) if self._source_bound else length
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
-            built = self._programs() if self.compile else 0
+            built = compile_cache.compile_seconds()
             self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
-            built = bool(self.compile) and self._programs() != built  # this call compiled a program
+            built = compile_cache.compile_seconds() != built  # this call compiled a program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
