@@ -108,7 +108,7 @@ def test_a_translator_keeps_the_budgets_of_its_recent_options(tiny_model_dir):
     for b in range(KEPT_BUDGETS + 4):
         tr.translate_batch(["The cat ."], method="iad", max_len_b=10 + b)
     assert len(tr._budgets) == KEPT_BUDGETS
-    assert [o.max_len_b for o, stream in tr._budgets] == list(range(14, 14 + KEPT_BUDGETS))  # oldest first
+    assert [o.max_len_b for o, _, _ in tr._budgets] == list(range(14, 14 + KEPT_BUDGETS))  # oldest first
 
 
 def test_lengths_that_draft_alike_are_not_compared_on_noise():
