@@ -103,11 +103,11 @@ class Translator:
 
     def projection(self, verify_precision: str = "auto", precision: str = "fp32") -> OutputProjection:
         """The output projection of the verifier at `precision` for `verify_precision` (see
-        DecodeOptions), built once; the certified bf16 top-1 applies to an fp32 verifier only, and
+        DecodeOptions), built once; the certified bf16 top-1 applies to fp32 and half verifiers (not int8), and
         under `auto` to calls of at least `AUTO_CERTIFIED_ROWS` positions."""
         model = self.verifier(precision)
         weight = model.output_weight
-        fp32 = weight.dtype == torch.float32 and model.output_int8 is None
+        fp32 = weight.dtype != torch.float64 and model.output_int8 is None  # logits in fp32 (fp32, bf16 verifiers)
         if verify_precision == "auto":
             certify = fp32 and certified_pays(weight.device)
         else:

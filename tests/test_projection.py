@@ -174,8 +174,21 @@ def test_plain_top1_over_many_positions_applies_each_rows_rules(int8):
 
 
 def test_certify_needs_fp32():
-    with pytest.raises(ValueError, match="fp32 verifier"):
+    with pytest.raises(ValueError, match="fp32 or half verifier"):
         OutputProjection(torch.zeros(4, 3, dtype=torch.float64), certify=True)
+
+
+def test_a_bf16_verifier_certified_equals_its_fp32_top1():
+    """A bf16 verifier's logits are fp32 products of its bf16 states: the certified top-1 gives the same
+    tokens as they do, and certifies most positions (its states need no rounding)."""
+    tr = Translator.load(ROOT / "models" / "gec-base")
+    table = pq.read_table(sorted((ROOT / "examples" / "data" / "gec-sample").glob("*.parquet"))[0])
+    src = table.column("src").to_pylist()[:60]
+    runs = {p: [r.tokens for r in tr.translate_batch(src, method="greedy", max_batch_size=16, precision="bf16",
+                                                       verify_precision=p)] for p in ("fp32", "bf16-certified")}
+    assert runs["fp32"] == runs["bf16-certified"]
+    projection = tr.projection("bf16-certified", "bf16")
+    assert projection.certify and projection.certified > 10 * (projection.refined + projection.recomputed)
 
 
 def test_shipped_gec_model_same_outputs_in_both_precisions():

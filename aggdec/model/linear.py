@@ -80,7 +80,7 @@ def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: 
         return None
     wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]
     if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or not _enabled or torch.is_grad_enabled()
-            or weight.dtype != torch.float32 or x.dtype != weight.dtype
+            or weight.dtype not in (torch.float32, torch.bfloat16) or x.dtype != weight.dtype
             or weight.device.type != "cpu" or weight.is_inference()):
         return None
     key = (weight.data_ptr(), weight._version)

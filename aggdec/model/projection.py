@@ -118,8 +118,8 @@ class OutputProjection:
 
     def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None,
                  certify_from: int = 1):
-        if certify and (weight.dtype != torch.float32 or int8 is not None):
-            raise ValueError(f"certified bf16 top-1 needs an fp32 verifier, got {'int8' if int8 else weight.dtype}")
+        if certify and (weight.dtype == torch.float64 or int8 is not None):
+            raise ValueError(f"certified bf16 top-1 needs an fp32 or half verifier, got {'int8' if int8 else weight.dtype}")
         self.int8 = int8
         if int8 is None and weight.dtype in (torch.bfloat16, torch.float16):  # fp32 logits (class docstring)
             weight, bias = weight.detach().float(), None if bias is None else bias.detach().float()
@@ -161,7 +161,7 @@ class OutputProjection:
     def top1(self, hidden: torch.Tensor, rules: Rules) -> torch.Tensor:
         """Argmax (N,) int64 of the fp32 logits of hidden (N, D) constrained by `rules`. With no host read
         where `certify` is off."""
-        hidden = self._extend(hidden)
+        hidden = self._extend(hidden.to(self.weight.dtype))  # a half verifier's states, exactly in fp32
         n = hidden.shape[0]
         if self.certify and n >= self.certify_from:
             top1 = self._certified_top1(hidden, rules)
