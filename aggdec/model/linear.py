@@ -71,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor | None:
-    """`prepack(weight)` for an fp32 inference product x @ weight.T of at least `min_rows` rows and
+    """`prepack(weight)` for an fp32 or bf16 inference product x @ weight.T of at least `min_rows` rows and
     `MIN_MACS` multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None (also while
     TorchInductor compiles). Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
     and again whenever the weight's storage or version counter moves."""
