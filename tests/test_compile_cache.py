@@ -82,6 +82,26 @@ def test_a_model_of_the_same_shapes_gets_a_program_of_its_own(store):
     assert other["built"] >= 1, other
 
 
+@compiles
+def test_two_processes_compiling_at_once_build_each_program_once(tmp_path, store):
+    """Two processes started together on an empty store: each program is built by one of them, under its
+    key's lock (the other waits, then loads it): together they build what one process alone builds
+    (`store`'s first process), and both decode as the eager loop does."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    runs = [subprocess.Popen([sys.executable, "-c", DECODE, "5"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.splitlines()[-1]))
+    a, b = results
+    assert a["compiled"] and a["equal"] and b["compiled"] and b["equal"] and a["eager"] == b["eager"], results
+    assert a["built"] + b["built"] == store[1]["built"] and a["loaded"] + b["loaded"] >= store[1]["built"], results
+
+
 def test_the_key_holds_the_weights_and_the_directory_torch_and_the_cpu(monkeypatch):
     """Graphs equal but for one weight's value have different keys; equal graphs, one key. The
     store's directory names torch's version and the CPU's ISA: another version's programs are elsewhere."""
