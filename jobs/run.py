@@ -126,7 +126,6 @@ class JobResult:
                    if self.drafted else "")
                 + f"; output {self.output_dir}")
 
-
     def _backend_text(self) -> str:
         """"compiled step on 2 actors, eager on 1, compiling 31.2 s" (the compiling where any did)."""
         text = ", ".join(f"{name} on {n} actor{'' if n == 1 else 's'}" if i == 0 else f"{name} on {n}"
