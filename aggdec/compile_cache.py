@@ -203,8 +203,7 @@ def steps_key(model: torch.nn.Module, settings: str) -> str:
 
     h = hashlib.sha256(f"{settings}|threads {torch.get_num_threads()}".encode())
     for name, value in itertools.chain(model.named_parameters(), model.named_buffers()):
-        h.update(repr((name, value.dtype, tuple(value.shape))).encode())
-        h.update(memoryview(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+        _digest(h, name, value)
     return h.hexdigest()
 
 
@@ -295,9 +294,16 @@ def _key(gm: torch.fx.GraphModule, inputs: list, options: dict[str, Any]) -> str
             for node in module.graph.find_nodes(op="get_attr"):
                 value = torch.fx.graph_module._get_attr(module, node.target)
                 if isinstance(value, torch.Tensor):
-                    h.update(repr((node.target, value.dtype, value.shape)).encode())
-                    h.update(memoryview(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+                    _digest(h, node.target, value)
     return h.hexdigest()
+
+
+def _digest(h: Any, name: str, value: torch.Tensor) -> None:
+    """Add a named tensor to the hash `h`: its name, dtype, shape and bytes."""
+    import torch
+
+    h.update(repr((name, value.dtype, value.shape)).encode())
+    h.update(memoryview(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
 
 
 def _load(path: str):

@@ -47,12 +47,12 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
 
 def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: Callable[[], bool]) -> tuple[bool, str]:
     """Whether `compile = "auto"` compiles a call of `requests` requests under `opts` (a CompiledStep's), and
-    why. Only where the whole step compiles (below the method's `whole_step_below` batch size), which
-    measured faster where measured (`compile_saves_s`); there where what it saves repays what compiling costs: `compile_saves_s` a sentence at batch size 1, so
-    `compile_saves_s` x requests / min(batch size, requests) seconds (a compiled step saves about a fixed
-    time a verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S), against nothing where the kept loop
-    of these options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds its
-    programs; asked only where that decides), else COMPILE_COLD_S."""
+    why. Only where the whole step compiles (below the method's `whole_step_below` batch size) and measured
+    faster (`compile_saves_s`, seconds saved a sentence at batch size 1), and where what it saves repays
+    what compiling costs: `compile_saves_s` x requests / min(batch size, requests) seconds (a compiled step
+    saves about a fixed time a verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S) against nothing
+    where the kept loop of these options is `compiled` already, COMPILE_WARM_S where `stored()` (the store
+    holds its programs; asked only where that decides), else COMPILE_COLD_S."""
     batch, saves_s = opts.max_batch_size, opts.compile_saves_s
     if not saves_s or (opts.whole_step_below is not None and batch >= opts.whole_step_below):
         return False, f"batch size {batch}: compiled measured no faster" if saves_s else "compiled not measured faster"

@@ -43,11 +43,16 @@ stayed compiled, how many programs were built and loaded, and the Inductor count
 lowering moves some)."""
 
 
-def _decode(store: Path, seed: int) -> dict:
+def _env(store: Path) -> dict:
+    """The environment of a `DECODE` process on the cache directory `store`, at the CPU's own ISA."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
                TORCHINDUCTOR_CACHE_DIR=str(store))
     env.pop("ATEN_CPU_CAPABILITY", None)
-    done = subprocess.run([sys.executable, "-c", DECODE, str(seed)], env=env, cwd=store, capture_output=True, text=True,
+    return env
+
+
+def _decode(store: Path, seed: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", DECODE, str(seed)], env=_env(store), cwd=store, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
@@ -87,10 +92,7 @@ def test_two_processes_compiling_at_once_build_each_program_once(tmp_path, store
     """Two processes started together on an empty store: each program is built by one of them, under its
     key's lock (the other waits, then loads it): together they build what one process alone builds
     (`store`'s first process), and both decode as the eager loop does."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    runs = [subprocess.Popen([sys.executable, "-c", DECODE, "5"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+    runs = [subprocess.Popen([sys.executable, "-c", DECODE, "5"], env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
     for run in runs:

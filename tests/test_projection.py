@@ -178,12 +178,16 @@ def test_certify_needs_fp32():
         OutputProjection(torch.zeros(4, 3, dtype=torch.float64), certify=True)
 
 
+def _gec_sample(n: int) -> list[str]:
+    """The first `n` sources of the shipped sample corpus's first shard."""
+    table = pq.read_table(sorted((ROOT / "examples" / "data" / "gec-sample").glob("*.parquet"))[0])
+    return table.column("src").to_pylist()[:n]
+
+
 def test_a_bf16_verifier_certified_equals_its_fp32_top1():
     """A bf16 verifier's logits are fp32 products of its bf16 states: the certified top-1 gives the same
     tokens as they do, and certifies most positions (its states need no rounding)."""
-    tr = Translator.load(ROOT / "models" / "gec-base")
-    table = pq.read_table(sorted((ROOT / "examples" / "data" / "gec-sample").glob("*.parquet"))[0])
-    src = table.column("src").to_pylist()[:60]
+    tr, src = Translator.load(ROOT / "models" / "gec-base"), _gec_sample(60)
     runs = {p: [r.tokens for r in tr.translate_batch(src, method="greedy", max_batch_size=16, precision="bf16",
                                                        verify_precision=p)] for p in ("fp32", "bf16-certified")}
     assert runs["fp32"] == runs["bf16-certified"]
@@ -193,9 +197,7 @@ def test_a_bf16_verifier_certified_equals_its_fp32_top1():
 
 def test_shipped_gec_model_same_outputs_in_both_precisions():
     """On the shipped gec-base and sample corpus: greedy and IAD, fp32 and certified bf16, agree."""
-    tr = Translator.load(ROOT / "models" / "gec-base")
-    table = pq.read_table(sorted((ROOT / "examples" / "data" / "gec-sample").glob("*.parquet"))[0])
-    src = table.column("src").to_pylist()[:80]
+    tr, src = Translator.load(ROOT / "models" / "gec-base"), _gec_sample(80)
     runs = {(m, p): [r.tokens for r in tr.translate_batch(src, method=m, max_batch_size=16, verify_precision=p)]
             for m in ("greedy", "iad") for p in ("fp32", "bf16-certified")}
     ref = runs[("greedy", "fp32")]

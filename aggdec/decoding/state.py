@@ -56,7 +56,5 @@ class DecodeState:
 
     def last_step(self) -> torch.Tensor:
         """(B, stride) the decoder inputs of each row's last step (not yet fed to the verifier)."""
-        if self.stride == 1:
-            return self.out.gather(1, (self.out_len - 1)[:, None])
-        offs = torch.arange(self.stride, device=self.out.device) - self.stride
+        offs = torch.arange(-self.stride, 0, device=self.out.device)
         return self.out.gather(1, self.out_len[:, None] + offs)
