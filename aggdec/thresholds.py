@@ -33,8 +33,8 @@ AUTO_CERTIFIED_ROWS = 64
 """Positions from which a call takes the certified top-1 under `verify_precision = "auto"` (fewer
 take fp32's). The bf16 product's saving grows with the positions a call computes, while what the
 bound leaves to refine from fp32 logits does not shrink with them: on a CPU with AMX the certified
-top-1 pays from about 64 positions on every shipped model, and costs below that where many positions
-need their candidates' fp32 logits (docs/design.md, "Certified bf16 top-1")."""
+top-1 pays from about 64 positions on every shipped model (with AVX512-BF16 alone: 1.09x greedy at 64 on
+gec-base and ende-base, a 2-core AMD EPYC), and costs below that where many positions need their candidates' fp32 logits (docs/design.md, "Certified bf16 top-1")."""
 
 MIN_MACS = 1 << 20
 """Products with an unpacked weight and fewer multiply-adds (rows x in x out) stay on `F.linear`."""
@@ -71,9 +71,15 @@ which reads each row's own keys, instead of TorchInductor's loops over the maske
 step always takes it). With fewer rows the kernel's call through the dispatcher costs more than
 the padding it skips."""
 
+REDUCE_CHUNK = 64
+"""Logits a chunk holds in `projection.top2`, the eager top-1 and top-2 over fp32 rows: at 64 x 8,000
+logits on a 2-core AVX-512 CPU, 89 us for the first maximal index against 461 us for max(dim) (32: 118 us,
+16: 640 us, as slow as max, whose cost the chunks' maxima then repeat), 104 us for the top two against
+623 us for topk(2); from CHUNKED_FROM logits (at 1 x 8,000: 28 us against 10 us)."""
+
 CHUNKED_FROM = 32768
-"""Elements from which top_candidates searches chunks: below, torch.topk's one pass costs less than the
-chunked search's five operators, whose fixed cost only a long row repays."""
+"""Elements from which top_candidates and `projection.top2` search chunks: below, torch.topk's or max's one
+pass costs less than the chunked search's five operators, whose fixed cost only many logits repay."""
 
 
 # -- decoding (aggdec/decoding): the slot loop, its kept loops, streams, the draft budget, IAD, beam --

@@ -11,7 +11,7 @@ from aggdec import api
 from aggdec.api import Translator
 from aggdec.decoding.acceptance import constrain_logits
 from aggdec.model.precision import Int8Weight
-from aggdec.model.projection import OutputProjection, Rules
+from aggdec.model.projection import OutputProjection, Rules, first_argmax, top2
 from aggdec.thresholds import AUTO_CERTIFIED_ROWS, TOP1_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +111,23 @@ def test_refinement_covers_a_vocabulary_smaller_than_its_width():
     proj = OutputProjection(w, certify=True)
     assert torch.equal(proj.top1(h, _no_rules), F.linear(h, w).argmax(dim=-1))
     assert proj.refined >= 50
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 8000), (5, 8003), (300, 129), (1, 40001), (3, 50)])
+def test_top2_and_first_argmax_equal_topk_and_argmax(rows, vocab):
+    """The chunked reductions (chunks of equal maxima, a short last chunk, -inf rows and runs) give
+    torch.topk(2)'s values and the first maximal index, as torch.argmax does, above and below
+    CHUNKED_FROM logits."""
+    g = torch.Generator().manual_seed(rows + vocab)
+    for scale in (3, 1000):  # few values: ties within and across chunks; many: mostly distinct
+        z = torch.randint(-scale, scale, (rows, vocab), generator=g).float()
+        z[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")
+        z[0] = float("-inf")
+        z[-1, -1] = z[-1].max() + 1  # the best in the short last chunk
+        best, runner, first = top2(z)
+        top = z.topk(2, dim=-1).values
+        assert torch.equal(best, top[:, 0]) and torch.equal(runner, top[:, 1])
+        assert torch.equal(first, z.argmax(dim=-1)) and torch.equal(first_argmax(z), first)
 
 
 def test_exact_ties_take_the_first_index_as_fp32_argmax_does():

@@ -69,8 +69,9 @@ class DecodeOptions:
         "auto", "How the verifier's top-1 is computed; outputs are the same either way. fp32: fp32 logits. "
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
-                "in bf16 too. auto: bf16-certified for an fp32 or bf16 verifier on a CPU with AMX, on calls of enough "
-                "positions (aggdec.thresholds.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster there), else "
+                "in bf16 too. auto: bf16-certified for an fp32 or bf16 verifier on a CPU with AMX or AVX512-BF16, on "
+                "calls of enough positions (aggdec.thresholds.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster "
+                "there), else "
                 "fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from aggdec.model.linear import linear, prepack
-from aggdec.thresholds import REFINE_WIDTH, TOP1_ROWS
+from aggdec.thresholds import CHUNKED_FROM, REDUCE_CHUNK, REFINE_WIDTH, TOP1_ROWS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -92,15 +92,58 @@ class Rules:
         return logits
 
 
+def top2(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(largest, second largest (the largest again where it occurs twice), first index of the largest)
+    over the last dim of z (N, V), as torch.topk(2)'s values and torch.max(dim=-1)'s index (`_chunks`)."""
+    if (chunks := _chunks(z)) is None:
+        best, runner = z.topk(2, dim=-1).values.unbind(dim=1)
+        return best, runner, z.max(dim=-1).indices
+    peaks, at, inner = chunks
+    best, second = inner.topk(2, dim=-1).values.unbind(dim=1)
+    runner = torch.maximum(peaks.topk(2, dim=-1).values[:, 1], second)
+    return best, runner, at.gather(1, inner.max(dim=-1, keepdim=True).indices).squeeze(1)
+
+
+def first_argmax(z: torch.Tensor) -> torch.Tensor:
+    """The first index of the largest value over the last dim of z, as torch.argmax (`_chunks`)."""
+    if (chunks := _chunks(z)) is None:
+        return z.max(dim=-1).indices
+    _, at, inner = chunks
+    return at.gather(1, inner.max(dim=-1, keepdim=True).indices).squeeze(1)
+
+
+def _chunks(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ATen's index-returning reductions are several times slower on the CPU than `amax`: for eager fp32
+    rows z (N, V) of several REDUCE_CHUNK chunks, CHUNKED_FROM elements or more, the chunks' maxima (N, C) by `amax` (the last, short
+    chunk padded with -inf), the indices (N, REDUCE_CHUNK) of the first best chunk and its logits there
+    (N, REDUCE_CHUNK); None for other tensors."""
+    c = REDUCE_CHUNK
+    if z.dim() != 2 or z.dtype != torch.float32 or z.numel() < CHUNKED_FROM or z.shape[1] < 2 * c \
+            or z.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    n, v = z.shape
+    full = v // c
+    peaks = z.as_strided((n, full, c), (z.stride(0), c, 1)).amax(-1)
+    if full * c < v:
+        peaks = torch.cat([peaks, z[:, full * c:].amax(-1, keepdim=True)], dim=1)
+    at = peaks.max(dim=-1, keepdim=True).indices * c + torch.arange(c, device=z.device)
+    return peaks, at, z.gather(1, at.clamp(max=v - 1)).masked_fill_(at >= v, -math.inf)
+
+
 def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim via topk(1), faster on CPU; ties may resolve differently: drafts only."""
+    """argmax over the last dim of a drafter's logits: `first_argmax` of fp32 rows, else via topk(1),
+    faster on the CPU than max, whose ties may resolve differently: drafts only."""
+    if logits.dim() == 2 and logits.dtype == torch.float32:
+        return first_argmax(logits)
     return logits.topk(1, dim=-1).indices.squeeze(-1)
 
 
 def certified_pays(device: torch.device) -> bool:
     """Whether the certified bf16 top-1 is expected to beat fp32 on `device`, on calls of at least
-    `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles (docs/design.md, "Certified bf16 top-1")."""
-    return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    `AUTO_CERTIFIED_ROWS` positions: a CPU with AMX tiles or AVX512-BF16 (docs/design.md, "Certified bf16
+    top-1")."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    return device.type == "cpu" and bool(caps.get("amx_tile") or caps.get("avx512_bf16"))
 
 
 class OutputProjection:
@@ -177,19 +220,17 @@ class OutputProjection:
         """The argmax of the masked logits (`Rules.mask`) of `rows` (None: all), hidden the extended states
         of those rows. max(dim) returns the first maximal index, as argmax does, in fewer passes."""
         z = self._logits(hidden) if self.int8 is None else self.int8.ranking_logits(hidden)
-        return rules.mask(z, rows).max(dim=-1).indices
+        return first_argmax(rules.mask(z, rows))
 
     def _certified_top1(self, hidden: torch.Tensor, rules: Rules) -> torch.Tensor:
         """The argmax of the masked logits (`Rules.mask`), from the bf16 product where the bound proves it."""
         zb = rules.mask(linear(hidden.bfloat16(), self.weight_bf16, packed=self.packed_bf16))
-        top = zb.topk(2, dim=-1)
-        best, runner = top.values.float().unbind(dim=1)
+        best, runner, pred = top2(zb.float())
         r = self.rel_coef
         h_norm = hidden.norm(dim=1)
         slack = self.abs_coef * h_norm
         floor = best * (1 - r * best.sign()) - slack  # L: the least fp32 value of the bf16 top-1
         ok = floor > runner * (1 + r * runner.sign()) + slack  # -inf stays -inf (a constrained runner-up)
-        pred = top.indices[:, 0].clone()
         n_ok = int(ok.sum())
         self.certified += n_ok
         if n_ok == pred.shape[0]:
