@@ -35,12 +35,14 @@ directory names torch's version and the CPU's vector features. A package is writ
 (renamed into place); builders of the same key take a lock in Inductor's lock directory, waited for
 at most `LOCK_TIMEOUT_S` like Inductor's own and released by the operating system when its owner dies.
 Beside the packages, `warm/<key>` files mark the loops whose programs the store holds (`mark_warm`,
-`steps_key`): `compile = "auto"` asks `warm` where loading decides whether compiling pays.
+`steps_key`), and `rates/<key>` the seconds a request of such a loop took here, eager and compiled
+(`record_rate`): `compile = "auto"` asks them where they decide whether compiling pays.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -223,6 +225,31 @@ def mark_warm(key: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a"):
             pass
+    except OSError:
+        pass
+
+
+def rates(key: str) -> dict[str, float]:
+    """Seconds a request took on this machine (in `store_dir`), as `record_rate` last recorded them for the
+    loop `key` names (`steps_key`), by backend ("eager", "compiled"); {} where none was recorded."""
+    try:
+        with open(os.path.join(store_dir(), "rates", key)) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def record_rate(key: str, backend: str, seconds: float) -> None:
+    """Record that a request of the loop `key` names took `seconds` decoding by `backend` ("eager" or
+    "compiled"), beside the other backend's (`rates`); written whole (renamed into place), nothing where
+    the store is not writable."""
+    path = os.path.join(store_dir(), "rates", key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        part = f"{path}.{os.getpid()}"
+        with open(part, "w") as f:
+            json.dump({**rates(key), backend: seconds}, f)
+        os.replace(part, path)
     except OSError:
         pass
 

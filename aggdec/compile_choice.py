@@ -1,5 +1,6 @@
 """`compile = "auto"`: whether a slot loop compiles its step for a call (`compiles`), by what compiled
-decoding measured against eager and what compiling costs (aggdec.thresholds), and the line that says so.
+decoding measured against eager (on this machine where `record` recorded both, else aggdec.thresholds) and
+what compiling costs, and the line that says so.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from aggdec import compile_cache
 from aggdec.decoding.method_options import to_mapping
 from aggdec.decoding.options import DecodeOptions
-from aggdec.thresholds import COMPILE_COLD_S, COMPILE_WARM_S
+from aggdec.thresholds import COMPILE_COLD_S, COMPILE_WARM_S, RATE_REQUESTS
 
 if TYPE_CHECKING:
     from aggdec.decoding.methods import DraftContext
@@ -40,26 +41,36 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
         return False, f"eager ({lowered}, where a compiled step decodes wrongly)"
     kept = context.slot_loops.get((opts, mode, 0))
     pays, why = compile_pays(opts, requests, compiled=kept is not None and bool(kept.compile),
-                             stored=lambda: compile_cache.warm(steps_key(context, opts, mode)))
+                             stored=lambda: compile_cache.warm(steps_key(context, opts, mode)),
+                             measured=lambda: compile_cache.rates(steps_key(context, opts, mode)))
     what = f"compiling the {opts.method} {'step' if mode == 'step' else 'model call'}"
     return (mode, f"{what} ({why})") if pays else (False, f"eager ({opts.method}, {why})")
 
 
-def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: Callable[[], bool]) -> tuple[bool, str]:
+def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: Callable[[], bool],
+                 measured: Callable[[], dict[str, float]] = dict) -> tuple[bool, str]:
     """Whether `compile = "auto"` compiles a call of `requests` requests under `opts` (a CompiledStep's), and
     why. Only where the whole step compiles (below the method's `whole_step_below` batch size) and measured
-    faster (`compile_saves_s`, seconds saved a sentence at batch size 1), and where what it saves repays
-    what compiling costs: `compile_saves_s` x requests / min(batch size, requests) seconds (a compiled step
-    saves about a fixed time a verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S) against nothing
-    where the kept loop of these options is `compiled` already, COMPILE_WARM_S where `stored()` (the store
-    holds its programs; asked only where that decides), else COMPILE_COLD_S."""
+    faster (`compile_saves_s`), and where what it saves repays what compiling costs. It saves, a request,
+    what `measured()` says for calls of at least RATE_REQUESTS requests where it holds both backends'
+    seconds a request on this machine (compile_cache.rates, recorded by `record`; a shorter call then
+    imports no TorchInductor, which finding the store does: 1.5 s), else `compile_saves_s` / min(batch size, requests) (seconds
+    saved a sentence at batch size 1, measured on one CPU: a compiled step saves about a fixed time a
+    verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S). It costs nothing where the kept loop of these
+    options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds its programs; asked only
+    where that decides), else COMPILE_COLD_S."""
     batch, saves_s = opts.max_batch_size, opts.compile_saves_s
     if not saves_s or (opts.whole_step_below is not None and batch >= opts.whole_step_below):
         return False, f"batch size {batch}: compiled measured no faster" if saves_s else "compiled not measured faster"
-    saved = saves_s * requests / max(1, min(batch, requests))
     call = f"{requests:,} request{'' if requests == 1 else 's'} at batch size {batch}"
     if compiled:
         return True, f"{call}: compiled in this process already"
+    rate = measured() if requests >= RATE_REQUESTS else {}
+    if "eager" in rate and "compiled" in rate:
+        saved = (rate["eager"] - rate["compiled"]) * requests
+        call += f", measured here {1 / rate['eager']:.0f} requests/s eager, {1 / rate['compiled']:.0f} compiled"
+    else:
+        saved = saves_s * requests / max(1, min(batch, requests))
     if saved < COMPILE_WARM_S:
         return False, f"{call}: would save about {saved:.2g} s, loading a stored step takes about {COMPILE_WARM_S:g} s"
     if saved >= COMPILE_COLD_S:
@@ -69,12 +80,28 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
     return False, f"{call}, not stored: would save about {saved:.0f} s, compiling takes about {COMPILE_COLD_S:g} s"
 
 
+def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requests: int, seconds: float) -> None:
+    """Record the seconds a request took in a call that decoded `requests` requests in `seconds` (its
+    compiling left out), eagerly (`compile` False) or by a compiled step, for `compile_pays`: where
+    `compile = "auto"` may compile this loop's step (an fp32 CPU verifier, a method measured faster compiled,
+    below its `whole_step_below`) and the call decoded at least RATE_REQUESTS requests and a batch."""
+    weight, below = next(context.model.parameters()), opts.whole_step_below
+    if (compile not in (False, "step") or not opts.compile_saves_s or requests < max(RATE_REQUESTS, opts.max_batch_size)
+            or (below is not None and opts.max_batch_size >= below) or weight.device.type != "cpu"
+            or weight.dtype != torch.float32 or opts.precision != "fp32"):
+        return
+    compile_cache.record_rate(steps_key(context, opts, "step"), "compiled" if compile else "eager", seconds / requests)
+
+
 def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:
-    """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier: every option
-    but `compile` (more than the programs depend on: options that differ in any miss each other's marker
-    rather than find programs of another loop), the prompt."""
-    settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
-    return compile_cache.steps_key(context.model, repr((sorted(settings.items()), mode, context.prompt)))
+    """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier, computed once
+    a context: every option but `compile` (more than the programs depend on: options that differ in any miss
+    each other's marker rather than find programs of another loop), the prompt."""
+    if (opts, mode) not in context.steps_keys:
+        settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
+        context.steps_keys[opts, mode] = compile_cache.steps_key(
+            context.model, repr((sorted(settings.items()), mode, context.prompt)))
+    return context.steps_keys[opts, mode]
 
 
 _SAID: set = set()  # say_once

@@ -125,6 +125,10 @@ IAD_COMPILE_SAVES_S = 0.002
 """IAD's at batch size 1: `gec-base`, 114 sentences/s eager, compiled 1.3x (1/114 - 1/148 s; its 4-5 calls
 a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 1,300 warm."""
 
+RATE_REQUESTS = 16
+"""Requests (and at least a batch) from which a call's seconds a request are recorded for `compile = "auto"`
+(`compile_choice.record`): fewer measure mostly a call's fixed costs."""
+
 MIN_STREAM_BATCH = 16
 """The fewest rows a stream decodes at once (`max_batch_size // streams`) and the fewest requests it
 takes: below, one loop on all threads (`streams.stream_count`)."""

@@ -202,7 +202,7 @@ class Model:
 def aggdec_options(a: argparse.Namespace, system: System) -> dict[str, Any]:
     """The decode options of aggdec's `system` under the run's arguments (drafters, beam, `--set`)."""
     options: dict[str, Any] = {"method": system.method, "precision": system.precision}
-    if system.method != "beam":  # a system compiles where it says so (`+compile`), not as `compile = "auto"` picks
+    if system.method != "beam":  # a system compiles where it says so (`+compile`; `+auto`: as `compile = "auto"` picks)
         options["compile"] = system.compile
     if system.method in ("gad", "gad++"):
         options["drafter"] = str(Path(a.drafter).resolve())

@@ -2,7 +2,7 @@
 
 A system is named on the command line as
 
-    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile] [/LAYOUT] [:MODEL]   aggdec
+    greedy | iad | gad | gad++ | blockwise | beam [@fp32|@bf16|@int8] [+compile|+auto] [/LAYOUT] [:MODEL]   aggdec
     ct2 | ct2-beam [@COMPUTE] [/LAYOUT] [:MODEL]           CTranslate2 (COMPUTE: float32, the default, int8, ...)
     transformers | transformers-beam [@fp32|@bf16] [/THREADS] [:MODEL]   transformers `generate` (Hugging Face
                                                            directories; @bf16: the model loaded in bfloat16)
@@ -82,7 +82,7 @@ class System:
     kind: str  # "aggdec" or one of PEERS
     method: str  # aggdec's method; for a peer "greedy" or "beam"
     precision: str = "fp32"  # aggdec: the verifier's precision; CTranslate2: its compute type
-    compile: bool = False
+    compile: bool | str = False  # aggdec: the `compile` option (+compile: True, +auto: "auto", else False)
     model: str | None = None  # None: the benchmark's default model
     threads: int | None = None  # each worker's; None: the benchmark's --threads
     workers: int = 1  # CTranslate2: inter_threads; aggdec: processes, each decoding its share
@@ -97,8 +97,8 @@ class System:
         threads, workers, search = parse_layout(name, layout) if slash else (None, 1, False)
         head, plus, flag = spec.rpartition("+")
         if plus and flag:  # a flag after the last "+" ("gad++" ends in no flag)
-            if flag != "compile":
-                raise ValueError(f"system {name!r}: unknown flag +{flag} (known: +compile)")
+            if flag not in ("compile", "auto"):
+                raise ValueError(f"system {name!r}: unknown flag +{flag} (known: +compile, +auto)")
             spec = head
         plus = plus if flag else ""
         base, _, precision = spec.partition("@")
@@ -107,7 +107,7 @@ class System:
             if beam not in ("", "beam"):
                 raise ValueError(f"system {name!r}: {peer}-{beam} is not a system ({peer} or {peer}-beam)")
             if plus or (precision and peer == "fairseq"):
-                raise ValueError(f"system {name!r}: {peer} takes no {'+compile' if plus else '@precision'}")
+                raise ValueError(f"system {name!r}: {peer} takes no {'+' + flag if plus else '@precision'}")
             if peer == "transformers":
                 if precision not in ("", *TRANSFORMERS_DTYPES):
                     raise ValueError(f"system {name!r}: unknown precision {precision!r} for transformers "
@@ -122,7 +122,8 @@ class System:
                              f"peers: {', '.join(PEERS)})")
         if precision and precision not in PRECISIONS:
             raise ValueError(f"system {name!r}: unknown precision {precision!r} ({', '.join(PRECISIONS)})")
-        return cls(name, "aggdec", base, precision or "fp32", bool(plus), model or None, threads, workers, search)
+        compile = {"compile": True, "auto": "auto"}.get(flag, False) if plus else False
+        return cls(name, "aggdec", base, precision or "fp32", compile, model or None, threads, workers, search)
 
     def expand(self, cores: int) -> list["System"]:
         """The systems this one stands for on `cores` threads: a /best search's layouts (`layouts`),

@@ -6,13 +6,23 @@ flip between batch compositions) and IAD accepts drafts. It is built once per te
 
 from __future__ import annotations
 
+import atexit
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from aggdec.compile_cache import lowered_isa
+# Tests never read or write the user's TorchInductor cache and compile store (compiled programs, `warm`
+# markers, measured rates, which would change what `compile = "auto"` picks): each test process, and what
+# it starts, has a cache directory of its own (tests of the store set their own).
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aggdec-test-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+from aggdec.compile_cache import lowered_isa  # noqa: E402  (after the cache directory is set)
 
 compiles = pytest.mark.skipif(lowered_isa() is not None, reason=f"{lowered_isa()}: the slot loop does not compile")
 """Marks a test of compiled decoder steps: skipped where ATEN_CPU_CAPABILITY lowers ATen's ISA below

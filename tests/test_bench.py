@@ -30,10 +30,12 @@ def test_system_names():
                                                          "models/x", 1)
     assert System.parse("greedy/4").threads == 4 and System.parse("greedy").threads is None
     assert System.parse("gad++") == System("gad++", "aggdec", "gad++", "fp32")  # its "+" is no flag
-    assert System.parse("gad+++compile").compile and System.parse("gad+++compile").method == "gad++"
+    assert System.parse("gad+++compile").compile is True and System.parse("gad+++compile").method == "gad++"
+    assert System.parse("greedy+auto/2x1").compile == "auto" and System.parse("greedy").compile is False
     for bad, why in (("nope", "unknown method"), ("iad@fp16", "unknown precision"), ("ct2-fast", "not a system"),
                      ("transformers@int8", "unknown precision 'int8' for transformers"),
                      ("fairseq@bf16", "takes no @precision"), ("greedy+fast", "unknown flag"),
+                     ("ct2+auto", "takes no \\+auto"),
                      ("ct2/0", "not a thread count"), ("ct2/x", "not a thread count")):
         with pytest.raises(ValueError, match=why):
             System.parse(bad)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,56 @@ def test_auto_compiles_where_compiling_repays_itself():
     assert pays(200_000) and pays(20_000, stored=True) and not pays(20_000, stored=False)
     assert pays(20_000, "iad", max_batch_size=1) and not pays(10**7, "iad") and not pays(10**7, "iad", compiled=True)
     assert not pays(10**7, "gad", drafter="d", max_batch_size=1)
+
+
+def test_auto_decides_by_the_rates_measured_on_this_machine():
+    """Where the store holds both backends' measured seconds a request (`compile_cache.rates`), `compile_pays`
+    counts their difference instead of the method's constant: 100 sentences at batch size 1 that save 0.05 s
+    each (4.8 s) compile where the step is stored, not cold; a compiled step measured slower never compiles;
+    one backend's rate alone leaves the constant."""
+    from aggdec.compile_choice import compile_pays
+    from aggdec.decoding.method_options import decode_options
+
+    opts = decode_options("greedy", max_batch_size=1)
+
+    def pays(requests, rates, stored):
+        return compile_pays(opts, requests, compiled=False, stored=lambda: stored, measured=lambda: rates)[0]
+
+    fast = {"eager": 0.063, "compiled": 0.015}
+    assert pays(100, fast, stored=True) and not pays(100, fast, stored=False) and pays(600, fast, stored=False)
+    assert not pays(100, {"eager": 0.063}, stored=True) and not pays(10**6, {"eager": 0.01, "compiled": 0.02}, True)
+    assert compile_pays(opts, 100, compiled=False, stored=lambda: True, measured=lambda: fast)[1] == (
+        "100 requests at batch size 1, measured here 16 requests/s eager, 67 compiled, stored: saves about 5 s, "
+        "loading takes about 2.6 s")
+
+
+def test_a_decode_records_the_seconds_a_request_took(monkeypatch, tmp_path):
+    """A call of at least RATE_REQUESTS requests and a batch records its seconds a request under its loop's
+    key, by backend; a shorter one, or a precision auto does not compile, records nothing."""
+    from aggdec.compile_choice import steps_key
+    from aggdec.decoding.method_options import decode_options
+    from aggdec.decoding.methods import get_method
+    from aggdec.thresholds import RATE_REQUESTS
+    from test_loop import _requests
+    from tiny_models import tiny_model
+
+    monkeypatch.setattr(compile_cache, "_BASE", [str(tmp_path)])
+    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9).float()
+    context, greedy = _context(model), get_method("greedy")
+    opts = decode_options("greedy", max_batch_size=4, compile=False)
+    reqs = _requests(random.Random(1), RATE_REQUESTS, 9, model.cfg.eos)
+    greedy.decode(opts, reqs[:-1], context)
+    assert compile_cache.rates(steps_key(context, opts, "step")) == {}
+    greedy.decode(opts, reqs, context)
+    rate = compile_cache.rates(steps_key(context, opts, "step"))
+    assert list(rate) == ["eager"] and 0 < rate["eager"] < 1
+    compile_cache.record_rate(steps_key(context, opts, "step"), "compiled", 0.5)
+    assert compile_cache.rates(steps_key(context, opts, "step")) == {**rate, "compiled": 0.5}
+    auto = decode_options("greedy", max_batch_size=4)  # every option but compile: the same loop key
+    assert steps_key(context, auto, "step") == steps_key(context, opts, "step")
+    half = decode_options("greedy", max_batch_size=4, compile=False, precision="bf16")
+    greedy.decode(half, reqs, context)
+    assert compile_cache.rates(steps_key(context, half, "step")) == {}
 
 
 def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):

@@ -7,12 +7,14 @@ that decodes; `register` adds both sides.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aggdec.compile_choice import backend, choose, compiles, mark_stored
+from aggdec.compile_cache import compile_seconds
+from aggdec.compile_choice import backend, choose, compiles, mark_stored, record
 from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import run_beam
 from aggdec.decoding.blockwise import BlockwiseHeads
@@ -46,6 +48,7 @@ class DraftContext:
     budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
     prompt: tuple[int, ...] | None = None
     slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, compile, stream), kept (KEPT_LOOPS)
+    steps_keys: dict = field(default_factory=dict)  # compile_choice.steps_key by (options, mode)
     backends: Counter = field(default_factory=Counter)
 
 
@@ -93,8 +96,8 @@ class Method:
         """Hypotheses of `requests`, in completion order: on a CPU's eager path, where other processes
         hold the cores and the batch is wide enough, in several streams (aggdec.decoding.streams),
         else one loop; compiled as `compile_choice.choose` picks for this many requests. Counts the
-        requests in `context.backends`; where a new loop (not streams) decoded compiled, marks its programs
-        stored."""
+        requests in `context.backends`; where one loop decoded, records the seconds a request took
+        (`compile_choice.record`), and where that loop was new and compiled, marks its programs stored."""
         if self.drafter is None:
             context.backends["eager"] += len(requests)
             return self.run(opts, context.model, requests, context.prompt)
@@ -104,7 +107,9 @@ class Method:
         cpu = loop.device.type == "cpu" and loop.packed
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n == 1 or not THREADS.cores_busy():
+            start, compiling = time.perf_counter(), compile_seconds()
             hyps = list(loop.run(requests))
+            record(context, opts, loop.compile, len(requests), time.perf_counter() - start - compile_seconds() + compiling)
             if new and loop.compile:  # (not a failed compile's eager loop)
                 mark_stored(context, opts, loop.compile)
         else:
