@@ -157,6 +157,13 @@ def compile_seconds() -> float:
     return _SECONDS[0]
 
 
+def steps_built() -> int:
+    """Programs this process built so far, not loaded from the store (`stored`)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aggdec"]["steps_built"]
+
+
 def step_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
     """TorchInductor options of a compiled CPU slot-loop step (symbolic shapes): a C++ wrapper; no guards on
     the model's modules; the weights frozen into the program as constants; products by Inductor's C++
@@ -231,7 +238,8 @@ def mark_warm(key: str) -> None:
 
 def rates(key: str) -> dict[str, float]:
     """Seconds a request took on this machine (in `store_dir`), as `record_rate` last recorded them for the
-    loop `key` names (`steps_key`), by backend ("eager", "compiled"); {} where none was recorded."""
+    loop `key` names (`steps_key`), by backend ("eager", "compiled"), and the seconds compiling its step
+    took ("build") or loading it from the store ("load"); {} where none was recorded."""
     try:
         with open(os.path.join(store_dir(), "rates", key)) as f:
             return {k: float(v) for k, v in json.load(f).items()}
@@ -239,16 +247,16 @@ def rates(key: str) -> dict[str, float]:
         return {}
 
 
-def record_rate(key: str, backend: str, seconds: float) -> None:
-    """Record that a request of the loop `key` names took `seconds` decoding by `backend` ("eager" or
-    "compiled"), beside the other backend's (`rates`); written whole (renamed into place), nothing where
-    the store is not writable."""
+def record_rate(key: str, what: str, seconds: float) -> None:
+    """Record the `seconds` a request of the loop `key` names took decoding by backend `what` ("eager",
+    "compiled"), or building or loading its step ("build", "load"), beside the others (`rates`); written
+    whole (renamed into place), nothing where the store is not writable."""
     path = os.path.join(store_dir(), "rates", key)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         part = f"{path}.{os.getpid()}"
         with open(part, "w") as f:
-            json.dump({**rates(key), backend: seconds}, f)
+            json.dump({**rates(key), what: seconds}, f)
         os.replace(part, path)
     except OSError:
         pass

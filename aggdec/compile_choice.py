@@ -58,7 +58,7 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
     saved a sentence at batch size 1, measured on one CPU: a compiled step saves about a fixed time a
     verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S). It costs nothing where the kept loop of these
     options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds its programs; asked only
-    where that decides), else COMPILE_COLD_S."""
+    where that decides), else COMPILE_COLD_S: each as measured here where `measured()` holds it."""
     batch, saves_s = opts.max_batch_size, opts.compile_saves_s
     if not saves_s or (opts.whole_step_below is not None and batch >= opts.whole_step_below):
         return False, f"batch size {batch}: compiled measured no faster" if saves_s else "compiled not measured faster"
@@ -71,26 +71,33 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
         call += f", measured here {1 / rate['eager']:.0f} requests/s eager, {1 / rate['compiled']:.0f} compiled"
     else:
         saved = saves_s * requests / max(1, min(batch, requests))
-    if saved < COMPILE_WARM_S:
-        return False, f"{call}: would save about {saved:.2g} s, loading a stored step takes about {COMPILE_WARM_S:g} s"
-    if saved >= COMPILE_COLD_S:
-        return True, f"{call}: saves about {saved:.0f} s, compiling takes about {COMPILE_COLD_S:g} s"
+    cold, warm = rate.get("build", COMPILE_COLD_S), rate.get("load", COMPILE_WARM_S)
+    if saved < warm:
+        return False, f"{call}: would save about {saved:.2g} s, loading a stored step takes about {warm:.2g} s"
+    if saved >= cold:
+        return True, f"{call}: saves about {saved:.0f} s, compiling takes about {cold:.2g} s"
     if stored():
-        return True, f"{call}, stored: saves about {saved:.0f} s, loading takes about {COMPILE_WARM_S:g} s"
-    return False, f"{call}, not stored: would save about {saved:.0f} s, compiling takes about {COMPILE_COLD_S:g} s"
+        return True, f"{call}, stored: saves about {saved:.0f} s, loading takes about {warm:.2g} s"
+    return False, f"{call}, not stored: would save about {saved:.0f} s, compiling takes about {cold:.2g} s"
 
 
-def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requests: int, seconds: float) -> None:
-    """Record the seconds a request took in a call that decoded `requests` requests in `seconds` (its
-    compiling left out), eagerly (`compile` False) or by a compiled step, for `compile_pays`: where
-    `compile = "auto"` may compile this loop's step (an fp32 CPU verifier, a method measured faster compiled,
-    below its `whole_step_below`) and the call decoded at least RATE_REQUESTS requests and a batch."""
+def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requests: int, seconds: float,
+           compiling: float = 0.0, built: bool = False) -> None:
+    """Record what a call of `requests` requests measured, for `compile_pays`: the seconds a request took
+    (`seconds` of decoding, compiling left out), eagerly (`compile` False) or by a compiled step, where the
+    call decoded at least RATE_REQUESTS requests and a batch; and where a new loop compiled its step, the
+    seconds that took (`compiling`), as "build" where it `built` a program, else as "load". Only where
+    `compile = "auto"` may compile this loop's step: an fp32 CPU verifier, a method measured faster
+    compiled, below its `whole_step_below`."""
     weight, below = next(context.model.parameters()), opts.whole_step_below
-    if (compile not in (False, "step") or not opts.compile_saves_s or requests < max(RATE_REQUESTS, opts.max_batch_size)
-            or (below is not None and opts.max_batch_size >= below) or weight.device.type != "cpu"
-            or weight.dtype != torch.float32 or opts.precision != "fp32"):
+    if (compile not in (False, "step") or not opts.compile_saves_s or (below is not None and opts.max_batch_size >= below)
+            or weight.device.type != "cpu" or weight.dtype != torch.float32 or opts.precision != "fp32"):
         return
-    compile_cache.record_rate(steps_key(context, opts, "step"), "compiled" if compile else "eager", seconds / requests)
+    key = steps_key(context, opts, "step")
+    if requests >= max(RATE_REQUESTS, opts.max_batch_size):
+        compile_cache.record_rate(key, "compiled" if compile else "eager", seconds / requests)
+    if compiling:
+        compile_cache.record_rate(key, "build" if built else "load", compiling)
 
 
 def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:

@@ -173,12 +173,15 @@ def test_auto_decides_by_the_rates_measured_on_this_machine():
     assert compile_pays(opts, 100, compiled=False, stored=lambda: True, measured=lambda: fast)[1] == (
         "100 requests at batch size 1, measured here 16 requests/s eager, 67 compiled, stored: saves about 5 s, "
         "loading takes about 2.6 s")
+    # measured compile costs replace the constants: a slow load, a fast build
+    assert not pays(100, {**fast, "load": 6.0}, stored=True) and pays(100, {**fast, "build": 4.0}, stored=False)
 
 
 def test_a_decode_records_the_seconds_a_request_took(monkeypatch, tmp_path):
     """A call of at least RATE_REQUESTS requests and a batch records its seconds a request under its loop's
-    key, by backend; a shorter one, or a precision auto does not compile, records nothing."""
-    from aggdec.compile_choice import steps_key
+    key, by backend; a shorter one, or a precision auto does not compile, records nothing; a new loop's
+    compile records its seconds as a build or a load."""
+    from aggdec.compile_choice import record, steps_key
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import get_method
     from aggdec.thresholds import RATE_REQUESTS
@@ -202,6 +205,9 @@ def test_a_decode_records_the_seconds_a_request_took(monkeypatch, tmp_path):
     half = decode_options("greedy", max_batch_size=4, compile=False, precision="bf16")
     greedy.decode(half, reqs, context)
     assert compile_cache.rates(steps_key(context, half, "step")) == {}
+    one = decode_options("greedy", max_batch_size=1)  # a short call that loaded its step: the load alone
+    record(context, one, "step", 3, 0.3, compiling=4.0, built=False)
+    assert compile_cache.rates(steps_key(context, one, "step")) == {"load": 4.0}
 
 
 def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):
