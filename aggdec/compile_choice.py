@@ -89,9 +89,11 @@ def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requ
     seconds that took (`compiling`), as "build" where it `built` a program, else as "load". Only where
     `compile = "auto"` may compile this loop's step: an fp32 CPU verifier, a method measured faster
     compiled, below its `whole_step_below`."""
+    if compile not in (False, "step") or not getattr(opts, "compile_saves_s", 0.0):  # (methods that never compile)
+        return
     weight, below = next(context.model.parameters()), opts.whole_step_below
-    if (compile not in (False, "step") or not opts.compile_saves_s or (below is not None and opts.max_batch_size >= below)
-            or weight.device.type != "cpu" or weight.dtype != torch.float32 or opts.precision != "fp32"):
+    if ((below is not None and opts.max_batch_size >= below) or weight.device.type != "cpu"
+            or weight.dtype != torch.float32 or opts.precision != "fp32"):
         return
     key = steps_key(context, opts, "step")
     if requests >= max(RATE_REQUESTS, opts.max_batch_size):
@@ -101,14 +103,15 @@ def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requ
 
 
 def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:
-    """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier, computed once
-    a context: every option but `compile` (more than the programs depend on: options that differ in any miss
-    each other's marker rather than find programs of another loop), the prompt."""
-    if (opts, mode) not in context.steps_keys:
+    """`compile_cache.steps_key` of a loop of `opts` compiling `mode` on `context`'s verifier at the current
+    thread count, computed once a context: every option but `compile` (more than the programs depend on:
+    options that differ in any miss each other's marker rather than find programs of another loop), the
+    prompt."""
+    at = (opts, mode, torch.get_num_threads())
+    if at not in context.steps_keys:
         settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
-        context.steps_keys[opts, mode] = compile_cache.steps_key(
-            context.model, repr((sorted(settings.items()), mode, context.prompt)))
-    return context.steps_keys[opts, mode]
+        context.steps_keys[at] = compile_cache.steps_key(context.model, repr((sorted(settings.items()), mode, context.prompt)))
+    return context.steps_keys[at]
 
 
 _SAID: set = set()  # say_once

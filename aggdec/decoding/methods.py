@@ -48,7 +48,7 @@ class DraftContext:
     budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
     prompt: tuple[int, ...] | None = None
     slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, compile, stream), kept (KEPT_LOOPS)
-    steps_keys: dict = field(default_factory=dict)  # compile_choice.steps_key by (options, mode)
+    steps_keys: dict = field(default_factory=dict)  # compile_choice.steps_key by (options, mode, threads)
     backends: Counter = field(default_factory=Counter)
 
 
