@@ -168,7 +168,8 @@ def step_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]
     """TorchInductor options of a compiled CPU slot-loop step (symbolic shapes): a C++ wrapper; no guards on
     the model's modules; the weights frozen into the program as constants; products by Inductor's C++
     template for fp32 steps of at most `CPP_GEMM_SLOTS` slots, else by ATen's, as in a step that verifies
-    `drafts` (for its products the C++ template offered no choice: `NoValidChoicesError`)."""
+    `drafts` or several tokens a position (a double-token model's; for their products the C++ template
+    offered no choice: `NoValidChoicesError`)."""
     import torch
 
     gemm = "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"

@@ -6,7 +6,9 @@ what compiling costs, and the line that says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,6 +102,22 @@ def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requ
         compile_cache.record_rate(key, "compiled" if compile else "eager", seconds / requests)
     if compiling:
         compile_cache.record_rate(key, "build" if built else "load", compiling)
+
+
+@contextmanager
+def measured(context: DraftContext, opts: DecodeOptions, loop, requests: int, new: bool) -> Iterator[None]:
+    """Around a slot `loop` of `opts` decoding a call of `requests` requests: `record` what it took, and
+    where the loop is `new` and decoded compiled (not a failed compile's eager loop), mark its programs
+    stored."""
+    start, compiling = time.perf_counter(), compile_cache.compile_seconds()
+    built = loop.compile and compile_cache.steps_built()
+    yield
+    compiling = compile_cache.compile_seconds() - compiling
+    new = new and bool(loop.compile)
+    record(context, opts, loop.compile, requests, time.perf_counter() - start - compiling, compiling if new else 0.0,
+           new and compile_cache.steps_built() > built)
+    if new:
+        mark_stored(context, opts, loop.compile)
 
 
 def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:

@@ -134,7 +134,7 @@ def _context(model):
 def test_auto_compiles_where_compiling_repays_itself():
     """`compile = "auto"` (`compile_choice.compile_pays`): greedy compiles a long call at batch size 1 (about 2,200
     sentences a slot cold, 220 where the store holds the step), never one sentence; a batch of 64 needs 64
-    times the sentences; IAD only below batch size 3; methods not measured never. The store is asked
+    times the sentences; IAD only below batch size 3; GAD and blockwise from more sentences. The store is asked
     only where it decides, and a loop compiled in this process already compiles any call."""
     from aggdec.decoding.method_options import decode_options
     from aggdec.compile_choice import compile_pays
@@ -151,7 +151,7 @@ def test_auto_compiles_where_compiling_repays_itself():
     assert not pays(150, max_batch_size=1) and not pays(3000)
     assert pays(200_000) and pays(20_000, stored=True) and not pays(20_000, stored=False)
     assert pays(20_000, "iad", max_batch_size=1) and not pays(10**7, "iad") and not pays(10**7, "iad", compiled=True)
-    assert not pays(10**7, "gad", drafter="d", max_batch_size=1)
+    assert pays(10**5, "gad", drafter="d", max_batch_size=1) and not pays(400, "blockwise", drafter="d", max_batch_size=1)
 
 
 def test_auto_decides_by_the_rates_measured_on_this_machine():

@@ -597,19 +597,21 @@ def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
 
 
 @compiles
-@pytest.mark.slow  # compiles of a greedy and a drafting step: about a minute each on 2 busy cores
+@pytest.mark.slow  # compiles of greedy and drafting steps: about a minute each on 2 busy cores
 def test_compiled_double_token_steps_equal_greedy():
     """A compiled step on a double-token verifier (greedy, IAD by whole pairs) gives the model's greedy
-    output, run after run, as one program with no graph break."""
-    model = tiny_model("double-token", seed=1, vocab=9)
-    reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
-    ref = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=3).items()}
-    torch._dynamo.utils.counters.clear()
-    for drafter in (NoDraft(), InputCopy(max_draft=4)):
-        loop = SlotLoop(model, drafter, max_batch_size=4, compile=True)
-        for _ in range(2):
-            assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
-    assert torch._dynamo.utils.counters["frames"]["ok"] >= 2 and not torch._dynamo.utils.counters["graph_break"]
+    output, run after run, as one program with no graph break; in float64 and in fp32 (whose greedy step
+    takes ATen's products: the C++ template has none for its pair's products)."""
+    for model in (tiny_model("double-token", seed=1, vocab=9), tiny_model("double-token", seed=1, vocab=9).float()):
+        reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+        ref = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=3).items()}
+        torch._dynamo.utils.counters.clear()
+        for drafter in (NoDraft(), InputCopy(max_draft=4)):
+            loop = SlotLoop(model, drafter, max_batch_size=4, compile=True)
+            for _ in range(2):
+                assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+            assert loop._compiled is not None
+        assert torch._dynamo.utils.counters["frames"]["ok"] >= 2 and not torch._dynamo.utils.counters["graph_break"]
 
 
 @compiles

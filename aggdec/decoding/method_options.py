@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from aggdec.decoding.options import (AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, DraftModel, OptionError,
                                      coerce, option, option_fields, type_hints)
-from aggdec.thresholds import GREEDY_COMPILE_SAVES_S, IAD_COMPILE_SAVES_S
+from aggdec.thresholds import DRAFTER_COMPILE_SAVES_S, GREEDY_COMPILE_SAVES_S, IAD_COMPILE_SAVES_S
 from aggdec.versions import package_version
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class GADOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     verification (lossless unless min_block > 0)."""
 
     method: ClassVar[str] = "gad"
+    compile_saves_s: ClassVar[float] = DRAFTER_COMPILE_SAVES_S
 
     def acceptance(self) -> Acceptance:
         from aggdec.decoding.acceptance import ExactMatch, MinBlock
@@ -85,6 +86,7 @@ class BlockwiseOptions(CompiledStep, Drafting, DraftModel, DecodeOptions):
     lossless with top_k_accept 1 and min_block 0."""
 
     method: ClassVar[str] = "blockwise"
+    compile_saves_s: ClassVar[float] = DRAFTER_COMPILE_SAVES_S
 
     top_k_accept: int = option(1, "Accept proposals within the verifier's top-k (1: exact, lossless).", low=1)
 

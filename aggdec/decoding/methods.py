@@ -7,14 +7,12 @@ that decodes; `register` adds both sides.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aggdec.compile_cache import compile_seconds, steps_built
-from aggdec.compile_choice import backend, choose, compiles, mark_stored, record
+from aggdec.compile_choice import backend, choose, compiles, measured
 from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import run_beam
 from aggdec.decoding.blockwise import BlockwiseHeads
@@ -96,8 +94,7 @@ class Method:
         """Hypotheses of `requests`, in completion order: on a CPU's eager path, where other processes
         hold the cores and the batch is wide enough, in several streams (aggdec.decoding.streams),
         else one loop; compiled as `compile_choice.choose` picks for this many requests. Counts the
-        requests in `context.backends`; where one loop decoded, records the seconds a request took and
-        those a new loop's compile took (`compile_choice.record`), and marks that loop's programs stored."""
+        requests in `context.backends`; where one loop decoded, what it `measured`."""
         if self.drafter is None:
             context.backends["eager"] += len(requests)
             return self.run(opts, context.model, requests, context.prompt)
@@ -107,14 +104,8 @@ class Method:
         cpu = loop.device.type == "cpu" and loop.packed
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n == 1 or not THREADS.cores_busy():
-            start, compiling, built = time.perf_counter(), compile_seconds(), loop.compile and steps_built()
-            hyps = list(loop.run(requests))
-            compiling = compile_seconds() - compiling
-            new = new and bool(loop.compile)  # (not a failed compile's eager loop)
-            record(context, opts, loop.compile, len(requests), time.perf_counter() - start - compiling,
-                   compiling if new else 0.0, new and steps_built() > built)
-            if new:
-                mark_stored(context, opts, loop.compile)
+            with measured(context, opts, loop, len(requests), new):
+                hyps = list(loop.run(requests))
         else:
             part = dataclasses.replace(opts, max_batch_size=opts.max_batch_size // n,
                                        max_tokens=opts.max_tokens and max(1, opts.max_tokens // n))

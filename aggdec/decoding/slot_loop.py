@@ -280,7 +280,7 @@ class SlotLoop:
         """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone,
         from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products."""
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0)
+        options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0 or self.stride > 1)
         return compile_cache.compile_step(types.MethodType(own, owner), options)  # compiled once per machine
 
     def _capture(self, key: tuple[int, int]) -> None:
