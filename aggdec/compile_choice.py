@@ -56,11 +56,12 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
     faster (`compile_saves_s`), and where what it saves repays what compiling costs. It saves, a request,
     what `measured()` says for calls of at least RATE_REQUESTS requests where it holds both backends'
     seconds a request on this machine (compile_cache.rates, recorded by `record`; a shorter call then
-    imports no TorchInductor, which finding the store does: 1.5 s), else `compile_saves_s` / min(batch size, requests) (seconds
-    saved a sentence at batch size 1, measured on one CPU: a compiled step saves about a fixed time a
-    verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S). It costs nothing where the kept loop of these
-    options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds its programs; asked only
-    where that decides), else COMPILE_COLD_S: each as measured here where `measured()` holds it."""
+    imports no TorchInductor, which finding the store does: 1.5 s), else `compile_saves_s` / min(batch
+    size, requests) (seconds saved a sentence at batch size 1, measured on one CPU: a compiled step saves
+    about a fixed time a verifier call, aggdec.thresholds.GREEDY_COMPILE_SAVES_S). It costs nothing where
+    the kept loop of these options is `compiled` already, COMPILE_WARM_S where `stored()` (the store holds
+    its programs; asked only where that decides), else COMPILE_COLD_S: each as measured here where
+    `measured()` holds it."""
     batch, saves_s = opts.max_batch_size, opts.compile_saves_s
     if not saves_s or (opts.whole_step_below is not None and batch >= opts.whole_step_below):
         return False, f"batch size {batch}: compiled measured no faster" if saves_s else "compiled not measured faster"
@@ -127,8 +128,8 @@ def steps_key(context: DraftContext, opts: DecodeOptions, mode: str) -> str:
     prompt."""
     at = (opts, mode, torch.get_num_threads())
     if at not in context.steps_keys:
-        settings = {k: v for k, v in to_mapping(opts).items() if k != "compile"}
-        context.steps_keys[at] = compile_cache.steps_key(context.model, repr((sorted(settings.items()), mode, context.prompt)))
+        settings = sorted((k, v) for k, v in to_mapping(opts).items() if k != "compile")
+        context.steps_keys[at] = compile_cache.steps_key(context.model, repr((settings, mode, context.prompt)))
     return context.steps_keys[at]
 
 

@@ -114,9 +114,9 @@ def first_argmax(z: torch.Tensor) -> torch.Tensor:
 
 def _chunks(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """ATen's index-returning reductions are several times slower on the CPU than `amax`: for eager fp32
-    rows z (N, V) of several REDUCE_CHUNK chunks, CHUNKED_FROM elements or more, the chunks' maxima (N, C) by `amax` (the last, short
-    chunk padded with -inf), the indices (N, REDUCE_CHUNK) of the first best chunk and its logits there
-    (N, REDUCE_CHUNK); None for other tensors."""
+    rows z (N, V) of several REDUCE_CHUNK chunks, CHUNKED_FROM elements or more, the chunks' maxima (N, C)
+    by `amax` (the last chunk may be short), the indices (N, REDUCE_CHUNK) of the first best chunk and its
+    logits there (N, REDUCE_CHUNK; -inf past V); None for other tensors."""
     c = REDUCE_CHUNK
     if z.dim() != 2 or z.dtype != torch.float32 or z.numel() < CHUNKED_FROM or z.shape[1] < 2 * c \
             or z.device.type != "cpu" or torch.compiler.is_compiling():
@@ -218,7 +218,7 @@ class OutputProjection:
 
     def _plain_top1(self, hidden: torch.Tensor, rules: Rules, rows: torch.Tensor | None) -> torch.Tensor:
         """The argmax of the masked logits (`Rules.mask`) of `rows` (None: all), hidden the extended states
-        of those rows. max(dim) returns the first maximal index, as argmax does, in fewer passes."""
+        of those rows (`first_argmax`: the first maximal index, as argmax)."""
         z = self._logits(hidden) if self.int8 is None else self.int8.ranking_logits(hidden)
         return first_argmax(rules.mask(z, rows))
 
