@@ -92,49 +92,39 @@ class Rules:
         return logits
 
 
+def _chunked(z: torch.Tensor) -> bool:
+    """Whether `top2` searches chunks of z: eager fp32 rows (N, V) on the CPU, of several REDUCE_CHUNK
+    chunks and CHUNKED_FROM logits or more (ATen's index-returning reductions take several times as long
+    as `amax`'s passes there)."""
+    return (z.dim() == 2 and z.dtype == torch.float32 and z.device.type == "cpu" and z.numel() >= CHUNKED_FROM
+            and z.shape[1] >= 2 * REDUCE_CHUNK and not torch.compiler.is_compiling())
+
+
 def top2(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(largest, second largest (the largest again where it occurs twice), first index of the largest)
-    over the last dim of z (N, V), as torch.topk(2)'s values and torch.max(dim=-1)'s index (`_chunks`)."""
-    if (chunks := _chunks(z)) is None:
+    over the last dim of z (N, V), as torch.topk(2)'s values and torch.max(dim=-1)'s index; `_chunked`:
+    from the chunks' maxima by `amax` (the last chunk may be short), within the first best chunk."""
+    if not _chunked(z):
         best, runner = z.topk(2, dim=-1).values.unbind(dim=1)
         return best, runner, z.max(dim=-1).indices
-    peaks, at, inner = chunks
+    (n, v), c = z.shape, REDUCE_CHUNK
+    peaks = z.as_strided((n, v // c, c), (z.stride(0), c, 1)).amax(-1)
+    if v % c:
+        peaks = torch.cat([peaks, z[:, v - v % c:].amax(-1, keepdim=True)], dim=1)
+    at = peaks.max(dim=-1, keepdim=True).indices * c + torch.arange(c, device=z.device)
+    inner = z.gather(1, at.clamp(max=v - 1)).masked_fill_(at >= v, -math.inf)
     best, second = inner.topk(2, dim=-1).values.unbind(dim=1)
     runner = torch.maximum(peaks.topk(2, dim=-1).values[:, 1], second)
     return best, runner, at.gather(1, inner.max(dim=-1, keepdim=True).indices).squeeze(1)
 
 
 def first_argmax(z: torch.Tensor) -> torch.Tensor:
-    """The first index of the largest value over the last dim of z, as torch.argmax (`_chunks`)."""
-    if (chunks := _chunks(z)) is None:
-        return z.max(dim=-1).indices
-    _, at, inner = chunks
-    return at.gather(1, inner.max(dim=-1, keepdim=True).indices).squeeze(1)
-
-
-def _chunks(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """ATen's index-returning reductions are several times slower on the CPU than `amax`: for eager fp32
-    rows z (N, V) of several REDUCE_CHUNK chunks, CHUNKED_FROM elements or more, the chunks' maxima (N, C)
-    by `amax` (the last chunk may be short), the indices (N, REDUCE_CHUNK) of the first best chunk and its
-    logits there (N, REDUCE_CHUNK; -inf past V); None for other tensors."""
-    c = REDUCE_CHUNK
-    if z.dim() != 2 or z.dtype != torch.float32 or z.numel() < CHUNKED_FROM or z.shape[1] < 2 * c \
-            or z.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    n, v = z.shape
-    full = v // c
-    peaks = z.as_strided((n, full, c), (z.stride(0), c, 1)).amax(-1)
-    if full * c < v:
-        peaks = torch.cat([peaks, z[:, full * c:].amax(-1, keepdim=True)], dim=1)
-    at = peaks.max(dim=-1, keepdim=True).indices * c + torch.arange(c, device=z.device)
-    return peaks, at, z.gather(1, at.clamp(max=v - 1)).masked_fill_(at >= v, -math.inf)
+    """The first index of the largest value over the last dim of z, as torch.argmax (`top2`)."""
+    return top2(z)[2] if _chunked(z) else z.max(dim=-1).indices
 
 
 def draft_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of a drafter's logits: `first_argmax` of fp32 rows, else via topk(1),
-    faster on the CPU than max, whose ties may resolve differently: drafts only."""
-    if logits.dim() == 2 and logits.dtype == torch.float32:
-        return first_argmax(logits)
+    """argmax over the last dim via topk(1), faster on CPU; ties may resolve differently: drafts only."""
     return logits.topk(1, dim=-1).indices.squeeze(-1)
 
 
