@@ -52,6 +52,14 @@ class Stopped(click.ClickException):
         detail = self.format_message()
         click.echo(f"aggdec: stopped ({signal.Signals(self.signum).name}){'; ' + detail if detail else ''}", err=True)
 
+    def exit(self) -> None:
+        """Show the line and exit at once: Ray is shut down by then, and what is left to finalize (Ray
+        Data's iterators) could only print errors after the line."""
+        self.show()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
 
 _stop_signal = [signal.SIGINT]
 """The signal that stopped the command: SIGINT (Python's KeyboardInterrupt) unless _terminate saw SIGTERM."""
@@ -88,9 +96,9 @@ def run() -> None:
     try:
         main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        stopped = Stopped()
-        stopped.show()
-        sys.exit(stopped.exit_code)
+        Stopped().exit()
+    except Stopped as e:
+        e.exit()
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
