@@ -41,10 +41,15 @@ Beside the packages, `warm/<key>` files mark the loops whose programs the store 
 
 from __future__ import annotations
 
+import functools
+import getpass
 import hashlib
+import inspect
 import json
 import logging
 import os
+import re
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -83,11 +88,15 @@ _BASE: list[str] = []  # the cache directory as first found in this process, bef
 
 
 def _base() -> str:
-    """TORCHINDUCTOR_CACHE_DIR, or Inductor's default cache directory, as first found in this process."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    """TORCHINDUCTOR_CACHE_DIR, or Inductor's default cache directory (torch 2.13: `default_cache_dir`,
+    whose module imports all of TorchInductor and TorchDynamo, 2 s), as first found in this process."""
     if not _BASE:
-        _BASE.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+        _BASE.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default)
     return _BASE[0]
 
 
@@ -148,20 +157,22 @@ class _SayWaits(logging.Filter):
 
 
 _SECONDS = [0.0]  # compile_seconds
+COUNTS = {"built": 0, "loaded": 0, "replayed": 0}
+"""Programs this process built (`_build`) and loaded from the store (`_load`), and calls of `compile_step`
+functions that ran a recorded program without TorchDynamo (`replayed`)."""
 
 
 def compile_seconds() -> float:
     """Seconds this process spent compiling decoder programs: the calls of functions `compile_step` made
     during which TorchDynamo compiled a frame (traced a graph, had `stored` load or build its program;
-    a compile that failed too), each with the one run of the program within it (milliseconds)."""
+    a compile that failed too), each with the one run of the program within it (milliseconds), and the
+    loading of recorded programs (`compile_step`'s `replay`)."""
     return _SECONDS[0]
 
 
 def steps_built() -> int:
     """Programs this process built so far, not loaded from the store (`stored`)."""
-    from torch._dynamo.utils import counters
-
-    return counters["aggdec"]["steps_built"]
+    return COUNTS["built"]
 
 
 def step_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
@@ -177,30 +188,170 @@ def step_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]
             "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
 
 
-def compile_step(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-    """`fn` compiled by TorchDynamo with symbolic shapes and Python floats specialized (as Inductor's own
-    compile ends up with them, after a restart), each graph run as the AOTInductor package `stored`
-    finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to TorchDynamo);
-    its calls that compile are counted in `compile_seconds`."""
-    import torch
-    import torch._inductor.config as inductor_config
-    from torch._dynamo.utils import counters
+def compile_step(fn: Callable[..., Any], options: dict[str, Any],
+                 replay: Callable[[], str] | None = None) -> Callable[..., Any]:
+    """`fn` (a bound method) compiled by TorchDynamo with symbolic shapes and Python floats specialized
+    (as Inductor's own compile ends up with them, after a restart), each graph run as the AOTInductor
+    package `stored` finds or builds with the Inductor `options` (`guard_filter_fn` among them goes to
+    TorchDynamo); its calls that compile are counted in `compile_seconds`.
 
-    compiled = torch._dynamo.config.patch(specialize_float=True)(
-        torch.compile(fn, dynamic=True, backend=stored, options=dict(options)))
+    `replay`: where given, `fn` returns None and acts only on tensors, and `replay()` is a key (`replay_key`)
+    of everything its program depends on besides its inputs. A call that TorchDynamo traced whole into one
+    graph without outputs (every effect in place on its inputs) is then recorded under the key
+    (`replays/<key>/` in `store_dir`: the package and, for each input, where the frame holds it and what
+    the program requires of it), and later calls, in any process, whose inputs a record finds as it
+    requires run its package directly (`_Replay`): no TorchDynamo import (2 s), trace or guards."""
+    state: dict[str, Any] = {}
+
+    def replayed(*args) -> bool:
+        if "records" not in state:
+            t0 = time.perf_counter()
+            state["dir"] = os.path.join(store_dir(), "replays", replay())
+            state["records"] = _Replay.all(state["dir"])
+            _SECONDS[0] += time.perf_counter() - t0
+        frame = {"self": fn.__self__, **dict(zip(state.setdefault("names", list(inspect.signature(fn).parameters)),
+                                                 args))}
+        for record in state["records"]:
+            inputs = record.bind(frame)
+            if inputs is not None:
+                record.loader.boxed_run(inputs)
+                COUNTS["replayed"] += 1
+                return True
+        return False
 
     def timed(*args, **kwargs):
-        frames, t0 = counters["frames"]["total"], time.perf_counter()
+        if replay is not None and not kwargs and replayed(*args):
+            return None
+        import torch._inductor.config as inductor_config
+        from torch._dynamo.utils import counters
+
+        if "compiled" not in state:
+            import torch
+
+            pending = state["pending"] = []
+            backend = functools.partial(stored, pending=pending if replay is not None else None)
+            state["compiled"] = torch._dynamo.config.patch(specialize_float=True)(
+                torch.compile(fn, dynamic=True, backend=backend, options=dict(options)))
+        frames, graphs, t0 = counters["frames"]["total"], counters["stats"]["unique_graphs"], time.perf_counter()
+        breaks = sum(counters["graph_break"].values())
         frozen = inductor_config.freezing  # TorchDynamo reads it from the global config when it traces
         inductor_config.freezing = True
         try:
-            return compiled(*args, **kwargs)
+            return state["compiled"](*args, **kwargs)
         finally:
             inductor_config.freezing = frozen
             if counters["frames"]["total"] != frames:
                 _SECONDS[0] += time.perf_counter() - t0
+                whole = (counters["stats"]["unique_graphs"] == graphs + 1
+                         and sum(counters["graph_break"].values()) == breaks and len(state["pending"]) == 1)
+                if replay is not None and whole and "dir" in state:
+                    record = state["pending"][0]
+                    record["fixed"] = [f"L[{name!r}] == {value!r}" for name, value in zip(state["names"], args)
+                                       if isinstance(value, int) and f"L[{name!r}]" not in record["sources"]]
+                    state["records"].append(_Replay.write(state["dir"], record))
+            state.get("pending", []).clear()
 
     return timed
+
+
+class _Replay:
+    """A recorded program (`compile_step`'s `replay`): its package's loader; its inputs as the expressions
+    of TorchDynamo's sources (L: the frame's arguments, `self` among them); what the program requires of
+    each (a tensor's dtype, its fixed sizes and strides, an integer's value where fixed); and TorchDynamo's
+    guards on sizes and integers (`ShapeEnv.produce_guards`), and the values of the frame's integer
+    arguments that the graph does not take ("fixed": TorchDynamo specialized them). Tensors, and the guards on their sizes alone, are checked where they
+    are other objects than at the last call that ran (a loop's buffers stay the same objects between
+    allocations); integers and the guards that read them, at every call."""
+
+    def __init__(self, record: dict[str, Any], loader):
+        self.loader, self.needs = loader, record["inputs"]
+        ints = [s for s, need in zip(record["sources"], self.needs) if need[0] == "int"]
+        every = [g for g in record["guards"] if any(s in g for s in ints)]
+        sizes = [g for g in record["guards"] if g not in every]
+        every += record["fixed"]
+        # the store is trusted: it holds the programs this process runs
+        self.find = eval(f"lambda L: ({''.join(s + ', ' for s in record['sources'])})", {})
+        self.every = eval(f"lambda L: {' and '.join(f'({g})' for g in every) or 'True'}", {})
+        self.sizes = eval(f"lambda L: {' and '.join(f'({g})' for g in sizes) or 'True'}", {})
+        self.seen: list = []
+
+    @classmethod
+    def all(cls, directory: str) -> list["_Replay"]:
+        """The records in `directory` whose package loads."""
+        found = []
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            program = _load(os.path.join(os.path.dirname(os.path.dirname(directory)), record["package"]))
+            if program is not None:
+                found.append(cls(record, program[0]))
+        return found
+
+    @classmethod
+    def write(cls, directory: str, record: dict[str, Any]) -> "_Replay":
+        """Record `record` (written whole), unless the store is not writable, and return it loaded."""
+        path = os.path.join(directory, record["package"].replace(".pt2", ".json"))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                json.dump(record, f)
+            os.replace(f"{path}.{os.getpid()}", path)
+        except OSError:
+            pass
+        return cls(record, _load(os.path.join(os.path.dirname(os.path.dirname(directory)), record["package"]))[0])
+
+    def bind(self, frame: dict[str, Any]) -> list | None:
+        """The program's inputs from `frame` (integers carried as sizes, `_carrier`), or None where they
+        are not as it requires."""
+        import torch
+
+        try:
+            values = self.find(frame)
+            if not self.every(frame) or any(need[0] == "int" and need[1] not in (None, v)
+                                             for v, need in zip(values, self.needs)):
+                return None
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            if len(tensors) != len(self.seen) or any(a is not b for a, b in zip(tensors, self.seen)):
+                for v, need in zip(values, self.needs):
+                    if isinstance(v, torch.Tensor) != (need[0] == "tensor"):
+                        return None
+                    if need[0] == "tensor" and not (
+                            str(v.dtype) == need[1] and v.device.type == "cpu" and v.dim() == len(need[2])
+                            and all(n in (None, d) for n, d in zip(need[2], v.shape))
+                            and all(n in (None, d) for n, d in zip(need[3], v.stride()))):
+                        return None
+                if not self.sizes(frame):
+                    return None
+                self.seen = tensors
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return None
+        return [v if isinstance(v, torch.Tensor) else _carrier(v) for v in values]
+
+
+def replay_key(model: torch.nn.Module, *settings: Any) -> str:
+    """A key for `compile_step`'s `replay`: `steps_key` of `model` and of `settings` (each an object's type
+    and its public attributes of plain types, or a value without attributes), with a digest of aggdec's
+    own sources."""
+    import torch
+
+    plain = (bool, int, float, str, type(None), torch.dtype)
+
+    def described(value: Any) -> Any:
+        if not hasattr(value, "__dict__"):
+            return value
+        return type(value).__qualname__, sorted((k, v) for k, v in vars(value).items()
+                                                if not k.startswith("_") and isinstance(v, plain))
+
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.abspath(__file__))
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith((".py", ".cpp"))):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f.read())
+    return steps_key(model, repr(([described(s) for s in settings], h.hexdigest())))
 
 
 def steps_key(model: torch.nn.Module, settings: str) -> str:
@@ -274,17 +425,21 @@ def store_dir() -> str:
     return os.path.join(_base(), "aggdec-steps", f"torch-{torch.__version__}", cpu)
 
 
-def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None,
+           pending: list | None = None) -> Callable[..., Any]:
     """TorchDynamo backend: `gm` as the AOTInductor package of its key (module docstring) in `store_dir`,
     loaded if there, else built with Inductor `options` (`prepare` first) while holding the key's lock,
-    every tensor `gm` holds (the weights, where TorchDynamo traced under `freezing`) in the package. Its integer inputs reach the program as the
-    sizes of empty tensors (AOTInductor takes tensors only). Raises what the build raises, and
-    filelock's `Timeout` after `LOCK_TIMEOUT` s waiting for another builder."""
+    every tensor `gm` holds (the weights, where TorchDynamo traced under `freezing`) in the package. Its
+    integer inputs reach the program as the sizes of empty tensors (AOTInductor takes tensors only).
+    Where `gm` has no outputs, a record of it for `compile_step`'s `replay` is appended to `pending`.
+    Raises what the build raises, and filelock's `Timeout` after `LOCK_TIMEOUT` s waiting for another
+    builder."""
     import torch
     import torch.utils._pytree as pytree
 
     options = dict(options or {})
-    inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    inputs = [node.meta["example_value"] for node in placeholders]
     ints = [not isinstance(v, torch.Tensor) for v in inputs]
     path = os.path.join(store_dir(), f"{_key(gm, inputs, options)}.pt2")
     program = _load(path)
@@ -299,11 +454,41 @@ def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, An
     if program is None:
         raise RuntimeError(f"the program compiled into {path} does not load")
     loader, out_spec = program
+    if pending is not None and not gm.graph.find_nodes(op="output")[0].args[0]:
+        sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
+        symbolic = [v for v in inputs if isinstance(v, torch.SymInt)] + [v for v in inputs if _fake(v)]
+        if all(sources) and symbolic:
+            env = symbolic[0].node.shape_env if isinstance(symbolic[0], torch.SymInt) else symbolic[0].fake_mode.shape_env
+            pending.append({"package": os.path.basename(path), "inputs": [_needs(v) for v in inputs],
+                            "sources": [source.name for source in sources],
+                            "guards": env.produce_guards(inputs, sources)})  # TorchDynamo's on sizes and integers
 
     def run(*args):
         return pytree.tree_unflatten(loader.boxed_run([_carrier(a) if i else a for a, i in zip(args, ints)]), out_spec)
 
     return run
+
+
+def _fake(value) -> bool:
+    """Whether `value` is a fake tensor of a shape environment."""
+    return getattr(getattr(value, "fake_mode", None), "shape_env", None) is not None
+
+
+def _symbolic(size) -> bool:
+    """Whether TorchDynamo's `size` (an int, a SymInt) is symbolic, not fixed."""
+    import torch
+
+    return isinstance(size, torch.SymInt) and not size.node.shape_env.simplify(size.node.expr).is_number
+
+
+def _needs(value) -> list:
+    """What a recorded program requires of an input whose example is `value` (`_Replay`)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return ["int", None if _symbolic(value) else int(value)]
+    fixed = [[None if _symbolic(n) else int(n) for n in sizes] for sizes in (value.shape, value.stride())]
+    return ["tensor", str(value.dtype), *fixed]
 
 
 def _carrier(n: int):
@@ -346,10 +531,9 @@ def _load(path: str):
     """The package at `path` as (its loader, its outputs' tree spec), or None where there is none or it
     does not load. Loaded as torch's `aoti_load_package` does, without its check of the CPU, whose
     `pick_vec_isa` takes seconds (builds and loads a probe per vector ISA) and which `store_dir` has made.
-    Counts `counters["aggdec"]["steps_loaded"]` (torch._dynamo.utils)."""
+    Counts `COUNTS["loaded"]`."""
     import torch
     import torch.utils._pytree as pytree
-    from torch._dynamo.utils import counters
 
     if not os.path.exists(path):
         return None
@@ -358,16 +542,15 @@ def _load(path: str):
     except Exception as e:  # a package from an interrupted copy, a library that changed: rebuilt
         warnings.warn(f"aggdec: {path} did not load ({type(e).__name__}: {e}), compiling it again", stacklevel=2)
         return None
-    counters["aggdec"]["steps_loaded"] += 1
+    COUNTS["loaded"] += 1
     return loader, pytree.treespec_loads(loader.get_call_spec()[1])
 
 
 def _build(gm: torch.fx.GraphModule, example_inputs: list, inputs: list, ints: list[bool], options: dict[str, Any],
            path: str):
     """Export `gm` (integers carried as tensor sizes, `_shapes`), compile it with AOTInductor into a
-    file beside `path`, rename that into place and load it. Counts `counters["aggdec"]["steps_built"]`."""
+    file beside `path`, rename that into place and load it. Counts `COUNTS["built"]`."""
     import torch
-    from torch._dynamo.utils import counters
     from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
     class Carried(torch.nn.Module):
@@ -390,7 +573,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list, inputs: list, ints: l
     finally:
         if os.path.exists(part):
             os.remove(part)
-    counters["aggdec"]["steps_built"] += 1
+    COUNTS["built"] += 1
     return _load(path)
 
 
@@ -402,8 +585,5 @@ def _shapes(inputs: list) -> tuple:
     import torch
     from torch.export import Dim
 
-    def dynamic(size) -> bool:
-        return isinstance(size, torch.SymInt) and not size.node.shape_env.simplify(size.node.expr).is_number
-
-    return tuple(({i: Dim.DYNAMIC for i, s in enumerate(v.shape) if dynamic(s)} if isinstance(v, torch.Tensor)
-                  else {0: Dim.DYNAMIC} if dynamic(v) else None) or None for v in inputs)
+    return tuple(({i: Dim.DYNAMIC for i, s in enumerate(v.shape) if _symbolic(s)} if isinstance(v, torch.Tensor)
+                  else {0: Dim.DYNAMIC} if _symbolic(v) else None) or None for v in inputs)

@@ -24,9 +24,9 @@ DECODE = """
 import json, random, sys
 import torch
 torch.set_num_threads(1)  # the decode keeps it (aggdec.threads): no second program for another thread count
-from torch._dynamo.utils import counters
 from test_loop import _requests
 from tiny_models import tiny_model
+from aggdec import compile_cache
 from aggdec.decoding.slot_loop import SlotLoop
 
 model = tiny_model("prenorm-learned-separate", seed=int(sys.argv[1]), vocab=9).float()
@@ -35,12 +35,14 @@ eager = {h.index: h.tokens for h in SlotLoop(model, max_batch_size=4).run(reqs)}
 loop = SlotLoop(model, max_batch_size=4, compile=True)
 compiled = {h.index: h.tokens for h in loop.run(reqs)}
 print(json.dumps({"eager": sorted(eager.items()), "equal": compiled == eager, "compiled": loop._compiled is not None,
-                  "built": counters["aggdec"]["steps_built"], "loaded": counters["aggdec"]["steps_loaded"],
-                  "inductor": sorted(counters["inductor"])}))
+                  **{k: v for k, v in compile_cache.COUNTS.items()}, "dynamo": "torch._dynamo" in sys.modules,
+                  "inductor": sorted(sys.modules["torch._dynamo"].utils.counters["inductor"])
+                  if "torch._dynamo" in sys.modules else []}))
 """
 """Greedy on 8 requests by a tiny fp32 model of seed argv[1] (Inductor's own C++ products, weights frozen),
 eager and compiled: prints the eager tokens, whether the compiled ones equal them, whether the step
-stayed compiled, how many programs were built and loaded, and the Inductor counters that moved (any
+stayed compiled, how many programs were built and loaded and how many steps ran a recorded program
+(`compile_cache.COUNTS`), whether TorchDynamo was imported, and the Inductor counters that moved (any
 lowering moves some)."""
 
 
@@ -72,9 +74,13 @@ def store(tmp_path_factory) -> tuple[Path, dict]:
 
 @compiles
 def test_a_second_process_loads_the_program_and_compiles_nothing(store):
+    """The second process runs every step from the first one's records: it builds nothing, and never
+    imports TorchDynamo (no trace, no guards)."""
     path, first = store
+    assert first["dynamo"] and first["replayed"] > 0, first  # its own later steps ran the record too
     second = _decode(path, 5)
     assert second["built"] == 0 and second["loaded"] >= 1 and second["inductor"] == [], second
+    assert second["replayed"] > 0 and not second["dynamo"], second
     assert second["eager"] == first["eager"]
 
 
@@ -281,7 +287,7 @@ def test_kept_loops_are_kept_by_what_they_compile():
 def test_compile_seconds_count_the_calls_that_compile(monkeypatch):
     """`compile_cache.compile_seconds` grows by the calls of a `compile_step` function that traced a graph
     (here with a backend that builds nothing), not by those that ran a program already traced."""
-    monkeypatch.setattr(compile_cache, "stored", lambda gm, example_inputs, options=None: gm.forward)
+    monkeypatch.setattr(compile_cache, "stored", lambda gm, example_inputs, options=None, pending=None: gm.forward)
     step = compile_cache.compile_step(lambda x: torch.sin(x) + 1, {})
     before = compile_cache.compile_seconds()
     step(torch.ones(3))
@@ -289,3 +295,42 @@ def test_compile_seconds_count_the_calls_that_compile(monkeypatch):
     step(torch.ones(5))
     step(torch.ones(7))
     assert traced > before and compile_cache.compile_seconds() == traced
+
+
+class _Steps:
+    """A step's owner: `step` adds `scale` times the first `span` of x to out, in place, where `scale` is
+    not 0 (TorchDynamo guards that) and returns nothing."""
+
+    def __init__(self, n: int, dtype: torch.dtype = torch.float32):
+        self.x, self.out = torch.arange(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+
+    def step(self, scale: int, span: int) -> None:
+        if scale:
+            self.out[:span].add_(self.x[:span] * scale)
+
+
+@compiles
+def test_a_recorded_step_runs_without_torchdynamo_where_its_inputs_fit():
+    """`compile_step`'s `replay`: a call traced whole into one graph without outputs is recorded, and a
+    function of the same key (another loop, another process) runs the program with no TorchDynamo frame
+    where the inputs fit the record: other sizes within its guards, not another dtype, nor an integer
+    its guards exclude; those calls TorchDynamo traces (and they decode right either way)."""
+    from torch._dynamo.utils import counters
+
+    key = f"test-{random.random()}"
+    first = _Steps(8)
+    compile_cache.compile_step(first.step, {}, replay=lambda: key)(3, 5)
+    assert first.out.tolist() == [0, 3, 6, 9, 12, 0, 0, 0]
+
+    def run(owner, *args) -> tuple[int, int]:
+        """(frames TorchDynamo compiled, steps replayed) by a new function of the same key running `args`."""
+        frames, replayed = counters["frames"]["total"], compile_cache.COUNTS["replayed"]
+        compile_cache.compile_step(owner.step, {}, replay=lambda: key)(*args)
+        return counters["frames"]["total"] - frames, compile_cache.COUNTS["replayed"] - replayed
+
+    other = _Steps(16)
+    assert run(other, 5, 7) == (0, 1) and other.out.tolist() == [5.0 * i if i < 7 else 0 for i in range(16)]
+    doubles = _Steps(8, torch.float64)
+    assert run(doubles, 5, 7) == (1, 0) and doubles.out.tolist() == [5.0 * i if i < 7 else 0 for i in range(8)]
+    zero = _Steps(8)
+    assert run(zero, 0, 7)[1] == 0 and zero.out.tolist() == [0.0] * 8

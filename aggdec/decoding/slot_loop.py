@@ -281,7 +281,9 @@ class SlotLoop:
         from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products."""
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0 or self.stride > 1)
-        return compile_cache.compile_step(types.MethodType(own, owner), options)  # compiled once per machine
+        replay = None if owner is not self else lambda: compile_cache.replay_key(  # what the step's code reads
+            self.model, self, self.model.cfg, self.drafter, self.acceptance, self.projection.certify, self.forced.tolist())
+        return compile_cache.compile_step(types.MethodType(own, owner), options, replay)  # compiled once per machine
 
     def _capture(self, key: tuple[int, int]) -> None:
         """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
