@@ -34,7 +34,8 @@ its values from the running graph), the Inductor options and configuration, the 
 directory names torch's version and the CPU's vector features. A package is written whole
 (renamed into place); builders of the same key take a lock in Inductor's lock directory, waited for
 at most `LOCK_TIMEOUT_S` like Inductor's own and released by the operating system when its owner dies.
-Beside the packages, `warm/<key>` files mark the loops whose programs the store holds (`mark_warm`,
+Recorded steps (`compile_step`'s `replay`, `replays/<key>/`) let later processes run a package without
+TorchDynamo. Beside the packages, `warm/<key>` files mark the loops whose programs the store holds (`mark_warm`,
 `steps_key`), and `rates/<key>` the seconds a request of such a loop took here, eager and compiled
 (`record_rate`): `compile = "auto"` asks them where they decide whether compiling pays.
 """
