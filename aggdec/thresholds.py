@@ -108,9 +108,11 @@ COMPILE_COLD_S = 26.0
 (aggdec.compile_cache): a one-sentence `aggdec decode` of `gec-base` greedy took 27.6 s cold against
 1.6 s eager (`ende-base`'s step: about 25 s; docs/benchmarks.md, "Compiled steps")."""
 
-COMPILE_WARM_S = 2.6
-"""Seconds it counts where the store holds the step (tracing it, loading its package): the same decode
-took 4.2 s warm. Where a loop of the same options compiled in this process already, it counts none."""
+COMPILE_WARM_S = 0.5
+"""Seconds it counts where the store holds the step (loading its package, run from its record without
+TorchDynamo): the same decode took 2.8-3.2 s warm against 2.7 s eager (AMD EPYC; 4.2 s on an AMX Xeon
+when every process traced the step). Where a loop of the same options compiled in this process already,
+it counts none."""
 
 GREEDY_COMPILE_SAVES_S = 0.012
 """Seconds greedy's compiled step saved a sentence at batch size 1: `ende-base`, 54-57 against 33
@@ -118,12 +120,12 @@ sentences/s eager (1/33 - 1/55 s). A compiled step saves about a fixed time a ve
 work and operators it fuses), and a call at batch size b serves b rows, so `auto` counts b times less a
 sentence there (`compile_choice.compile_pays`: at 64, 0.0002 s, where 1.1x of 307 sentences/s saved 0.0003 s: on
 the safe side). Compiling then pays from COMPILE_COLD_S / 0.012 = about 2,200 sentences a slot (requests /
-batch size) where the store is cold, COMPILE_WARM_S / 0.012 = about 220 where it is warm: at batch size 1,
-2,200 and 220 sentences; at 64, 140,000 and 14,000. One sentence saves 0.012 s: it decodes eagerly."""
+batch size) where the store is cold, COMPILE_WARM_S / 0.012 = about 42 where it is warm: at batch size 1,
+2,200 and 42 sentences; at 64, 140,000 and 2,700. One sentence saves 0.012 s: it decodes eagerly."""
 
 IAD_COMPILE_SAVES_S = 0.002
 """IAD's at batch size 1: `gec-base`, 114 sentences/s eager, compiled 1.3x (1/114 - 1/148 s; its 4-5 calls
-a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 1,300 warm."""
+a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 250 warm."""
 
 RATE_REQUESTS = 16
 """Requests (and at least a batch) from which a call's seconds a request are recorded for `compile = "auto"`

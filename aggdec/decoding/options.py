@@ -70,9 +70,7 @@ class DecodeOptions:
                 "bf16-certified: a bf16 output projection whose top-1 is proven equal to fp32's, recomputed in "
                 "fp32 where it cannot be (aggdec.model.projection); the drafters of lossless methods then run "
                 "in bf16 too. auto: bf16-certified for an fp32 or bf16 verifier on a CPU with AMX or AVX512-BF16, on "
-                "calls of enough positions (aggdec.thresholds.AUTO_CERTIFIED_ROWS; fewer take fp32's, faster "
-                "there), else "
-                "fp32.",
+                "calls of enough positions (aggdec.thresholds.AUTO_CERTIFIED_ROWS), else fp32.",
         choices=VERIFY_PRECISIONS, output=False)
 
     def __post_init__(self) -> None:
@@ -132,11 +130,9 @@ class CompiledStep:
 
     compile: bool | str = option(
         "auto", "On a CPU, compile the decoder with TorchInductor (weights frozen in): each step as one program, "
-                "or from iad's batch size 3 the model's call. greedy: 1.7-3.2x eager at batch size 1, 1.1x at "
-                "64; iad: 1.3x at 1 (docs/benchmarks.md). Compiling takes 20-60 s once per machine, loading it "
-                "about 2.5 s a process (README). true: compile (fp32 verifiers). auto: compile where it measured "
-                "faster (greedy; iad below 3) and the call repays it: greedy at batch size 1 from about 2,200 "
-                "sentences, 220 once stored (per slot at larger sizes; aggdec.compile_choice); logged once.",
+                "or from iad's batch size 3 the model's call; 20-60 s once per machine, stored for every later "
+                "process (README). true: compile (fp32 verifiers). auto: where it measured faster and the call "
+                "repays it (aggdec.compile_choice); logged once.",
         choices=("auto", True, False), output=False)
 
     def validate(self) -> None:
