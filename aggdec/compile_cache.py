@@ -46,6 +46,7 @@ import functools
 import getpass
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -258,11 +259,12 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
 class _Replay:
     """A recorded program (`compile_step`'s `replay`): its package's loader; its inputs as the expressions
     of TorchDynamo's sources (L: the frame's arguments, `self` among them); what the program requires of
-    each (a tensor's dtype, its fixed sizes and strides, an integer's value where fixed); and TorchDynamo's
-    guards on sizes and integers (`ShapeEnv.produce_guards`), and the values of the frame's integer
-    arguments that the graph does not take ("fixed": TorchDynamo specialized them). Tensors, and the guards on their sizes alone, are checked where they
-    are other objects than at the last call that ran (a loop's buffers stay the same objects between
-    allocations); integers and the guards that read them, at every call."""
+    each (a tensor's dtype, its fixed sizes and strides, an integer's value where fixed); TorchDynamo's
+    guards on sizes and integers (`ShapeEnv.produce_guards`); and the values of the frame's integer
+    arguments that the graph does not take ("fixed": TorchDynamo specialized them). Tensors, and the
+    guards on their sizes alone, are checked where they are other objects than at the last call that ran
+    (a loop's buffers stay the same objects between allocations); integers and the guards that read
+    them, at every call."""
 
     def __init__(self, record: dict[str, Any], loader):
         self.loader, self.needs = loader, record["inputs"]
@@ -334,19 +336,22 @@ class _Replay:
 
 def replay_key(model: torch.nn.Module, *settings: Any) -> str:
     """A key for `compile_step`'s `replay`: `steps_key` of `model` and of `settings` (each an object's type
-    and its public attributes of plain types, or a value without attributes), with a digest of aggdec's
-    own sources."""
+    and its public attributes of plain types, or a value without attributes), with a digest of the
+    weights of the modules the settings hold (a drafter's) and of aggdec's own sources."""
     import torch
 
-    plain = (bool, int, float, str, type(None), torch.dtype)
+    plain, h = (bool, int, float, str, type(None), torch.dtype), hashlib.sha256()
 
     def described(value: Any) -> Any:
         if not hasattr(value, "__dict__"):
             return value
+        for name, module in vars(value).items():  # a drafter's own weights
+            if isinstance(module, torch.nn.Module) and module is not model:
+                for key, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+                    _digest(h, f"{name}.{key}", tensor)
         return type(value).__qualname__, sorted((k, v) for k, v in vars(value).items()
                                                 if not k.startswith("_") and isinstance(v, plain))
 
-    h = hashlib.sha256()
     root = os.path.dirname(os.path.abspath(__file__))
     for folder, _, files in sorted(os.walk(root)):
         for name in sorted(f for f in files if f.endswith((".py", ".cpp"))):
@@ -359,8 +364,6 @@ def steps_key(model: torch.nn.Module, settings: str) -> str:
     """A digest of what a loop's compiled programs depend on besides their graphs: every tensor of `model`
     (name, dtype, shape, bytes), `settings` (the caller's: the options, what it compiles) and the thread
     count: the key of `warm`'s marker (hashing `ende-base`'s 7.3 M weights takes about 25 ms)."""
-    import itertools
-
     import torch
 
     h = hashlib.sha256(f"{settings}|threads {torch.get_num_threads()}".encode())
@@ -459,7 +462,8 @@ def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, An
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
         symbolic = [v for v in inputs if isinstance(v, torch.SymInt)] + [v for v in inputs if _fake(v)]
         if all(sources) and symbolic:
-            env = symbolic[0].node.shape_env if isinstance(symbolic[0], torch.SymInt) else symbolic[0].fake_mode.shape_env
+            first = symbolic[0]
+            env = first.node.shape_env if isinstance(first, torch.SymInt) else first.fake_mode.shape_env
             pending.append({"package": os.path.basename(path), "inputs": [_needs(v) for v in inputs],
                             "sources": [source.name for source in sources],
                             "guards": env.produce_guards(inputs, sources)})  # TorchDynamo's on sizes and integers
