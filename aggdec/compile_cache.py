@@ -216,7 +216,12 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
         for record in state["records"]:
             inputs = record.bind(frame)
             if inputs is not None:
-                record.loader.boxed_run(inputs)
+                try:
+                    record.loader.boxed_run(inputs)
+                except RuntimeError as e:  # its program's own checks refused the inputs: TorchDynamo's turn
+                    warnings.warn(f"aggdec: a recorded step refused its inputs ({e}); tracing it", stacklevel=3)
+                    state["records"].remove(record)
+                    return False
                 COUNTS["replayed"] += 1
                 return True
         return False
