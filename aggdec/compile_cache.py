@@ -49,6 +49,7 @@ import inspect
 import itertools
 import json
 import logging
+import operator
 import os
 import re
 import tempfile
@@ -204,6 +205,7 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
     the program requires of it), and later calls, in any process, whose inputs a record finds as it
     requires run its package directly (`_Replay`): no TorchDynamo import (2 s), trace or guards."""
     state: dict[str, Any] = {}
+    names = list(inspect.signature(fn).parameters)
 
     def replayed(*args) -> bool:
         if "records" not in state:
@@ -211,8 +213,7 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
             state["dir"] = os.path.join(store_dir(), "replays", replay())
             state["records"] = _Replay.all(state["dir"])
             _SECONDS[0] += time.perf_counter() - t0
-        frame = {"self": fn.__self__, **dict(zip(state.setdefault("names", list(inspect.signature(fn).parameters)),
-                                                 args))}
+        frame = dict(zip(names, args), self=fn.__self__)
         for record in state["records"]:
             inputs = record.bind(frame)
             if inputs is not None:
@@ -253,7 +254,7 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
                          and sum(counters["graph_break"].values()) == breaks and len(state["pending"]) == 1)
                 if replay is not None and whole and "dir" in state:
                     record = state["pending"][0]
-                    record["fixed"] = [f"L[{name!r}] == {value!r}" for name, value in zip(state["names"], args)
+                    record["fixed"] = [f"L[{name!r}] == {value!r}" for name, value in zip(names, args)
                                        if isinstance(value, int) and f"L[{name!r}]" not in record["sources"]]
                     state["records"].append(_Replay.write(state["dir"], record))
             state.get("pending", []).clear()
@@ -273,10 +274,13 @@ class _Replay:
 
     def __init__(self, record: dict[str, Any], loader):
         self.loader, self.needs = loader, record["inputs"]
-        ints = [s for s, need in zip(record["sources"], self.needs) if need[0] == "int"]
+        self.ints_at = [i for i, need in enumerate(self.needs) if need[0] == "int"]
+        self.tensors_at = [i for i, need in enumerate(self.needs) if need[0] == "tensor"]
+        ints = [record["sources"][i] for i in self.ints_at]
         every = [g for g in record["guards"] if any(s in g for s in ints)]
         sizes = [g for g in record["guards"] if g not in every]
-        every += record["fixed"]
+        every += record["fixed"] + [f"{record['sources'][i]} == {self.needs[i][1]}" for i in self.ints_at
+                                    if self.needs[i][1] is not None]
         # the store is trusted: it holds the programs this process runs
         self.find = eval(f"lambda L: ({''.join(s + ', ' for s in record['sources'])})", {})
         self.every = eval(f"lambda L: {' and '.join(f'({g})' for g in every) or 'True'}", {})
@@ -314,29 +318,35 @@ class _Replay:
     def bind(self, frame: dict[str, Any]) -> list | None:
         """The program's inputs from `frame` (integers carried as sizes, `_carrier`), or None where they
         are not as it requires."""
-        import torch
-
         try:
-            values = self.find(frame)
-            if not self.every(frame) or any(need[0] == "int" and need[1] not in (None, v)
-                                             for v, need in zip(values, self.needs)):
+            if not self.every(frame):
                 return None
-            tensors = [v for v in values if isinstance(v, torch.Tensor)]
-            if len(tensors) != len(self.seen) or any(a is not b for a, b in zip(tensors, self.seen)):
-                for v, need in zip(values, self.needs):
-                    if isinstance(v, torch.Tensor) != (need[0] == "tensor"):
-                        return None
-                    if need[0] == "tensor" and not (
-                            str(v.dtype) == need[1] and v.device.type == "cpu" and v.dim() == len(need[2])
-                            and all(n in (None, d) for n, d in zip(need[2], v.shape))
-                            and all(n in (None, d) for n, d in zip(need[3], v.stride()))):
-                        return None
-                if not self.sizes(frame):
+            values = list(self.find(frame))
+            tensors = [values[i] for i in self.tensors_at]
+            if len(tensors) != len(self.seen) or not all(map(operator.is_, tensors, self.seen)):
+                if not all(_fits(values[i], self.needs[i]) for i in self.tensors_at) or not self.sizes(frame):
                     return None
                 self.seen = tensors
+            for i in self.ints_at:
+                values[i] = _carried(values[i])
         except (AttributeError, KeyError, IndexError, TypeError):
             return None
-        return [v if isinstance(v, torch.Tensor) else _carrier(v) for v in values]
+        return values
+
+
+@functools.lru_cache(maxsize=4096)
+def _carried(n: int):
+    """`_carrier(n)`, one tensor for each integer (a program reads only its size)."""
+    return _carrier(n)
+
+
+def _fits(value: Any, need: list) -> bool:
+    """Whether `value` is a CPU tensor as a record's `need` ("tensor", dtype, sizes, strides) requires."""
+    import torch
+
+    return (isinstance(value, torch.Tensor) and str(value.dtype) == need[1] and value.device.type == "cpu"
+            and value.dim() == len(need[2]) and all(n in (None, d) for n, d in zip(need[2], value.shape))
+            and all(n in (None, d) for n, d in zip(need[3], value.stride())))
 
 
 def replay_key(model: torch.nn.Module, *settings: Any) -> str:
