@@ -30,14 +30,13 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
     ISA (`compile_cache.lowered_isa`), else decodes eagerly (False): quietly where the verifier is not fp32
     or not on a CPU, where compiling does not apply."""
     setting = getattr(opts, "compile", False)
-    weight = next(context.model.parameters())
-    if setting is False or weight.device.type != "cpu":
+    if setting is False or next(context.model.parameters()).device.type != "cpu":
         return False, None
     below = opts.whole_step_below
     mode = "model" if below is not None and opts.max_batch_size >= below else "step"
     if setting is True:
         return mode, None
-    if opts.precision != "fp32" or weight.dtype != torch.float32:
+    if not auto_applies(context, opts):
         return False, None
     if lowered := compile_cache.lowered_isa():
         return False, f"eager ({lowered}, where a compiled step decodes wrongly)"
@@ -47,6 +46,13 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
                              measured=lambda: compile_cache.rates(steps_key(context, opts, mode)))
     what = f"compiling the {opts.method} {'step' if mode == 'step' else 'model call'}"
     return (mode, f"{what} ({why})") if pays else (False, f"eager ({opts.method}, {why})")
+
+
+def auto_applies(context: DraftContext, opts: DecodeOptions) -> bool:
+    """Whether `compile = "auto"` may compile a loop of `opts` on `context`'s verifier: an fp32 verifier on a
+    CPU at fp32 precision."""
+    weight = next(context.model.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and opts.precision == "fp32"
 
 
 def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: Callable[[], bool],
@@ -94,9 +100,8 @@ def record(context: DraftContext, opts: DecodeOptions, compile: bool | str, requ
     compiled, below its `whole_step_below`."""
     if compile not in (False, "step") or not getattr(opts, "compile_saves_s", 0.0):  # (methods that never compile)
         return
-    weight, below = next(context.model.parameters()), opts.whole_step_below
-    if ((below is not None and opts.max_batch_size >= below) or weight.device.type != "cpu"
-            or weight.dtype != torch.float32 or opts.precision != "fp32"):
+    below = opts.whole_step_below
+    if (below is not None and opts.max_batch_size >= below) or not auto_applies(context, opts):
         return
     key = steps_key(context, opts, "step")
     if requests >= max(RATE_REQUESTS, opts.max_batch_size):
