@@ -110,7 +110,7 @@ COMPILE_COLD_S = 26.0
 
 COMPILE_WARM_S = 0.5
 """Seconds it counts where the store holds the step (loading its package, run from its record without
-TorchDynamo): the same decode took 2.8-3.2 s warm against 2.7 s eager (AMD EPYC; 4.2 s on an AMX Xeon
+TorchDynamo): the same decode took 2.2-3.2 s warm against 2.0-2.7 s eager (AMD EPYC; 4.2 s on an AMX Xeon
 when every process traced the step). Where a loop of the same options compiled in this process already,
 it counts none."""
 
