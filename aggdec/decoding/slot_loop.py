@@ -282,7 +282,7 @@ class SlotLoop:
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0 or self.stride > 1)
         replay = None if owner is not self else lambda: compile_cache.replay_key(  # what the step's code reads
-            self.model, self, self.model.cfg, self.drafter, self.acceptance, self.projection.certify,
+            self.model, self, self.model.cfg, self.drafter, self.acceptance.describe(), self.projection.certify,
             self.forced.tolist())
         return compile_cache.compile_step(types.MethodType(own, owner), options, replay)  # compiled once per machine
 
