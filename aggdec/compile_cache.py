@@ -227,25 +227,30 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
                 return True
         return False
 
-    def timed(*args, **kwargs):
-        if replay is not None and not kwargs and replayed(*args):
-            return None
-        import torch._inductor.config as inductor_config
-        from torch._dynamo.utils import counters
-
+    def traced():
+        """TorchDynamo's `fn`, its counters and Inductor's configuration, imported and made once."""
         if "compiled" not in state:
             import torch
+            import torch._inductor.config as inductor_config
+            from torch._dynamo.utils import counters
 
             pending = state["pending"] = []
             backend = functools.partial(stored, pending=pending if replay is not None else None)
-            state["compiled"] = torch._dynamo.config.patch(specialize_float=True)(
+            compiled = torch._dynamo.config.patch(specialize_float=True)(
                 torch.compile(fn, dynamic=True, backend=backend, options=dict(options)))
+            state.update(compiled=compiled, counters=counters, config=inductor_config)
+        return state["compiled"], state["counters"], state["config"]
+
+    def timed(*args, **kwargs):
+        if replay is not None and not kwargs and replayed(*args):
+            return None
+        compiled, counters, inductor_config = traced()
         frames, graphs, t0 = counters["frames"]["total"], counters["stats"]["unique_graphs"], time.perf_counter()
         breaks = sum(counters["graph_break"].values())
         frozen = inductor_config.freezing  # TorchDynamo reads it from the global config when it traces
         inductor_config.freezing = True
         try:
-            return state["compiled"](*args, **kwargs)
+            return compiled(*args, **kwargs)
         finally:
             inductor_config.freezing = frozen
             if counters["frames"]["total"] != frames:
@@ -256,8 +261,8 @@ def compile_step(fn: Callable[..., Any], options: dict[str, Any],
                     record = state["pending"][0]
                     record["fixed"] = [f"L[{name!r}] == {value!r}" for name, value in zip(names, args)
                                        if isinstance(value, int) and f"L[{name!r}]" not in record["sources"]]
-                    state["records"].append(_Replay.write(state["dir"], record))
-            state.get("pending", []).clear()
+                    state["records"] += filter(None, [_Replay.write(state["dir"], record)])
+            state["pending"].clear()
 
     return timed
 
@@ -288,22 +293,26 @@ class _Replay:
         self.seen: list = []
 
     @classmethod
+    def loaded(cls, directory: str, record: dict[str, Any]) -> "_Replay | None":
+        """`record`, kept in `directory` (`replays/<key>` in the store), with its package loaded; None where
+        the package does not load."""
+        program = _load(os.path.join(os.path.dirname(os.path.dirname(directory)), record["package"]))
+        return None if program is None else cls(record, program[0])
+
+    @classmethod
     def all(cls, directory: str) -> list["_Replay"]:
         """The records in `directory` whose package loads."""
         found = []
         for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
             try:
                 with open(os.path.join(directory, name)) as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
+                    found.append(cls.loaded(directory, json.load(f)))
+            except (OSError, ValueError, KeyError):
                 continue
-            program = _load(os.path.join(os.path.dirname(os.path.dirname(directory)), record["package"]))
-            if program is not None:
-                found.append(cls(record, program[0]))
-        return found
+        return [r for r in found if r is not None]
 
     @classmethod
-    def write(cls, directory: str, record: dict[str, Any]) -> "_Replay":
+    def write(cls, directory: str, record: dict[str, Any]) -> "_Replay | None":
         """Record `record` (written whole), unless the store is not writable, and return it loaded."""
         path = os.path.join(directory, record["package"].replace(".pt2", ".json"))
         try:
@@ -313,7 +322,7 @@ class _Replay:
             os.replace(f"{path}.{os.getpid()}", path)
         except OSError:
             pass
-        return cls(record, _load(os.path.join(os.path.dirname(os.path.dirname(directory)), record["package"]))[0])
+        return cls.loaded(directory, record)
 
     def bind(self, frame: dict[str, Any]) -> list | None:
         """The program's inputs from `frame` (integers carried as sizes, `_carrier`), or None where they
@@ -367,12 +376,18 @@ def replay_key(model: torch.nn.Module, *settings: Any) -> str:
         return type(value).__qualname__, sorted((k, v) for k, v in vars(value).items()
                                                 if not k.startswith("_") and isinstance(v, plain))
 
-    root = os.path.dirname(os.path.abspath(__file__))
-    for folder, _, files in sorted(os.walk(root)):
+    return steps_key(model, repr(([described(s) for s in settings], h.hexdigest(), _sources())))
+
+
+@functools.cache
+def _sources() -> str:
+    """A digest of aggdec's own sources (.py, .cpp), once a process."""
+    h = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(os.path.dirname(os.path.abspath(__file__)))):
         for name in sorted(f for f in files if f.endswith((".py", ".cpp"))):
             with open(os.path.join(folder, name), "rb") as f:
                 h.update(f.read())
-    return steps_key(model, repr(([described(s) for s in settings], h.hexdigest())))
+    return h.hexdigest()
 
 
 def steps_key(model: torch.nn.Module, settings: str) -> str:
@@ -475,10 +490,8 @@ def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, An
     loader, out_spec = program
     if pending is not None and not gm.graph.find_nodes(op="output")[0].args[0]:
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
-        symbolic = [v for v in inputs if isinstance(v, torch.SymInt)] + [v for v in inputs if _fake(v)]
-        if all(sources) and symbolic:
-            first = symbolic[0]
-            env = first.node.shape_env if isinstance(first, torch.SymInt) else first.fake_mode.shape_env
+        env = getattr(torch._guards.detect_fake_mode(inputs), "shape_env", None)
+        if all(sources) and env is not None:
             pending.append({"package": os.path.basename(path), "inputs": [_needs(v) for v in inputs],
                             "sources": [source.name for source in sources],
                             "guards": env.produce_guards(inputs, sources)})  # TorchDynamo's on sizes and integers
@@ -487,11 +500,6 @@ def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, An
         return pytree.tree_unflatten(loader.boxed_run([_carrier(a) if i else a for a, i in zip(args, ints)]), out_spec)
 
     return run
-
-
-def _fake(value) -> bool:
-    """Whether `value` is a fake tensor of a shape environment."""
-    return getattr(getattr(value, "fake_mode", None), "shape_env", None) is not None
 
 
 def _symbolic(size) -> bool:

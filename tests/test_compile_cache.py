@@ -35,7 +35,7 @@ eager = {h.index: h.tokens for h in SlotLoop(model, max_batch_size=4).run(reqs)}
 loop = SlotLoop(model, max_batch_size=4, compile=True)
 compiled = {h.index: h.tokens for h in loop.run(reqs)}
 print(json.dumps({"eager": sorted(eager.items()), "equal": compiled == eager, "compiled": loop._compiled is not None,
-                  **{k: v for k, v in compile_cache.COUNTS.items()}, "dynamo": "torch._dynamo" in sys.modules,
+                  **compile_cache.COUNTS, "dynamo": "torch._dynamo" in sys.modules,
                   "inductor": sorted(sys.modules["torch._dynamo"].utils.counters["inductor"])
                   if "torch._dynamo" in sys.modules else []}))
 """
