@@ -4,6 +4,7 @@
                 x models x batch sizes, each system in a process of its own
     contention  the same systems quiet and beside N competing compute processes
     host        host work per decoder call on a tiny model: eager and compiled steps
+    roofline    the most sentences/s batch-1 greedy can reach in fp32 here, and systems' shares of it
     trees       aggdec's methods from this tree and another (a worktree of main): identity, speed
     ops         aten operators a verifier call dispatches, this tree against another
     gpu         the decode engine on a GPU: identity, captures, throughput, transformers, DecodeWorker
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    from bench import compare, gpu, host, pipeline, trees
+    from bench import compare, gpu, host, pipeline, roofline, trees
 
     p = sub.add_parser("compare", help="systems x models x batch sizes")
     compare.add_arguments(p, "greedy,iad,ct2")
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--competitor-threads", type=int, default=2, help="threads of each competing process")
     p.set_defaults(func=compare.contention)
     for name, module, about in (("host", host, "host work per decoder call (tiny model)"),
+                                ("roofline", roofline, "the batch-1 fp32 ceiling, and systems' shares of it"),
                                 ("trees", trees, "aggdec's methods from two source trees"),
                                 ("gpu", gpu, "the decode engine on a GPU"),
                                 ("jobs", pipeline, "corpus jobs on Ray against in-process decoding")):

@@ -159,3 +159,18 @@ def test_tables_are_regenerated_from_results(tmp_path, monkeypatch):
     assert record.update(doc) == ["missing.json"] and doc.read_text() == text  # regenerating is idempotent
     with pytest.raises(ValueError, match="not a results file"):
         record.load(doc.with_name("r.json").write_text("{}") and doc.with_name("r.json"))
+
+
+def test_the_roofline_streams_every_weight_of_a_decoder_step_and_no_other():
+    """A batch-1 step's weights: per decoder layer self-attention's four products, cross-attention's query
+    and output (not its keys and values, which are the encoder's), the feed-forward pair; and the output
+    projection (here the shared embedding), each once."""
+    from bench.host import tiny
+    from bench.roofline import step_weights, steps_per_second
+
+    model = tiny()
+    d, ffn, vocab, layers = model.cfg.d_model, model.cfg.dec_ffn, model.cfg.tgt_vocab, model.cfg.dec_layers
+    weights = step_weights(model)
+    assert sorted(w.numel() for w in weights) == sorted([d * d] * 6 * layers + [d * ffn] * 2 * layers + [vocab * d])
+    assert not any(w.data_ptr() == p.data_ptr() for w in weights for p in model.parameters())  # copies
+    assert steps_per_second(weights, workers=1, threads=1, seconds=0.05) > 0
