@@ -217,6 +217,19 @@ def _gpu(data: dict) -> str:
                                       "to CPU greedy", "captures after warm-up", "peak MB"], rows)
 
 
+def _roofline(data: dict) -> str:
+    """A row per layout: its ceiling, and the systems measured at that layout with their shares of it."""
+    rows = []
+    for r in (r for r in data["runs"] if "ceiling_sentences_per_s" in r):
+        at = [s for s in data["runs"] if s.get("layout") == r["layout"] and "share_of_ceiling" in s]
+        measured = ", ".join(f"{s['system']} {_cell(s['sentences_per_s'])} ({_share(s['share_of_ceiling'])})"
+                             for s in sorted(at, key=lambda s: -s["share_of_ceiling"]))
+        rows.append([r["layout"], f"{r['step_weights_mb']:.1f} MB", _cell(r["us_per_step"]), _cell(r["gb_per_s"]),
+                     _cell(r["steps_per_sentence"]), _cell(r["ceiling_sentences_per_s"]), measured or "—"])
+    return _markdown(["layout", "a step's weights", "µs a step", "GB/s", "steps a sentence", "ceiling sent/s",
+                      "measured (share of the ceiling)"], rows)
+
+
 def _generic(data: dict) -> str:
     """Every scalar field of the runs, in the order they first appear."""
     keys = list(dict.fromkeys(k for r in data["runs"] for k, v in r.items() if not isinstance(v, (list, dict))))
@@ -231,6 +244,8 @@ def table(data: dict[str, Any], systems: list[str] | None = None) -> str:
     only those systems' runs, in that order."""
     if data["kind"] == "compare":
         body = _compare(data, systems)
+    elif data["kind"] == "roofline":
+        body = _roofline(data)
     else:
         if systems:
             data = {**data, "runs": sorted((r for r in data["runs"] if r.get("system") in systems),

@@ -335,3 +335,22 @@ def test_a_recorded_step_runs_without_torchdynamo_where_its_inputs_fit():
     assert run(doubles, 5, 7) == (1, 0) and doubles.out.tolist() == [5.0 * i if i < 7 else 0 for i in range(8)]
     zero = _Steps(8)
     assert run(zero, 0, 7)[1] == 0 and zero.out.tolist() == [0.0] * 8
+
+
+def test_a_translator_digests_its_weights_once_for_its_calls(tiny_model_dir, monkeypatch, tmp_path):
+    """The key of a loop's stored programs and rates (`compile_cache.steps_key`, a digest of every weight:
+    seconds on a large model) is taken once a translator and options, not on each call that needs it."""
+    from aggdec.api import Translator
+    from aggdec.threads import THREADS
+    from aggdec.thresholds import RATE_REQUESTS
+
+    monkeypatch.setattr(compile_cache, "_BASE", [str(tmp_path)])
+    digests = []
+    key = compile_cache.steps_key
+    monkeypatch.setattr(compile_cache, "steps_key", lambda *a: digests.append(a[1]) or key(*a))
+    tr = Translator.load(tiny_model_dir)
+    with THREADS.one_thread():
+        for _ in range(3):  # each call long enough to record its rate (compile_choice.record)
+            tr.translate_batch(["the cat runs ."] * RATE_REQUESTS, max_batch_size=4, compile=False)
+    assert len(digests) == 1, digests
+    assert len(compile_cache.rates(tr._steps_keys[next(iter(tr._steps_keys))])) == 1  # "eager", recorded
