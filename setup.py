@@ -1,11 +1,12 @@
-"""Builds the CPU decode-attention kernel (`aggdec/model/decode_attention.cpp`) when the package is
-installed, so that no user's process ever compiles it: one shared library per ATen CPU capability
-(`decode_attention.FLAGS`: AVX-512 and AVX2 on x86, and everywhere the portable one), each named
-as `decode_attention.library` says and compiled with `-DAGGDEC_OP=<decode_attention.OP>`, in
+"""Builds aggdec's CPU kernels, decode attention (`aggdec/model/decode_attention.cpp`) and the int8
+product (`aggdec/model/int8_product.cpp`), when the package is installed, so that no user's process
+ever compiles them: one shared library per ATen CPU capability (`decode_attention.FLAGS`: AVX-512 and
+AVX2 on x86, and everywhere the portable one), each named as `decode_attention.library` says and
+compiled with `-DAGGDEC_OP=<decode_attention.OP>` and `-DAGGDEC_INT8_OP=<int8_product.OP>`, in
 parallel. The libraries link against the torch installed first, hence
 `pip install --no-build-isolation [-e] .` (the Makefile's setup). A failed build (no C++ compiler)
 leaves the package installed without them: `decode_attention.load` then warns once and attention
-runs as masked products. Everything else is in pyproject.toml.
+runs as masked products, int8 products as compiled kernels. Everything else is in pyproject.toml.
 """
 
 import copy
@@ -20,9 +21,17 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("decode_attention", ROOT / "aggdec" / "model" / "decode_attention.py")
-kernel = importlib.util.module_from_spec(_spec)  # the module alone: its names, not the package's imports
-_spec.loader.exec_module(kernel)
+
+
+def _module(name: str):
+    """aggdec/model/<name>.py alone: its names, not the package's imports."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "aggdec" / "model" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kernel, int8 = _module("decode_attention"), _module("int8_product")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 CAPABILITIES = [*kernel.FLAGS, "DEFAULT"] if X86 else ["DEFAULT"]  # "DEFAULT": ATen's portable vectors
@@ -38,7 +47,7 @@ class BuildKernels(BuildExtension.with_options(use_ninja=False, no_python_abi_su
         try:
             super().build_extensions()
         except (OSError, subprocess.CalledProcessError) as e:  # no compiler: torch's check of its ABI
-            print(f"aggdec: the CPU decode-attention kernel is not built: no C++ compiler runs ({e})", file=sys.stderr)
+            print(f"aggdec: the CPU kernels are not built: no C++ compiler runs ({e})", file=sys.stderr)
 
     def build_extension(self, ext) -> None:
         job = copy.copy(self)
@@ -48,8 +57,9 @@ class BuildKernels(BuildExtension.with_options(use_ninja=False, no_python_abi_su
 
 def extension(capability: str) -> CppExtension:
     path = kernel.library(capability).relative_to(ROOT)
-    return CppExtension(".".join(path.with_suffix("").parts), [str(kernel.SOURCE.relative_to(ROOT))],
-                        extra_compile_args=[*kernel.CFLAGS, f"-DAGGDEC_OP={kernel.OP}",
+    return CppExtension(".".join(path.with_suffix("").parts),
+                        [str(source.relative_to(ROOT)) for source in (kernel.SOURCE, int8.SOURCE)],
+                        extra_compile_args=[*kernel.CFLAGS, f"-DAGGDEC_OP={kernel.OP}", f"-DAGGDEC_INT8_OP={int8.OP}",
                                             *kernel.FLAGS.get(capability, [])],
                         extra_link_args=["-fopenmp"], optional=True)
 

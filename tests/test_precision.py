@@ -63,6 +63,41 @@ def test_op_by_op_products_are_row_invariant_and_match_the_compiled_ones():
         assert torch.allclose(full, precision.kernel(name)(x, *args[name]), rtol=1e-5, atol=1e-4)
 
 
+def test_the_cpu_operator_gives_the_op_by_op_products_bit_for_bit_at_every_capability():
+    """aggdec's C++ int8 product (aggdec.model.int8_product), as each capability's library builds it (this
+    CPU's own, AVX2's, the portable one), gives every variant's op-by-op result exactly: wide and narrow
+    rows, one row alone, an all-zero row, an input whose rows are strided; and the product of an fp32
+    model's layers is that operator's."""
+    script = """
+import torch
+from aggdec.model import int8_product, precision
+from aggdec.model.precision import Int8Weight
+assert int8_product.usable(), "the operator did not load"
+torch.manual_seed(2)
+for d, m in ((96, 300), (1024, 40), (7, 5)):
+    w, b = torch.randn(m, d), torch.randn(m)
+    x = torch.randn(70, d) * torch.rand(70, 1) * 10
+    x[3] = 0
+    q = Int8Weight(w, b)
+    for name, bias in (("plain", ()), ("relu", ()), ("ranking", ()), ("bias", (b,)), ("bias_relu", (b,))):
+        want = precision._VARIANTS[name](x, q.qweight_t, q.scale, *bias)
+        got = precision.kernel(name)(x, q.qweight_t, q.scale, *bias)
+        assert torch.equal(got, want), (name, d, (got - want).abs().max())
+        assert torch.equal(precision.kernel(name)(x[5:6], q.qweight_t, q.scale, *bias), want[5:6]), name
+        wide = torch.randn(70, 2 * d)
+        wide[:, ::2] = x
+        assert torch.equal(precision.kernel(name)(wide[:, ::2].contiguous(), q.qweight_t, q.scale, *bias), want)
+    assert torch.equal(q(x), precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b))
+print("ok", torch.backends.cpu.get_cpu_capability())
+"""
+    for capability in (None, "avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "ok" in done.stdout, (capability, done.stderr[-2000:])
+
+
 def test_compiled_products_are_right_whatever_isa_compiled_them_first(tmp_path):
     """Two processes sharing one TorchInductor cache directory, the first at this CPU's own vector ISA
     and the second at AVX2's (`ATEN_CPU_CAPABILITY=avx2`, as an AVX2 machine sharing the directory
@@ -75,8 +110,8 @@ from aggdec.model.precision import Int8Weight
 torch.manual_seed(1)
 w, b, x = torch.randn(300, 96), torch.randn(300), torch.randn(70, 96) * 3
 q = Int8Weight(w, b)
-got = precision.kernel("bias")(x, q.qweight_t, q.scale, b)
-assert precision.kernel("bias") is not precision._VARIANTS["bias"], "not compiled"
+got = precision.compiled("bias")(x, q.qweight_t, q.scale, b)
+assert precision.compiled("bias") is not precision._VARIANTS["bias"], "not compiled"
 torch.testing.assert_close(got, precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b), rtol=1e-5, atol=1e-4)
 print("ok")
 """

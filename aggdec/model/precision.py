@@ -16,6 +16,7 @@ from torch import nn
 
 from aggdec import compile_cache
 from aggdec.decoding.options import PRECISIONS
+from aggdec.model import int8_product
 from aggdec.model.linear import Linear
 from aggdec.model.transformer import Transformer
 
@@ -84,12 +85,14 @@ class Int8Weight:
 
 
 def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """`kernel(name)` on x (N, D) and the weight tensors; x goes in detached and with at least 2 rows
-    (zero rows added, their results dropped: docs/design.md, "Fused int8 products")."""
+    """`kernel(name, x.dtype)` on x (N, D) and the weight tensors; x goes in detached, and to a compiled
+    kernel with at least 2 rows (zero rows added, their results dropped: docs/design.md, "Fused int8
+    products")."""
     n = x.shape[0]
-    x = x.detach() if n >= 2 else torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])])
-    y = kernel(name)(x, *weights)
-    return y if n >= 2 else y[:n]
+    if n >= 2 or _operator(x.dtype):
+        return kernel(name, x.dtype)(x.detach(), *weights)
+    y = kernel(name, x.dtype)(torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])]), *weights)
+    return y[:n]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +120,28 @@ _VARIANTS = {
 _KERNELS: dict[str, Callable] = {}
 
 
-def kernel(name: str) -> Callable:
+_FLAGS = {"plain": (False, False), "relu": (True, False), "bias": (False, False), "bias_relu": (True, False),
+          "ranking": (False, True)}  # each variant's (relu, ranking) as the C++ operator takes them
+
+
+def _operator(dtype: torch.dtype) -> bool:
+    """Whether products of inputs of `dtype` run as aggdec's C++ operator (fp32, where it is loaded)."""
+    return dtype == torch.float32 and int8_product.usable()
+
+
+def kernel(name: str, dtype: torch.dtype = torch.float32) -> Callable:
+    """The W8A8 product `name` of `_VARIANTS` for inputs of `dtype`: for fp32, aggdec's C++ operator
+    (aggdec.model.int8_product, the variants' arithmetic bit for bit), else `compiled(name)`. Chosen once
+    per process, so that every product of a run rounds alike (docs/design.md, "Fused int8 products")."""
+    if not _operator(dtype):
+        return compiled(name)
+    relu, ranking = _FLAGS[name]
+    return lambda x, qweight_t, scale, bias=None: int8_product.product(x, qweight_t, scale, bias, relu, ranking)
+
+
+def compiled(name: str) -> Callable:
     """The W8A8 product `name` of `_VARIANTS`, compiled by TorchInductor with dynamic shapes, or op by
-    op where it cannot compile: chosen once per process, so that every product of a run rounds alike
-    (docs/design.md, "Fused int8 products")."""
+    op where it cannot compile (chosen once per process)."""
     if not _KERNELS:
         _KERNELS.update(_compiled() or _VARIANTS)
     return _KERNELS[name]
