@@ -66,7 +66,7 @@ def test_op_by_op_products_are_row_invariant_and_match_the_compiled_ones():
 def test_the_cpu_operator_gives_the_op_by_op_products_bit_for_bit_at_every_capability():
     """aggdec's C++ int8 product (aggdec.model.int8_product), as each capability's library builds it (this
     CPU's own, AVX2's, the portable one), gives every variant's op-by-op result exactly: wide and narrow
-    rows, one row alone, an all-zero row, an input whose rows are strided; and the product of an fp32
+    rows, one row alone, no rows, an all-zero row, strided columns; and the product of an fp32
     model's layers is that operator's."""
     script = """
 import torch
@@ -86,7 +86,8 @@ for d, m in ((96, 300), (1024, 40), (7, 5)):
         assert torch.equal(precision.kernel(name)(x[5:6], q.qweight_t, q.scale, *bias), want[5:6]), name
         wide = torch.randn(70, 2 * d)
         wide[:, ::2] = x
-        assert torch.equal(precision.kernel(name)(wide[:, ::2].contiguous(), q.qweight_t, q.scale, *bias), want)
+        assert torch.equal(precision.kernel(name)(wide[:, ::2], q.qweight_t, q.scale, *bias), want)
+        assert precision.kernel(name)(x[:0], q.qweight_t, q.scale, *bias).shape == (0, m)
     assert torch.equal(q(x), precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b))
 print("ok", torch.backends.cpu.get_cpu_capability())
 """

@@ -87,8 +87,7 @@ void rescale(at::Tensor& acc, const at::Tensor& scale, const float* s, const c10
 
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& qweight_t, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& bias, bool relu, bool ranking) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(0) >= 1,
-              "int8_product: x (N, D) fp32, rows contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_product: x (N, D) fp32");
   TORCH_CHECK(qweight_t.dim() == 2 && qweight_t.scalar_type() == at::kChar && qweight_t.size(0) == x.size(1),
               "int8_product: qweight_t (D, M) int8");
   TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
@@ -98,10 +97,10 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& qweight_t, const 
   const int64_t n = x.size(0);
   auto xq = at::empty({std::max<int64_t>(n, 2), x.size(1)}, x.options().dtype(at::kChar));
   auto s = at::empty({std::max<int64_t>(n, 2)}, x.options());
-  quantize(x, xq, s);
-  if (n < 2) {  // _int_mm takes two rows at least; the second's result is dropped
-    xq[1].zero_();
-    s[1].fill_(1.0f);
+  quantize(x.stride(1) == 1 ? x : x.contiguous(), xq, s);
+  if (n < 2) {  // _int_mm takes two rows at least: zero rows added, their results dropped
+    xq.narrow(0, n, 2 - n).zero_();
+    s.narrow(0, n, 2 - n).fill_(1.0f);
   }
   auto acc = at::_int_mm(xq, qweight_t);
   TORCH_CHECK(acc.is_contiguous(), "int8_product: _int_mm gave a non-contiguous result");

@@ -1,6 +1,6 @@
 """The W8A8 product of an int8 verifier as one C++ operator on the CPU (`int8_product.cpp`).
 
-`product(x, qweight_t, scale, bias, relu, ranking)`: x (N, D) fp32, N >= 1, rows contiguous; qweight_t
+`product(x, qweight_t, scale, bias, relu, ranking)`: x (N, D) fp32, any strides, any N; qweight_t
 (D, M) int8; scale (M,) fp32, contiguous; bias (M,) fp32 or None. Each row of x is quantized with a scale
 of its own, s = max(max |x_row|, tiny) / 127, x_q = round(x / s) (ties to even); y = int32(x_q @
 qweight_t) * scale * s (ranking: without s), + bias, relu: (N, M) fp32. Every step is rounded as
