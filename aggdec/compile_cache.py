@@ -497,7 +497,7 @@ def stored(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, An
                             "guards": env.produce_guards(inputs, sources)})  # TorchDynamo's on sizes and integers
 
     def run(*args):
-        return pytree.tree_unflatten(loader.boxed_run([_carrier(a) if i else a for a, i in zip(args, ints)]), out_spec)
+        return pytree.tree_unflatten(loader.boxed_run([_carried(a) if i else a for a, i in zip(args, ints)]), out_spec)
 
     return run
 

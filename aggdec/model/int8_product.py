@@ -36,8 +36,9 @@ def usable() -> bool:
     if _usable is None:
         from aggdec.model import decode_attention
 
-        _usable = decode_attention.load() and hasattr(torch.ops.aggdec, OP)
-        if decode_attention.load() and not _usable:
+        loaded = decode_attention.load()
+        _usable = loaded and hasattr(torch.ops.aggdec, OP)
+        if loaded and not _usable:
             warnings.warn(f"aggdec: the CPU kernels' library was built from another version of {SOURCE.name}; "
                           f"int8 products run as compiled kernels; rebuild it by reinstalling aggdec "
                           f"(`{decode_attention.REBUILD}` in its checkout)", stacklevel=2)

@@ -7,6 +7,7 @@ s_w + bias, so a token's output does not depend on which other tokens share the 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -88,11 +89,12 @@ def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     """`kernel(name, x.dtype)` on x (N, D) and the weight tensors; x goes in detached, and to a compiled
     kernel with at least 2 rows (zero rows added, their results dropped: docs/design.md, "Fused int8
     products")."""
+    if _operator(x.dtype):  # any number of rows
+        return _OPERATORS[name](x.detach(), *weights)
     n = x.shape[0]
-    if n >= 2 or _operator(x.dtype):
-        return kernel(name, x.dtype)(x.detach(), *weights)
-    y = kernel(name, x.dtype)(torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])]), *weights)
-    return y[:n]
+    if n >= 2:
+        return compiled(name)(x.detach(), *weights)
+    return compiled(name)(torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])]), *weights)[:n]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +122,10 @@ _VARIANTS = {
 _KERNELS: dict[str, Callable] = {}
 
 
-_FLAGS = {"plain": (False, False), "relu": (True, False), "bias": (False, False), "bias_relu": (True, False),
-          "ranking": (False, True)}  # each variant's (relu, ranking) as the C++ operator takes them
+_OPERATORS = {name: functools.partial(int8_product.product, relu=relu, ranking=ranking)
+              for name, relu, ranking in (("plain", False, False), ("relu", True, False), ("bias", False, False),
+                                          ("bias_relu", True, False), ("ranking", False, True))}
+"""Each variant of `_VARIANTS` as aggdec's C++ operator takes it (where `_operator`)."""
 
 
 def _operator(dtype: torch.dtype) -> bool:
@@ -133,10 +137,7 @@ def kernel(name: str, dtype: torch.dtype = torch.float32) -> Callable:
     """The W8A8 product `name` of `_VARIANTS` for inputs of `dtype`: for fp32, aggdec's C++ operator
     (aggdec.model.int8_product, the variants' arithmetic bit for bit), else `compiled(name)`. Chosen once
     per process, so that every product of a run rounds alike (docs/design.md, "Fused int8 products")."""
-    if not _operator(dtype):
-        return compiled(name)
-    relu, ranking = _FLAGS[name]
-    return lambda x, qweight_t, scale, bias=None: int8_product.product(x, qweight_t, scale, bias, relu, ranking)
+    return _OPERATORS[name] if _operator(dtype) else compiled(name)
 
 
 def compiled(name: str) -> Callable:
