@@ -300,6 +300,36 @@ def convert(checkpoint, out_dir, origin, target, data_dir, bpe, bpe_model, trust
 
 
 @main.group()
+def cache() -> None:
+    """The store of compiled decoder steps on this machine (AGGDEC_CACHE_DIR; bounded by AGGDEC_CACHE_MAX_MB,
+    least recently used packages dropped first)."""
+
+
+@cache.command("list")
+def cache_list() -> None:
+    """List the stored steps for this torch and CPU, most recently used first."""
+    import datetime
+
+    from aggdec import step_store
+
+    found = step_store.entries()
+    for e in found:
+        used = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
+        click.echo(f"{e.size / 2**20:8.1f} MB  {used}  {e.key[:12]}  {e.what}")
+    total = sum(e.size for e in found)
+    click.echo(f"{len(found)} package{'' if len(found) == 1 else 's'}, {total / 2**20:.1f} MB of "
+               f"{step_store.max_bytes() / 2**20:.0f} MB, in {step_store.store_dir()}")
+
+
+@cache.command("clear")
+def cache_clear() -> None:
+    """Remove every stored step (every torch version's and CPU's) and what compiling measured."""
+    from aggdec import step_store
+
+    click.echo(f"removed {step_store.clear() / 2**20:.1f} MB from {step_store.base()}")
+
+
+@main.group()
 def train() -> None:
     """Train models (AR verifier)."""
 

@@ -83,9 +83,8 @@ class Translator:
         self._projections: dict[tuple[str, bool, int], OutputProjection] = {}
         self._budgets: dict = {}  # draft budgets (aggdec.decoding.budget) by (options, stream), kept across calls
         self._slot_loops: dict = {}  # slot loops by options (thresholds.KEPT_LOOPS), with their compiled steps
-        self._steps_keys: dict = {}  # compile_choice.steps_key by (options, mode, threads): weights digested once
-        # requests decoded by each backend over this translator's calls (compile_choice.backend: "eager", "compiled
-        # step", "compiled model call", "CUDA graphs")
+        # requests decoded by each backend over this translator's calls (compile_choice.backend: "eager",
+        # "compiled", "CUDA graphs")
         self.backends: Counter[str] = Counter()
 
     def verifier(self, precision: str = "fp32") -> Transformer:
@@ -140,7 +139,7 @@ class Translator:
         return DraftContext(model, projection, drafts_in_bf16(opts, projection),
                             lambda path, bf16: self._drafter_model(path, bf16, dtype),
                             self._budgets, prompt=self.framing(opts).prompt, slot_loops=self._slot_loops,
-                            steps_keys=self._steps_keys, backends=self.backends)
+                            backends=self.backends)
 
     def framing(self, opts: DecodeOptions | None = None) -> Framing:
         """The model's special-token framing for the languages of `opts` (aggdec.conventions); raises

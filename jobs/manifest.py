@@ -25,9 +25,9 @@ FORMAT = "aggdec-job-manifest v1"
 
 def totals(records: dict[str, dict]) -> dict[str, Any]:
     """Merge per-shard records into job totals; `backends`: how many actors decoded units with each
-    backend (aggdec.compile_choice.backend; an actor that used two counts under both),
+    backend (aggdec.decoding.compile_choice.backend; an actor that used two counts under both),
     `compile_s`: the seconds the actors spent compiling while they decoded the units
-    (aggdec.compile_cache.compile_seconds), summed. Records of aggdec versions before these fields add
+    (aggdec.decoding.compiled_step.compile_seconds), summed. Records of aggdec versions before these fields add
     nothing to them."""
     stats = SpeedupStats()
     status: dict[str, int] = {}

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from aggdec.api import Translator
-from aggdec.compile_cache import compile_seconds
+from aggdec.decoding.compiled_step import compile_seconds
 from aggdec.decoding.options import DecodeOptions
 from aggdec.distill import PairFilter, distill_table
 from aggdec.schema import decoded_columns, decoded_schema

@@ -20,9 +20,11 @@ import torch
 # markers, measured rates, which would change what `compile = "auto"` picks): each test process, and what
 # it starts, has a cache directory of its own (tests of the store set their own).
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aggdec-test-inductor-")
-atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+os.environ["AGGDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="aggdec-test-store-")
+for _path in (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["AGGDEC_CACHE_DIR"]):
+    atexit.register(shutil.rmtree, _path, ignore_errors=True)
 
-from aggdec.compile_cache import lowered_isa  # noqa: E402  (after the cache directory is set)
+from aggdec.decoding.compiled_step import lowered_isa  # noqa: E402  (after the cache directory is set)
 
 compiles = pytest.mark.skipif(lowered_isa() is not None, reason=f"{lowered_isa()}: the slot loop does not compile")
 """Marks a test of compiled decoder steps: skipped where ATEN_CPU_CAPABILITY lowers ATen's ISA below

@@ -203,8 +203,8 @@ def test_the_job_summary_names_each_figure_once_wall_clock_first():
     assert "; mean accepted draft tokens per verifier call 2.50;" in result.summary_line()
     result.backends = {"eager": 1}
     assert "(69.8 sentences/s of decoder time); backend eager on 1 actor;" in result.summary_line()
-    result.backends, result.compile_seconds = {"compiled step": 2, "eager": 1}, 51.24
-    assert "; backend compiled step on 2 actors, eager on 1, compiling 51.2 s;" in result.summary_line()
+    result.backends, result.compile_seconds = {"compiled": 2, "eager": 1}, 51.24
+    assert "; backend compiled on 2 actors, eager on 1, compiling 51.2 s;" in result.summary_line()
 
 
 def test_bad_input_exits_2_and_the_codes_are_documented(tmp_path):

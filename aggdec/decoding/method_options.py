@@ -30,7 +30,7 @@ class IADOptions(CompiledStep, Drafting, AdaptiveDraft, DecodeOptions):
     """IAD's options (aggdec.decoding.iad); with adaptive_draft a row's cap moves between 4 and draft_cap."""
 
     method: ClassVar[str] = "iad"
-    whole_step_below: ClassVar[int | None] = 3
+    auto_below: ClassVar[int | None] = 3
     compile_saves_s: ClassVar[float] = IAD_COMPILE_SAVES_S
 
     draft_cap: int | None = option(None, "Most draft tokens per row and verifier call (none: the whole remaining "

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aggdec.compile_choice import backend, choose, compiles, measured
 from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import run_beam
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
+from aggdec.decoding.compile_choice import backend, choose, compiles, measured
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
@@ -46,7 +46,6 @@ class DraftContext:
     budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
     prompt: tuple[int, ...] | None = None
     slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, compile, stream), kept (KEPT_LOOPS)
-    steps_keys: dict = field(default_factory=dict)  # compile_choice.steps_key by (options, mode, threads)
     backends: Counter = field(default_factory=Counter)
 
 
@@ -68,7 +67,7 @@ class Method:
         return self.drafter is not None and isinstance(opts.acceptance(), ExactMatch)
 
     def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter, stream: int = 0,
-             compile: bool | str | None = None) -> SlotLoop:
+             compile: bool | None = None) -> SlotLoop:
         """The draft -> verify loop of `opts` around `drafter` compiling `compile` (SlotLoop's; None: what
         `compiles` picks for one request), kept across runs with its compiled step, buffers and captured
         steps, with a draft budget where `opts` asks for `draft_length = "auto"` and the drafter drafts;

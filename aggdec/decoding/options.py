@@ -120,19 +120,18 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop compiles on a CPU (`compile`). `whole_step_below`: the
-    batch size from which the compiled whole step measured slower than eager steps, so the model's call is
-    compiled instead (None: none), which measured no faster than eager. `compile_saves_s`: the seconds the
-    whole step measured saving a sentence at batch size 1 (0: not measured), for `compile = "auto"`."""
+    """Mixin: methods whose decoder step the slot loop compiles on a CPU (`compile`). `auto_below`: the batch
+    size from which the compiled step measured no faster than eager steps, where `auto` does not compile
+    (None: none). `compile_saves_s`: the seconds the compiled step measured saving a sentence at batch
+    size 1 (0: not measured), for `compile = "auto"` where this machine has not measured both."""
 
-    whole_step_below: ClassVar[int | None] = None
+    auto_below: ClassVar[int | None] = None
     compile_saves_s: ClassVar[float] = 0.0
 
     compile: bool | str = option(
-        "auto", "On a CPU, compile the decoder with TorchInductor (weights frozen in): each step as one program, "
-                "or from iad's batch size 3 the model's call; 20-60 s once per machine, stored for every later "
-                "process (README). true: compile (fp32 verifiers). auto: where it measured faster and the call "
-                "repays it (aggdec.compile_choice); logged once.",
+        "auto", "On a CPU, compile each decoder step with TorchInductor: 20-60 s once per machine, stored for "
+                "every later process (aggdec cache list). true: compile (fp32 verifiers). auto: where this "
+                "machine measured it faster and the call repays loading or building it; logged once.",
         choices=("auto", True, False), output=False)
 
     def validate(self) -> None:

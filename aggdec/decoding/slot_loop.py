@@ -13,15 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import types
 import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from aggdec.decoding.acceptance import Acceptance, ExactMatch, VerifierScores
-from aggdec import compile_cache
 from aggdec.decoding.budget import DraftBudget
+from aggdec.decoding import compiled_step
 from aggdec.decoding.capture_check import CaptureError, checked
 from aggdec.decoding.drafters import NoDraft, Verified
 from aggdec.decoding.metadata import DraftBatch, Hypothesis, Request, RowStats
@@ -77,11 +76,10 @@ class SlotLoop:
     model starts from the pair (bos, start) and takes no forced tokens.
     `graphs`: capture the fixed-shape steps as CUDA graphs (default: on a CUDA device; every step of
     `capture_plan`, once for the loop's buffers), or "check": run each step, admission and retirement
-    eagerly under a replayed graph's rules (`capture_check`, any device). `compile` (CPU, TorchInductor,
-    the model's weights frozen in: they must not change afterwards): True or "step", the whole
-    fixed-shape step; "model", the model's call over the live tokens within eager steps. Elsewhere steps
-    run eagerly on the live positions (`packed`). An int8 verifier on a CUDA device is refused
-    (ValueError, `precision.refuse_int8`)."""
+    eagerly under a replayed graph's rules (`capture_check`, any device). `compile` (CPU; not an int8
+    verifier): the whole fixed-shape step compiled through `torch.export` and AOTInductor, stored once per
+    machine (aggdec.decoding.compiled_step). Elsewhere steps run eagerly on the live positions (`packed`).
+    An int8 verifier on a CUDA device is refused (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
@@ -107,26 +105,21 @@ class SlotLoop:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        if compile and (lowered := compile_cache.lowered_isa()):
-            warnings.warn(f"aggdec: compile: {lowered}, where a compiled step decodes wrongly; decoding eagerly",
-                          stacklevel=2)
+        if compile not in (False, True):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if compile and (why := compiled_step.refused(model)):
+            warnings.warn(f"aggdec: compile: {why}; decoding eagerly", stacklevel=2)
             compile = False
-        if compile not in (False, True, "step", "model"):
-            raise ValueError(f"compile must be False, True, 'step' or 'model', got {compile!r}")
-        self.compile = "step" if compile is True else compile
-        slots = slot_count(max_batch_size)
+        self.compile = compile
         # attention over each row's own keys where the kernel builds (docs/design.md)
-        self.ragged = (self.device.type == "cpu" and (self.compile != "step" or slots >= RAGGED_SLOTS)
+        self.ragged = (self.device.type == "cpu" and (not compile or slot_count(max_batch_size) >= RAGGED_SLOTS)
                        and decode_attention.load())
         # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
         half = self.dtype in (torch.bfloat16, torch.float16)
         kernel = half and self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel else self.dtype
-        self._compiled = self._compile(SlotLoop._step, self, slots) if self.compile == "step" else None
-        self._decode = (self._compile(Transformer.decode_slots, model, slots) if self.compile == "model"
-                        else model.decode_slots)
         # eager steps may read the host: they compute only each slot's real positions, with `projection`
-        self.packed = self.compile != "step" and self.graphs is False
+        self.packed = not compile and self.graphs is False
         # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
         if projection is None or (projection.certify and not self.packed):
             projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
@@ -137,8 +130,9 @@ class SlotLoop:
         self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if self.compile else 1
         self._after = self.drafter.from_states  # drafts from each call's verifier states, after the step
         self._source_bound = getattr(self.drafter, "source_bound", False)  # optional (`Drafter`)
-        self._states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
+        self.states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
         self.release()  # no slot buffers (`_allocate`) nor graphs yet
+        self.compiled = compiled_step.CompiledStep(self) if compile else None
 
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
@@ -154,7 +148,7 @@ class SlotLoop:
 
     # -- the step: one fixed-shape program -------------------------------------------------------
 
-    def _step(self, width: int, span: int, src_width: int) -> None:
+    def step(self, width: int, span: int, src_width: int) -> None:
         """One iteration for every slot, in place; writes self._summary (done flags, output lengths,
         committed tokens, fed tokens, the longest draft offered before the cut at `width`)."""
         st, cfg, s, active = self.state, self.model.cfg, self.stride, self.active
@@ -180,7 +174,7 @@ class SlotLoop:
         elif self.packed and not self._full:
             keep = active[:, None].expand(b, t)
         tokens = Tokens.of(block, generated, keep)
-        hidden = self._decode(tokens, self.cache, span, src_width, self.ragged)
+        hidden = self.model.decode_slots(tokens, self.cache, span, src_width, self.ragged)
         scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,
                                                                 self.min_len, self.forced))
         # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
@@ -219,7 +213,7 @@ class SlotLoop:
             self.drafter.observe(st, DraftBatch(drafts, num), accepted, None)
         if self._after:  # each slot's state behind its bonus token (an empty slot's: any)
             at = tokens.grid(torch.arange(hidden.shape[0], device=self.device), 0).gather(1, accepted[:, None])
-            self._states = (hidden[at[:, 0]], accepted)
+            self.states = (hidden[at[:, 0]], accepted)
         total = n_new.sum(0, keepdim=True)
         self._summary.copy_(torch.cat([done.long(), st.out_len, total, fed.sum(0, keepdim=True) if width else total,
                                        offered if width else self._zero]))
@@ -227,32 +221,32 @@ class SlotLoop:
     def _observe_states(self, span: int, src_width: int, length: int) -> None:
         """A `from_states` drafter drafts the next call from the last step's states at each slot's last
         verified position, once the loop knows the next call drafts (eager, whatever runs the step)."""
-        behind, accepted = self._states
+        behind, accepted = self.states
         keys = functools.partial(self.cache.layer_keys, lengths=self.state.generated, span=span, src_width=src_width)
         self.drafter.observe(self.state, None, accepted, Verified(behind, keys, length))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
-        if self.compile:
+        if self.compiled is not None:
             try:
-                (self._compiled or self._step)(width, span, src_width)
+                self.compiled(width, span, src_width)
                 return
-            except torch._dynamo.exc.BackendCompilerFailed as e:  # before a program ran: rerun eagerly
+            except compiled_step.CompileFailed as e:  # before a program ran: rerun eagerly
                 warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
-                self.compile, self._compiled, self._decode = False, None, self.model.decode_slots
+                self.compile, self.compiled = False, None
         key = (self.state.batch_size, width)
         if self.graphs == "check":
             if key not in self._plan or (span, src_width) != (self.cache.length - 1, self.cache.src_width - 1):
                 raise CaptureError(f"step {key} reading {span} positions and {src_width} source positions is not "
                                    "in the capture plan (the whole cache): a captured run would capture it")
-            checked(lambda: self._step(width, span, src_width), self, "_states")
+            checked(lambda: self.step(width, span, src_width), self, "states")
             return
         graph = self._captured.get(key) if self.graphs else None
         if graph is None:  # eager; captured: a step whose capture failed (counted)
-            self._step(width, span, src_width)
+            self.step(width, span, src_width)
             return
         graph.replay()
         if self._after:  # the replayed graph's own output buffers
-            self._states = self._graph_states[key]
+            self.states = self._graph_states[key]
 
     def _capture_plan(self) -> None:
         """Capture every step of `capture_plan` not captured yet (a run reusing the loop's buffers
@@ -276,16 +270,6 @@ class SlotLoop:
             warnings.warn(f"aggdec: {len(failed)} CUDA graph capture(s) failed, those steps run eagerly; first: "
                           f"{failed[0]}", stacklevel=3)
 
-    def _compile(self, fn, owner, slots: int):
-        """`fn` (the step, or the model's `decode_slots`) bound to `owner` and compiled for this loop alone,
-        from a copy of its code object (docs/design.md, "Compiled on the CPU"); `slots` picks the products."""
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        options = compile_cache.step_options(self.dtype, slots, drafts=self.drafter.max_draft != 0 or self.stride > 1)
-        replay = None if owner is not self else lambda: compile_cache.replay_key(  # what the step's code reads
-            self.model, self, self.model.cfg, self.drafter, self.acceptance.describe(), self.projection.certify,
-            self.forced.tolist())
-        return compile_cache.compile_step(types.MethodType(own, owner), options, replay)  # compiled once per machine
-
     def _capture(self, key: tuple[int, int]) -> None:
         """Capture the step for `key` (slots, width), reading the whole cache, on the model's device, after
         one warm-up run whose effects are undone, also where the warm-up or the capture raises (an eager
@@ -298,11 +282,11 @@ class SlotLoop:
                 side.wait_stream(torch.cuda.current_stream())
                 whole = (key[1], self.cache.length - 1, self.cache.src_width - 1)
                 with torch.cuda.stream(side):
-                    self._step(*whole)
+                    self.step(*whole)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    self._step(*whole)
+                    self.step(*whole)
             finally:
                 for t, s in zip(mutable, saved):
                     t.copy_(s)
@@ -310,7 +294,7 @@ class SlotLoop:
         self._captured[key] = graph
         self.counters.captures += 1
         if self._after:
-            self._graph_states[key] = self._states
+            self._graph_states[key] = self.states
 
     # -- slots -----------------------------------------------------------------------------------
 
@@ -377,6 +361,28 @@ class SlotLoop:
         for name, t in self._whole_drafter.items():
             setattr(self.drafter.rows, name, leading(t, n))
         self._summary = leading(self._whole_summary, 2 * n + 3)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor the step reads or writes but the model's, by name, as the loop holds them now
+        (narrowed): what a compiled step takes as inputs (aggdec.decoding.compiled_step)."""
+        found = {f"state.{name}": getattr(self.state, name) for name in STATE_ROWS}
+        found |= {f"cache.{i}": t for i, t in enumerate(self.cache.tensors())}
+        found |= {f"rows.{name}": getattr(self, name) for name in self._whole_rows}
+        found |= {f"drafter.{name}": t for name, t in self.drafter.rows.tensors().items()}
+        return found | {"summary": self._summary, "ms_per_fed": self.ms_per_fed, "zero": self._zero,
+                        "forced": self.forced, "starts": self.starts}
+
+    def bind(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Hold `buffers` (named as `buffers` names them) in their places."""
+        self.cache = SlotCache.of([t for name, t in buffers.items() if name.startswith("cache.")])
+        self.state = dataclasses.replace(self.state, cache=self.cache,
+                                         **{name: buffers[f"state.{name}"] for name in STATE_ROWS})
+        for name in self._whole_rows:
+            setattr(self, name, buffers[f"rows.{name}"])
+        for name in self.drafter.rows.tensors():
+            setattr(self.drafter.rows, name, buffers[f"drafter.{name}"])
+        self._summary, self.ms_per_fed, self._zero = buffers["summary"], buffers["ms_per_fed"], buffers["zero"]
+        self.forced, self.starts = buffers["forced"], buffers["starts"]
 
     def _compact(self, live: list[int], n: int) -> list[int]:
         """Move the rows of the `live` slots into the first `n` slots and narrow to them, so that a run's
@@ -531,11 +537,12 @@ class SlotLoop:
                 src_width = exact_span(max(src_len), self.cache.src_width - 1)
                 # no draft copied from the source is longer than it (other drafters' keep their length)
                 width = min(length, src_width) if self._source_bound else length
+                width = 2 if width == 1 and self.compile else width  # (compiled_step: sizes 0 and 1 are fixed)
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
-            built = compile_cache.compile_seconds()
+            built = self.compiled and self.compiled.seconds
             self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
-            built = compile_cache.compile_seconds() != built  # this call compiled a program
+            built = built != (self.compiled and self.compiled.seconds)  # this call built or loaded a program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]
             tokens, fed, offered = summary[2 * n: 2 * n + 3]
@@ -545,7 +552,7 @@ class SlotLoop:
             self.ms_per_fed.fill_(1000.0 * seconds / max(fed, 1))
             self.counters.calls += 1
             self.counters.fed += fed
-            if not self.compile:  # a compiled program's thread count stays (TorchDynamo would compile it anew)
+            if not self.compile:  # a compiled program's thread count stays (its parallel loops are built for it)
                 THREADS.tick()
             self.counters.padded += n * (width + self.stride)
             if self.budget is not None and self.max_draft:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aggdec import compile_cache
+from aggdec import step_store
 from aggdec.decoding.options import PRECISIONS
 from aggdec.model import int8_product
 from aggdec.model.linear import Linear
@@ -150,7 +150,7 @@ def compiled(name: str) -> Callable:
 
 def _compiled() -> dict[str, Callable] | None:
     """The compiled variants, or None (with a warning) where TorchInductor cannot build the probe."""
-    compile_cache.prepare()  # a cache per vector ISA; another process's compile waited for 60 s at most
+    step_store.inductor_cache()  # a cache per vector ISA
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _VARIANTS.items()}
     try:
         compiled["plain"](torch.ones(2, 16), torch.ones(16, 16, dtype=torch.int8), torch.ones(16))

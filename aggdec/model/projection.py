@@ -143,14 +143,15 @@ class OutputProjection:
     decides a token. With the certified top-1, a bias (V,) is folded in as one more weight column
     against a constant 1 appended to every hidden state, so that the bound above covers it unchanged.
     int8: the quantized output projection (aggdec.model.precision.Int8Weight, bias included), which
-    then computes the logits (no certified top-1). Built once per set of weights (snapshots).
+    then computes the logits (no certified top-1). Built once per set of weights (snapshots); `pack=False`
+    keeps no oneDNN copy of the weight (a traced step's projection).
 
     `certify=False` makes `top1` the plain fp32 argmax, as do calls of fewer than `certify_from`
     positions. Counters of positions: `certified` by the bf16 bound, `refined` from their candidates'
     fp32 logits, `recomputed` as whole fp32 rows."""
 
     def __init__(self, weight: torch.Tensor, certify: bool, bias: torch.Tensor | None = None, int8=None,
-                 certify_from: int = 1):
+                 certify_from: int = 1, pack: bool = True):
         if certify and (weight.dtype == torch.float64 or int8 is not None):
             raise ValueError(f"certified bf16 top-1 needs an fp32 or half verifier, got {'int8' if int8 else weight.dtype}")
         self.int8 = int8
@@ -163,7 +164,8 @@ class OutputProjection:
         self.weight = weight
         self.certify, self.certify_from = certify, certify_from
         self.weight_bf16 = self.abs_coef = self.rel_coef = self.packed_bf16 = self.draft_weight_bf16 = None
-        self.packed = prepack(weight) if int8 is None else None  # an int8 projection never uses the float weight
+        # an int8 projection never uses the float weight
+        self.packed = prepack(weight) if int8 is None and pack else None
         if certify:  # the bf16 copy and the bound's coefficients, once
             self.weight_bf16 = weight.detach().bfloat16()
             # drafters' bf16 output weight (V, D): without the bias column, which drafters add themselves

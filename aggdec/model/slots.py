@@ -99,6 +99,14 @@ class SlotCache:
         """Every buffer; dimension 0 is the slot."""
         return [*self.k, *self.v, *self.cross_k, *self.cross_v, self.src_keep, self.src_count]
 
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> SlotCache:
+        """The cache whose `tensors()` are `tensors`."""
+        cache, layers = object.__new__(cls), (len(tensors) - 2) // 4
+        cache.k, cache.v, cache.cross_k, cache.cross_v = (tensors[i * layers: (i + 1) * layers] for i in range(4))
+        cache.src_keep, cache.src_count = tensors[-2:]
+        return cache
+
     def narrow(self, n: int) -> SlotCache:
         """The first `n` slots as a cache of their own, sharing this one's storage."""
         view = object.__new__(SlotCache)

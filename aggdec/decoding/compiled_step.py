@@ -1,0 +1,186 @@
+"""A slot loop's step compiled on the CPU through torch's public APIs (docs/design.md, "Compiled on the
+CPU"): `torch.export` traces the step over the loop's buffers, `aoti_compile_and_package` compiles it
+with TorchInductor into an AOTInductor package kept in aggdec's store (aggdec.step_store), and
+`aoti_load_package` runs it in this and every later process: no TorchDynamo, no tracing once stored.
+
+The program takes every tensor the step reads or writes as an input (the state's, the cache's, the
+statistics', the drafter's rows: `SlotLoop.buffers`) and the model's weights as constants that the
+loop's own model supplies when the package is loaded (not copied into it): a package holds code alone,
+and serves every model of the same architecture and shapes. Integers (the rows' draft width, the key
+positions and source positions read) reach it as the sizes of empty tensors; sizes are symbolic, so
+one program serves every slot count, width, span and cache size of its loop. A step that drafts and
+one that does not are two programs (width 0 takes no draft); a width of 1 runs as 2 (export takes
+sizes 0 and 1 as fixed), which drafts a token more and changes no output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aggdec import step_store
+from aggdec.model.projection import OutputProjection
+
+if TYPE_CHECKING:
+    from aggdec.decoding.slot_loop import SlotLoop
+
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "aot_inductor.package_constants_in_so": False}
+"""TorchInductor's options for a step's package: a C++ wrapper, the weights left out of the package (the
+loading loop's model supplies them)."""
+
+
+_SPENT = [0.0]  # compile_seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent building and loading step programs."""
+    return _SPENT[0]
+
+
+def _carrier(n: int) -> torch.Tensor:
+    """An integer as an empty tensor's first size, shifted by 2 (export fixes sizes 0 and 1)."""
+    return torch.empty((n + 2, 0), dtype=torch.uint8)
+
+
+class _Traced(torch.nn.Module):
+    """The loop's step over explicit buffers, for `torch.export`: the model as a submodule (its weights
+    are the program's constants), each buffer of `names` an input, the integers as `_carrier` sizes."""
+
+    def __init__(self, loop: SlotLoop, drafts: bool, names: list[str]):
+        super().__init__()
+        self.model = loop.model
+        object.__setattr__(self, "loop", loop)  # not a submodule: its tensors are inputs
+        self.drafts, self.names = drafts, names
+
+    def forward(self, buffers: list[torch.Tensor], width: torch.Tensor, span: torch.Tensor,
+                src_width: torch.Tensor):
+        loop, model = self.loop, self.model
+        kept, projection = loop.buffers(), loop.projection
+        try:
+            loop.bind(dict(zip(self.names, buffers)))
+            # the projection of the traced weights (the loop's holds the real ones, and a packed copy)
+            loop.projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias, pack=False)
+            loop.step(width.shape[0] - 2 if self.drafts else 0, span.shape[0] - 2, src_width.shape[0] - 2)
+        finally:
+            loop.bind(kept)
+            loop.projection = projection
+        return loop.states
+
+
+class CompiledStep:
+    """`loop`'s step (`SlotLoop.step`) as AOTInductor programs, one for steps that draft and one for steps
+    that do not, each loaded from the store or built there on its first call (`step_store.package`).
+    `built` and `loaded`: programs this object built or loaded; `seconds`: what that took; `keys`: their
+    packages' keys."""
+
+    def __init__(self, loop: SlotLoop):
+        self.loop = loop
+        self.programs: dict[bool, Any] = {}
+        self.keys: list[str] = []  # the packages of `programs`
+        self.built = self.loaded = 0
+        self.seconds = 0.0
+        self._key = _loop_key(loop)
+
+    def __call__(self, width: int, span: int, src_width: int) -> None:
+        """Run the step in place (its states, for a drafter that drafts from them, as the eager step
+        leaves them). `width` must not be 1."""
+        drafts = width > 0
+        buffers = self.loop.buffers()
+        args = (list(buffers.values()), _carrier(width), _carrier(span), _carrier(src_width))
+        program = self.programs.get(drafts)
+        if program is None:
+            program = self.programs[drafts] = self._program(drafts, list(buffers), args)
+        states = program(*args)
+        if self.loop.drafter.from_states:
+            self.loop.states = states
+
+    def _program(self, drafts: bool, names: list[str], args: tuple) -> Any:
+        """The loaded program of the step that `drafts` or not, built first where the store lacks it."""
+        t0 = time.perf_counter()
+        key = hashlib.sha256(f"{self._key}|drafts {drafts}|{names}".encode()).hexdigest()
+
+        def build(path: str) -> None:
+            step_store.inductor_cache()
+            dims = ([{i: torch.export.Dim.AUTO for i in range(t.dim())} for t in args[0]],
+                    *({0: torch.export.Dim.AUTO} for _ in args[1:]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # export's notes on every specialized size
+                exported = torch.export.export(_Traced(self.loop, drafts, names), args, dynamic_shapes=dims,
+                                               strict=False)
+                torch._inductor.aoti_compile_and_package(exported, package_path=path,
+                                                         inductor_configs=dict(INDUCTOR_OPTIONS))
+
+        try:
+            path, built = step_store.package(key, build, describe=self._describe(drafts))
+            program = torch._inductor.aoti_load_package(path)
+            model = self.loop.model
+            weights = {f"model.{name}": t for name, t in (*model.named_parameters(remove_duplicate=False),
+                                                         *model.named_buffers(remove_duplicate=False))}
+            program.load_constants({name: weights[name] for name in program.get_constant_fqns()},
+                                   check_full_update=True, user_managed=True)
+        except Exception as e:  # no C++ compiler, an operator export cannot take, a package that does not load
+            raise CompileFailed(f"{type(e).__name__}: {e}") from e
+        self.keys.append(key)
+        self.built += built
+        self.loaded += not built
+        self.seconds += time.perf_counter() - t0
+        _SPENT[0] += time.perf_counter() - t0
+        return program
+
+    def _describe(self, drafts: bool) -> str:
+        loop = self.loop
+        cfg = loop.model.cfg
+        return (f"{loop.drafter.name} step{' with drafts' if drafts else ''}: {cfg.dec_layers} decoder layers, "
+                f"d_model {cfg.d_model}, vocabulary {cfg.tgt_vocab}, {next(loop.model.parameters()).dtype}")
+
+
+def _loop_key(loop: SlotLoop) -> str:
+    """What a loop's programs depend on besides their input shapes (no weight values: the model supplies
+    them): the model's configuration and its tensors' names, shapes and dtypes; the drafter's class and
+    plain settings; the acceptance rule; the forced tokens and start; aggdec's sources; the thread
+    count (Inductor generates its parallel loops for it) and Inductor's options."""
+    plain = (bool, int, float, str, type(None))
+    model = loop.model
+    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in (*model.named_parameters(), *model.named_buffers())]
+    drafter = (type(loop.drafter).__qualname__,
+               sorted((k, v) for k, v in vars(loop.drafter).items() if not k.startswith("_") and isinstance(v, plain)))
+    what = (repr(model.cfg), tensors, type(model.output_int8).__qualname__, drafter, loop.acceptance.describe(),
+            loop.forced.tolist(), loop.starts.tolist(), step_store.sources(), torch.get_num_threads(),
+            sorted(INDUCTOR_OPTIONS.items()))
+    return hashlib.sha256(repr(what).encode()).hexdigest()
+
+
+class CompileFailed(RuntimeError):
+    """Exporting, compiling or loading a step's program failed (before it ran)."""
+
+
+def refused(model: torch.nn.Module) -> str | None:
+    """Why `model`'s steps do not compile (one line), or None: an int8 verifier (its products are aggdec's
+    own operator), or ATen's ISA lowered below this CPU's own by ATEN_CPU_CAPABILITY, where TorchInductor
+    generates code that decodes wrongly (torch 2.13 on an AMX Xeon under `ATEN_CPU_CAPABILITY=avx2`:
+    every output of a 16-slot greedy step empty)."""
+    if getattr(model, "output_int8", None) is not None:
+        return "an int8 verifier's steps run eagerly"
+    return lowered_isa()
+
+
+ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+"""ATen's CPU capabilities on x86, lowest first."""
+
+
+def lowered_isa() -> str | None:
+    """One line where ATEN_CPU_CAPABILITY lowers ATen's capability below this CPU's own, else None."""
+    import os
+
+    caps = torch.cpu.get_capabilities()
+    have = torch.backends.cpu.get_cpu_capability()
+    own = ("AVX512" if all(caps.get(f"avx512_{x}") for x in ("f", "bw", "vl", "dq")) else
+           "AVX2" if caps.get("avx2") else "DEFAULT")
+    if have in ISA_ORDER and ISA_ORDER.index(have) < ISA_ORDER.index(own):
+        return (f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')} lowers ATen to {have} on a CPU "
+                f"with {own}, where a compiled step decodes wrongly")
+    return None
