@@ -127,7 +127,7 @@ class JobResult:
                 + f"; output {self.output_dir}")
 
     def _backend_text(self) -> str:
-        """"compiled step on 2 actors, eager on 1, compiling 31.2 s" (the compiling where any did)."""
+        """"compiled on 2 actors, eager on 1, compiling 31.2 s" (the compiling where any did)."""
         text = ", ".join(f"{name} on {n} actor{'' if n == 1 else 's'}" if i == 0 else f"{name} on {n}"
                          for i, (name, n) in enumerate(sorted(self.backends.items(), key=lambda kv: -kv[1])))
         compiled = self.compile_seconds > 0 or any(name.startswith("compiled") for name in self.backends)

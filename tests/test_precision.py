@@ -103,7 +103,7 @@ def test_compiled_products_are_right_whatever_isa_compiled_them_first(tmp_path):
     """Two processes sharing one TorchInductor cache directory, the first at this CPU's own vector ISA
     and the second at AVX2's (`ATEN_CPU_CAPABILITY=avx2`, as an AVX2 machine sharing the directory
     would be): each one's compiled int8 products equal the op-by-op ones (programs are kept per ISA,
-    `aggdec.compile_cache`; one generated for 16-float vectors and built for 8 computes garbage)."""
+    `aggdec.step_store.inductor_cache`; one generated for 16-float vectors and built for 8 computes garbage)."""
     script = """
 import torch
 from aggdec.model import precision

@@ -175,7 +175,7 @@ def test_every_method_decodes_a_t5(t5_dirs, layout, tmp_path):
 @compiles
 @pytest.mark.slow  # two compiles; tests/test_slot_loop.py compiles a float64 T5 layout's step in the default run
 def test_compiled_steps_decode_a_t5(t5_dirs):
-    """The slot loop's TorchInductor-compiled step (greedy at 4 slots; IAD at 2, its drafts verified
+    """The slot loop's compiled step (greedy at 4 slots; IAD at 2, its drafts verified
     in the step) gives the eager greedy output."""
     tr = Translator.load(t5_dirs["t5"])
     want = [r.tokens for r in tr.translate_batch(SOURCES[:16], method="greedy", max_len_a=0, max_len_b=LIMIT)]
@@ -183,7 +183,8 @@ def test_compiled_steps_decode_a_t5(t5_dirs):
         got = tr.translate_batch(SOURCES[:16], method=method, compile=True, max_batch_size=bs, max_len_a=0,
                                  max_len_b=LIMIT)
         assert [r.tokens for r in got] == want, method
-        assert list(tr._slot_loops.values())[-1]._compiled is not None  # the last call's loop, compiled
+        loop = list(tr._slot_loops.values())[-1]  # the last call's loop, compiled
+        assert loop.compile and loop.compiled.programs
 
 
 def test_a_draft_head_trained_on_a_t5_is_lossless(t5_dirs, tmp_path):

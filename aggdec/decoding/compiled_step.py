@@ -4,18 +4,18 @@ with TorchInductor into an AOTInductor package kept in aggdec's store (aggdec.st
 `aoti_load_package` runs it in this and every later process: no TorchDynamo, no tracing once stored.
 
 The program takes every tensor the step reads or writes as an input (the state's, the cache's, the
-statistics', the drafter's rows: `SlotLoop.buffers`) and the model's weights as constants that the
-loop's own model supplies when the package is loaded (not copied into it): a package holds code alone,
-and serves every model of the same architecture and shapes. Integers (the rows' draft width, the key
-positions and source positions read) reach it as the sizes of empty tensors; sizes are symbolic, so
-one program serves every slot count, width, span and cache size of its loop. A step that drafts and
-one that does not are two programs (width 0 takes no draft); a width of 1 runs as 2 (export takes
-sizes 0 and 1 as fixed), which drafts a token more and changes no output.
+statistics', the drafter's rows: `SlotLoop.buffers`); the model's weights are frozen into it as
+constants, so a package is keyed by their bytes and serves that model alone. Integers (the rows' draft
+width, the key positions and source positions read) reach it as the sizes of empty tensors; sizes are
+symbolic, so one program serves every slot count, width, span and cache size of its loop. A step that
+drafts and one that does not are two programs (width 0 takes no draft); a width of 1 runs as 2 (export
+takes sizes 0 and 1 as fixed), which drafts a token more and changes no output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -24,13 +24,19 @@ import torch
 
 from aggdec import step_store
 from aggdec.model.projection import OutputProjection
+from aggdec.thresholds import CPP_GEMM_SLOTS
 
 if TYPE_CHECKING:
     from aggdec.decoding.slot_loop import SlotLoop
 
-INDUCTOR_OPTIONS = {"cpp_wrapper": True, "aot_inductor.package_constants_in_so": False}
-"""TorchInductor's options for a step's package: a C++ wrapper, the weights left out of the package (the
-loading loop's model supplies them)."""
+def inductor_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
+    """TorchInductor's options for the package of a step over `slots` slots: a C++ wrapper; the weights frozen
+    into the program as constants (a batch-1 `ende-base` step took 0.63 ms frozen, 2.3 ms with the weights
+    supplied by the model); products by Inductor's C++ template for fp32 steps of at most `CPP_GEMM_SLOTS`
+    slots (0.2 ms), else by ATen's, as in a step that verifies `drafts` or several tokens a position (a
+    double-token model's: the C++ template offered no choice for their products)."""
+    gemm = "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
+    return {"cpp_wrapper": True, "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
 
 
 _SPENT = [0.0]  # compile_seconds
@@ -56,8 +62,9 @@ class _Traced(torch.nn.Module):
         object.__setattr__(self, "loop", loop)  # not a submodule: its tensors are inputs
         self.drafts, self.names = drafts, names
 
-    def forward(self, buffers: list[torch.Tensor], width: torch.Tensor, span: torch.Tensor,
-                src_width: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
+        """inputs: the buffers of `names`, then the width, span and source width as `_carrier`s."""
+        *buffers, width, span, src_width = inputs
         loop, model = self.loop, self.model
         kept, projection = loop.buffers(), loop.projection
         try:
@@ -84,13 +91,16 @@ class CompiledStep:
         self.built = self.loaded = 0
         self.seconds = 0.0
         self._key = _loop_key(loop)
+        drafts = loop.drafter.max_draft != 0 or loop.stride > 1
+        slots = 1 << (loop.max_batch_size - 1).bit_length()  # (slot_loop.slot_count)
+        self.options = inductor_options(loop.dtype, slots, drafts)
 
     def __call__(self, width: int, span: int, src_width: int) -> None:
         """Run the step in place (its states, for a drafter that drafts from them, as the eager step
         leaves them). `width` must not be 1."""
         drafts = width > 0
         buffers = self.loop.buffers()
-        args = (list(buffers.values()), _carrier(width), _carrier(span), _carrier(src_width))
+        args = (*buffers.values(), _carrier(width), _carrier(span), _carrier(src_width))  # (flat: 1.5x faster calls)
         program = self.programs.get(drafts)
         if program is None:
             program = self.programs[drafts] = self._program(drafts, list(buffers), args)
@@ -101,27 +111,24 @@ class CompiledStep:
     def _program(self, drafts: bool, names: list[str], args: tuple) -> Any:
         """The loaded program of the step that `drafts` or not, built first where the store lacks it."""
         t0 = time.perf_counter()
-        key = hashlib.sha256(f"{self._key}|drafts {drafts}|{names}".encode()).hexdigest()
+        key = hashlib.sha256(f"{self._key}|drafts {drafts}|{names}|{sorted(self.options.items())}".encode()).hexdigest()
 
         def build(path: str) -> None:
             step_store.inductor_cache()
-            dims = ([{i: torch.export.Dim.AUTO for i in range(t.dim())} for t in args[0]],
-                    *({0: torch.export.Dim.AUTO} for _ in args[1:]))
+            dims = (tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in args),)  # (*inputs)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # export's notes on every specialized size
                 exported = torch.export.export(_Traced(self.loop, drafts, names), args, dynamic_shapes=dims,
                                                strict=False)
                 torch._inductor.aoti_compile_and_package(exported, package_path=path,
-                                                         inductor_configs=dict(INDUCTOR_OPTIONS))
+                                                         inductor_configs=dict(self.options))
 
         try:
             path, built = step_store.package(key, build, describe=self._describe(drafts))
+            # Inductor's check of the CPU's ISAs (a compiler probe per ISA, 1.3 s a process) only decides a
+            # warning at load; the store's directory names the CPU's ISA already
+            os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
             program = torch._inductor.aoti_load_package(path)
-            model = self.loop.model
-            weights = {f"model.{name}": t for name, t in (*model.named_parameters(remove_duplicate=False),
-                                                         *model.named_buffers(remove_duplicate=False))}
-            program.load_constants({name: weights[name] for name in program.get_constant_fqns()},
-                                   check_full_update=True, user_managed=True)
         except Exception as e:  # no C++ compiler, an operator export cannot take, a package that does not load
             raise CompileFailed(f"{type(e).__name__}: {e}") from e
         self.keys.append(key)
@@ -139,18 +146,19 @@ class CompiledStep:
 
 
 def _loop_key(loop: SlotLoop) -> str:
-    """What a loop's programs depend on besides their input shapes (no weight values: the model supplies
-    them): the model's configuration and its tensors' names, shapes and dtypes; the drafter's class and
-    plain settings; the acceptance rule; the forced tokens and start; aggdec's sources; the thread
-    count (Inductor generates its parallel loops for it) and Inductor's options."""
+    """What a loop's programs depend on besides their input shapes: the model's configuration and tensors
+    (names, shapes, dtypes, bytes: frozen into the program); the drafter's class and plain settings; the
+    acceptance rule; the forced tokens and start; aggdec's sources; the thread count (Inductor generates
+    its parallel loops for it)."""
     plain = (bool, int, float, str, type(None))
-    model = loop.model
-    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in (*model.named_parameters(), *model.named_buffers())]
+    h = hashlib.sha256()
+    for name, t in (*loop.model.named_parameters(), *loop.model.named_buffers()):
+        h.update(repr((name, t.dtype, tuple(t.shape))).encode())
+        h.update(memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
     drafter = (type(loop.drafter).__qualname__,
                sorted((k, v) for k, v in vars(loop.drafter).items() if not k.startswith("_") and isinstance(v, plain)))
-    what = (repr(model.cfg), tensors, type(model.output_int8).__qualname__, drafter, loop.acceptance.describe(),
-            loop.forced.tolist(), loop.starts.tolist(), step_store.sources(), torch.get_num_threads(),
-            sorted(INDUCTOR_OPTIONS.items()))
+    what = (repr(loop.model.cfg), h.hexdigest(), drafter, loop.acceptance.describe(), loop.forced.tolist(),
+            loop.starts.tolist(), step_store.sources(), torch.get_num_threads())
     return hashlib.sha256(repr(what).encode()).hexdigest()
 
 
