@@ -319,11 +319,15 @@ def cache_list() -> None:
     total = sum(e.size for e in found)
     click.echo(f"{len(found)} package{'' if len(found) == 1 else 's'}, {total / 2**20:.1f} MB of "
                f"{step_store.max_bytes() / 2**20:.0f} MB, in {step_store.store_dir()}")
+    if os.path.isdir(step_store.inductor_dir()):
+        click.echo(f"TorchInductor's cache: {step_store.size(step_store.inductor_dir()) / 2**20:.1f} MB in "
+                   f"{step_store.inductor_dir()} (aggdec cache clear empties it too)")
 
 
 @cache.command("clear")
 def cache_clear() -> None:
-    """Remove every stored step (every torch version's and CPU's) and what compiling measured."""
+    """Remove every stored step (every torch version's and CPU's), what compiling measured, and TorchInductor's
+    cache where aggdec keeps it."""
     from aggdec import step_store
 
     click.echo(f"removed {step_store.clear() / 2**20:.1f} MB from {step_store.base()}")

@@ -12,7 +12,8 @@ features, since a program is generated for them.
 
 The store is bounded: after each package it writes, the least recently used packages (loading one
 counts as a use) go until the packages take at most AGGDEC_CACHE_MAX_MB (default `MAX_MB`).
-`aggdec cache list` and `aggdec cache clear` show and empty it. Builders of one key take a lock on it
+`aggdec cache list` and `aggdec cache clear` show and empty it (and `<base>/inductor`, TorchInductor's
+cache where TORCHINDUCTOR_CACHE_DIR does not set one, which building leaves files in). Builders of one key take a lock on it
 (`filelock`, released by the operating system when its owner dies): the second waits, then loads.
 Packages are written whole (renamed into place). Nothing here imports more of torch than its version.
 """
@@ -71,7 +72,7 @@ def inductor_cache() -> str:
     if not _INDUCTOR:
         import torch
 
-        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(base(), "inductor")
+        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or inductor_dir()
         _INDUCTOR.append(os.path.join(root, f"isa-{torch.backends.cpu.get_cpu_capability()}"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR[0]
     return _INDUCTOR[0]
@@ -169,11 +170,24 @@ def trim(limit: int, keep: str | None = None) -> list[Entry]:
     return removed
 
 
+def inductor_dir() -> str:
+    """Where aggdec keeps TorchInductor's own cache where TORCHINDUCTOR_CACHE_DIR does not say (`inductor_cache`):
+    what building packages leaves there is not needed to load them."""
+    return os.path.join(base(), "inductor")
+
+
+def size(path: str) -> int:
+    """The bytes of the files under `path`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def clear() -> int:
-    """Empty the store (every torch version's and CPU's packages and rates); returns the bytes freed."""
-    root = os.path.join(base(), "steps")
-    freed = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-    shutil.rmtree(root, ignore_errors=True)
+    """Empty the store (every torch version's and CPU's packages and rates) and `inductor_dir`; returns the
+    bytes freed."""
+    freed = 0
+    for root in (os.path.join(base(), "steps"), inductor_dir()):
+        freed += size(root)
+        shutil.rmtree(root, ignore_errors=True)
     return freed
 
 

@@ -104,15 +104,14 @@ the loops hold stays bounded: 4 x max_batch_size slots of cache (64 slots of a g
 at 256 positions: about 100 MB each)."""
 
 COMPILE_COLD_S = 26.0
-"""Seconds `compile = "auto"` counts for compiling a loop's step where the store does not hold it yet
-(aggdec.compile_cache): a one-sentence `aggdec decode` of `gec-base` greedy took 27.6 s cold against
-1.6 s eager (`ende-base`'s step: about 25 s; docs/benchmarks.md, "Compiled steps")."""
+"""Seconds `compile = "auto"` counts for building a loop's step where the store does not hold it yet
+(aggdec.step_store), until this machine measured it: a one-sentence `aggdec decode --compile` of
+`gec-base` greedy took 22.8 s cold against 2.0 s eager on a 2-core AMD EPYC."""
 
-COMPILE_WARM_S = 0.5
-"""Seconds it counts where the store holds the step (loading its package, run from its record without
-TorchDynamo): the same decode took 2.2-3.2 s warm against 2.0-2.7 s eager (AMD EPYC; 4.2 s on an AMX Xeon
-when every process traced the step). Where a loop of the same options compiled in this process already,
-it counts none."""
+COMPILE_WARM_S = 1.5
+"""Seconds it counts where the store holds the step (importing TorchInductor and loading the package),
+until this machine measured it: the same decode took 3.9-4.1 s warm against 2.0 s eager (AMD EPYC). Where
+a loop of the same options compiled in this process already, it counts none."""
 
 GREEDY_COMPILE_SAVES_S = 0.012
 """Seconds greedy's compiled step saved a sentence at batch size 1: `ende-base`, 54-57 against 33
@@ -120,12 +119,12 @@ sentences/s eager (1/33 - 1/55 s). A compiled step saves about a fixed time a ve
 work and operators it fuses), and a call at batch size b serves b rows, so `auto` counts b times less a
 sentence there (`compile_choice.compile_pays`: at 64, 0.0002 s, where 1.1x of 307 sentences/s saved 0.0003 s: on
 the safe side). Compiling then pays from COMPILE_COLD_S / 0.012 = about 2,200 sentences a slot (requests /
-batch size) where the store is cold, COMPILE_WARM_S / 0.012 = about 42 where it is warm: at batch size 1,
-2,200 and 42 sentences; at 64, 140,000 and 2,700. One sentence saves 0.012 s: it decodes eagerly."""
+batch size) where the store is cold, COMPILE_WARM_S / 0.012 = 125 where it is warm: at batch size 1,
+2,200 and 125 sentences; at 64, 140,000 and 8,000. One sentence saves 0.012 s: it decodes eagerly."""
 
 IAD_COMPILE_SAVES_S = 0.002
 """IAD's at batch size 1: `gec-base`, 114 sentences/s eager, compiled 1.3x (1/114 - 1/148 s; its 4-5 calls
-a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 250 warm."""
+a sentence save less than greedy's 25-odd): it pays from about 13,000 sentences a slot cold, 750 warm."""
 
 RATE_REQUESTS = 16
 """Requests (and at least a batch) from which a call's seconds a request are recorded for `compile = "auto"`
@@ -135,7 +134,7 @@ DRAFTER_COMPILE_SAVES_S = 0.005
 """GAD's, GAD++'s and blockwise's at batch size 1: on a 2-core AMD EPYC, `ende-base` GAD (draft head) ran
 21.7 sentences/s eager and 40.1 compiled, blockwise (proposal heads) 15.9 and 28.7, saving 0.021 and
 0.028 s a sentence where greedy saved 0.045 s; scaled as greedy's 0.012 s (an AMX Xeon) to it, about
-0.005 s. Compiled they were also 1.06x and 1.15x eager at 64 (so no `whole_step_below`). Where a machine
+0.005 s. Compiled they were also 1.06x and 1.15x eager at 64 (so no `auto_below`). Where a machine
 measured both (`compile_choice.record`), its own rates count instead."""
 
 MIN_STREAM_BATCH = 16

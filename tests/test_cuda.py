@@ -96,13 +96,13 @@ def test_every_step_is_captured_when_a_run_starts_and_none_after(monkeypatch):
     model = _model(torch.float32)
     reqs = _requests(random.Random(2), 16, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     loop = SlotLoop(model, InputCopy(max_draft=4), max_batch_size=4)
-    step, calls = SlotLoop._step, [0]
+    step, calls = SlotLoop.step, [0]
 
     def counted(self, *key):
         calls[0] += 1
         return step(self, *key)
 
-    monkeypatch.setattr(SlotLoop, "_step", counted)
+    monkeypatch.setattr(SlotLoop, "step", counted)
     first = _tokens(loop, reqs)
     assert set(loop._captured) == set(loop._plan) and loop.counters.capture_failures == 0
     assert loop.counters.captures == len(loop._plan) and calls[0] == 2 * len(loop._plan)

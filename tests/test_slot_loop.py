@@ -250,8 +250,8 @@ def test_the_tail_narrows_to_the_live_rows(drafter):
     torch.manual_seed(5)
     loop = SlotLoop(model, drafter(model), max_batch_size=8)
     sizes = []
-    step = loop._step
-    loop._step = lambda *key: (sizes.append(loop.state.batch_size), step(*key))[1]
+    step = loop.step
+    loop.step = lambda *key: (sizes.append(loop.state.batch_size), step(*key))[1]
     for _ in range(2):
         sizes.clear()
         got = _run(loop, reqs)
@@ -704,8 +704,8 @@ def test_a_captured_loop_plans_few_steps(drafter, most):
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
     loop = SlotLoop(model, drafter(), max_batch_size=64, graphs="check")
     keys = []
-    step = loop._step
-    loop._step = lambda width, *rest: (keys.append((loop.state.batch_size, width)), step(width, *rest))[1]
+    step = loop.step
+    loop.step = lambda width, *rest: (keys.append((loop.state.batch_size, width)), step(width, *rest))[1]
     assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
     assert len(loop._plan) <= most and set(keys) <= set(loop._plan) and {n for n, _ in keys} == {64, 32}
     keys.clear()

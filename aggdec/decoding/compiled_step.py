@@ -15,6 +15,7 @@ takes sizes 0 and 1 as fixed), which drafts a token more and changes no output.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import warnings
@@ -116,18 +117,23 @@ class CompiledStep:
         def build(path: str) -> None:
             step_store.inductor_cache()
             dims = (tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in args),)  # (*inputs)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # export's notes on every specialized size
-                exported = torch.export.export(_Traced(self.loop, drafts, names), args, dynamic_shapes=dims,
-                                               strict=False)
-                torch._inductor.aoti_compile_and_package(exported, package_path=path,
-                                                         inductor_configs=dict(self.options))
+            notes = logging.getLogger("torch._export.non_strict_utils")  # a line for every size export fixes
+            level = notes.level
+            notes.setLevel(logging.ERROR)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    exported = torch.export.export(_Traced(self.loop, drafts, names), args, dynamic_shapes=dims,
+                                                   strict=False)
+            finally:
+                notes.setLevel(level)
+            torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=dict(self.options))
 
+        # Inductor's check of the CPU's ISAs (a compiler probe per ISA, 1.3 s a process) decides only a warning
+        # at load, where the store's directory names the ISA already
+        os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
         try:
             path, built = step_store.package(key, build, describe=self._describe(drafts))
-            # Inductor's check of the CPU's ISAs (a compiler probe per ISA, 1.3 s a process) only decides a
-            # warning at load; the store's directory names the CPU's ISA already
-            os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
             program = torch._inductor.aoti_load_package(path)
         except Exception as e:  # no C++ compiler, an operator export cannot take, a package that does not load
             raise CompileFailed(f"{type(e).__name__}: {e}") from e

@@ -12,11 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from aggdec.model.config import PRECISIONS
+
 if TYPE_CHECKING:
     from aggdec.decoding.acceptance import Acceptance
 
-PRECISIONS = ("fp32", "bf16", "int8")
-"""The verifier precisions (aggdec.model.precision)."""
 VERIFY_PRECISIONS = ("auto", "fp32", "bf16-certified")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+PRECISIONS = ("fp32", "bf16", "int8")
+"""The precisions a verifier runs at (aggdec.model.precision; the `precision` option)."""
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORMS = ("layer", "rms")
 SINUSOIDAL = ("fairseq", "marian")

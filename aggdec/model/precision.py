@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from aggdec import step_store
-from aggdec.decoding.options import PRECISIONS
 from aggdec.model import int8_product
+from aggdec.model.config import PRECISIONS
 from aggdec.model.linear import Linear
 from aggdec.model.transformer import Transformer
 
