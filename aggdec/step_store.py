@@ -89,16 +89,17 @@ def sources() -> str:
     return h.hexdigest()
 
 
-def package(key: str, build: Callable[[str], None], describe: str = "") -> tuple[str, bool]:
-    """The path of the package `key` and whether this call built it: found in the store (marked used), or
-    built by `build(path)` at a path of its own, renamed into place with a description beside it, the
-    store then trimmed to its bound (`trim`). Raises what `build` raises."""
+def package(key: str, build: Callable[[str], dict], describe: str = "") -> tuple[str, bool, dict]:
+    """The path of the package `key`, whether this call built it, and what its build said of it: found in
+    the store (marked used), or built by `build(path)` at a path of its own (returning what to keep of it),
+    renamed into place with that and a description beside it, the store then trimmed to its bound (`trim`).
+    Raises what `build` raises."""
     import filelock
 
     directory = store_dir()
     path = os.path.join(directory, f"{key}.pt2")
     if _use(path):
-        return path, False
+        return path, False, _read_json(f"{path[:-4]}.json").get("program", {})
     os.makedirs(directory, exist_ok=True)
     try:
         lock = filelock.FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
@@ -107,20 +108,20 @@ def package(key: str, build: Callable[[str], None], describe: str = "") -> tuple
         lock = None
     try:
         if _use(path):
-            return path, False
+            return path, False, _read_json(f"{path[:-4]}.json").get("program", {})
         part = f"{path[:-4]}.{os.getpid()}.pt2"
         try:
-            build(part)
+            program = build(part)
+            _write_json(f"{path[:-4]}.json", {"what": describe, "built": time.time(), "program": program})
             os.replace(part, path)
         finally:
             if os.path.exists(part):
                 os.remove(part)
-        _write_json(f"{path[:-4]}.json", {"what": describe, "built": time.time()})
     finally:
         if lock is not None:
             lock.release()
     trim(max_bytes(), keep=path)
-    return path, True
+    return path, True, program
 
 
 def _use(path: str) -> bool:

@@ -116,22 +116,24 @@ def test_two_processes_compiling_at_once_build_each_program_once(tmp_path):
 
 
 def test_the_store_names_torch_and_the_cpu_and_keeps_its_bound(monkeypatch, tmp_path):
-    """The store's directory names torch's version and the CPU's ISA. Past its bound, writing a package
-    drops the least recently used others (loading one counts as a use), never the one just written;
-    `clear` empties it."""
+    """The store's directory names torch's version and the CPU's ISA. A package found again comes with what
+    its build said of it. Past its bound, writing a package drops the least recently used others (loading
+    one counts as a use), never the one just written; `clear` empties it."""
     monkeypatch.setenv("AGGDEC_CACHE_DIR", str(tmp_path))
     here = step_store.store_dir()
     assert torch.__version__ in here and torch.backends.cpu.get_cpu_capability() in here
     monkeypatch.setenv("AGGDEC_CACHE_MAX_MB", str(2.5 / 1024))  # 2.5 KiB: two packages of 1 KiB
 
-    def build(path: str) -> None:
+    def build(path: str) -> dict:
         with open(path, "wb") as f:
             f.write(b"x" * 1024)
+        return {"built at": path}
 
     for key in ("a", "b"):
         assert step_store.package(key, build, describe=f"package {key}")[1]
         time.sleep(0.05)
-    assert step_store.package("a", build) == (os.path.join(here, "a.pt2"), False)  # a use: b is now the oldest
+    a = os.path.join(here, "a.pt2")  # a use (b is now the oldest), with what its build said
+    assert step_store.package("a", build) == (a, False, {"built at": a[:-4] + f".{os.getpid()}.pt2"})
     time.sleep(0.05)
     step_store.package("c", build)
     assert [(e.key, e.size, e.what) for e in step_store.entries()] == [("c", 1024, ""), ("a", 1024, "package a")]
@@ -149,7 +151,7 @@ def test_aggdec_cache_lists_and_clears_the_store(monkeypatch, tmp_path):
     from cli import main
 
     monkeypatch.setenv("AGGDEC_CACHE_DIR", str(tmp_path))
-    step_store.package("k1", lambda path: Path(path).write_bytes(b"x" * 3000), describe="greedy step: 2 layers")
+    step_store.package("k1", lambda path: Path(path).write_bytes(b"x" * 3000) and {}, describe="greedy step: 2 layers")
     listed = CliRunner().invoke(main, ["cache", "list"])
     assert listed.exit_code == 0, listed.output
     assert "greedy step: 2 layers" in listed.output and "1 package" in listed.output, listed.output
@@ -264,7 +266,7 @@ def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):
     assert choice is True and line.startswith("compiling the greedy step (3,000 requests at batch size 1")
     choice, line = compiles(context, opts, 300)
     assert choice is False and line.startswith("eager (greedy, 300 requests at batch size 1, not stored")
-    step_store.package("p", lambda path: Path(path).write_bytes(b"x"))
+    step_store.package("p", lambda path: Path(path).write_bytes(b"x") and {})
     step_store.record_packages(steps_key(context, opts), ["p"])
     assert compiles(context, opts, 300) == (True, "compiling the greedy step (300 requests at batch size 1, "
                                                   "stored: saves about 3.6 s, loading takes about 1.5 s)")
@@ -315,3 +317,23 @@ def test_kept_loops_are_kept_by_what_they_compile():
     assert backend(compiled) == ("compiled" if lowered_isa() is None else "eager")
     assert list(context.slot_loops) == [(opts, False, 0), (opts, True, 0)]
     assert greedy.loop(opts, context, greedy.drafter(opts, context), compile=False) is eager
+
+
+def test_a_program_is_run_only_on_the_sizes_it_fixed():
+    """An AOTInductor program does not check its inputs' sizes; `compiled_step._fixed` records those export
+    fixed and the least of the symbolic ones, and `_check` refuses inputs that differ (the loop then decodes
+    eagerly) before any program runs."""
+    from aggdec.decoding.compiled_step import CompileFailed, _check, _fixed
+
+    class Add(torch.nn.Module):
+        def forward(self, x, n):
+            x[: n.shape[0]].add_(1)
+
+    x, n = torch.zeros(10), torch.empty(4, 0)
+    exported = torch.export.export(Add(), (x, n), dynamic_shapes=(None, {0: torch.export.Dim.AUTO}), strict=False)
+    sizes = _fixed(exported)
+    assert sizes == [[0, 0, 10, 1], [1, 0, 2, 0], [1, 1, 0, 1]], sizes
+    _check(sizes, (torch.zeros(10), torch.empty(7, 0)))
+    for args in ((torch.zeros(12), n), (x, torch.empty(1, 0))):
+        with pytest.raises(CompileFailed, match="dimension 0"):
+            _check(sizes, args)

@@ -88,6 +88,8 @@ class CompiledStep:
     def __init__(self, loop: SlotLoop):
         self.loop = loop
         self.programs: dict[bool, Any] = {}
+        self.fixed: dict[bool, list] = {}  # each program's fixed sizes (`_fixed`)
+        self._checked: dict[bool, tuple] = {}  # the buffers each program's sizes were checked on
         self.keys: list[str] = []  # the packages of `programs`
         self.built = self.loaded = 0
         self.seconds = 0.0
@@ -98,13 +100,18 @@ class CompiledStep:
 
     def __call__(self, width: int, span: int, src_width: int) -> None:
         """Run the step in place (its states, for a drafter that drafts from them, as the eager step
-        leaves them). `width` must not be 1."""
+        leaves them). `width` must not be 1. Raises CompileFailed where a program cannot be had, or where
+        the loop's buffers differ from its program's in a size that program fixed."""
         drafts = width > 0
         buffers = self.loop.buffers()
         args = (*buffers.values(), _carrier(width), _carrier(span), _carrier(src_width))  # (flat: 1.5x faster calls)
         program = self.programs.get(drafts)
         if program is None:
             program = self.programs[drafts] = self._program(drafts, list(buffers), args)
+        held = tuple(map(id, args[:-3]))
+        if self._checked.get(drafts) != held:  # new buffers (an allocation, a narrowing): sizes checked once
+            _check(self.fixed[drafts], args)
+            self._checked[drafts] = held
         states = program(*args)
         if self.loop.drafter.from_states:
             self.loop.states = states
@@ -128,12 +135,14 @@ class CompiledStep:
             finally:
                 notes.setLevel(level)
             torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=dict(self.options))
+            return {"fixed": _fixed(exported)}
 
         # Inductor's check of the CPU's ISAs (a compiler probe per ISA, 1.3 s a process) decides only a warning
         # at load, where the store's directory names the ISA already
         os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
         try:
-            path, built = step_store.package(key, build, describe=self._describe(drafts))
+            path, built, info = step_store.package(key, build, describe=self._describe(drafts))
+            self.fixed[drafts] = info["fixed"]
             program = torch._inductor.aoti_load_package(path)
         except Exception as e:  # no C++ compiler, an operator export cannot take, a package that does not load
             raise CompileFailed(f"{type(e).__name__}: {e}") from e
@@ -153,19 +162,50 @@ class CompiledStep:
 
 def _loop_key(loop: SlotLoop) -> str:
     """What a loop's programs depend on besides their input shapes: the model's configuration and tensors
-    (names, shapes, dtypes, bytes: frozen into the program); the drafter's class and plain settings; the
-    acceptance rule; the forced tokens and start; aggdec's sources; the thread count (Inductor generates
-    its parallel loops for it)."""
+    (names, shapes, dtypes, bytes: frozen into the program); the loop's plain settings (its Python values are
+    constants of the program: the attention it takes, the batch size its products were chosen for, the
+    length rules) and dtypes; the drafter's class and plain settings; the acceptance rule; the forced tokens
+    and start; aggdec's sources; the thread count (Inductor generates its parallel loops for it)."""
     plain = (bool, int, float, str, type(None))
     h = hashlib.sha256()
     for name, t in (*loop.model.named_parameters(), *loop.model.named_buffers()):
         h.update(repr((name, t.dtype, tuple(t.shape))).encode())
         h.update(memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
-    drafter = (type(loop.drafter).__qualname__,
-               sorted((k, v) for k, v in vars(loop.drafter).items() if not k.startswith("_") and isinstance(v, plain)))
-    what = (repr(loop.model.cfg), h.hexdigest(), drafter, loop.acceptance.describe(), loop.forced.tolist(),
+    def settings(owner: object) -> list:
+        return sorted((k, v) for k, v in vars(owner).items() if not k.startswith("_") and isinstance(v, plain))
+
+    what = (repr(loop.model.cfg), h.hexdigest(), settings(loop), str(loop.dtype), str(loop.cache_dtype),
+            type(loop.drafter).__qualname__, settings(loop.drafter), loop.acceptance.describe(), loop.forced.tolist(),
             loop.starts.tolist(), step_store.sources(), torch.get_num_threads())
     return hashlib.sha256(repr(what).encode()).hexdigest()
+
+
+def _fixed(exported: torch.export.ExportedProgram) -> list[list[int]]:
+    """The sizes of `exported`'s inputs (user inputs, in order; not the weights), as [input, dimension, size,
+    1] where it fixed them (an AOTInductor program does not check them: an input of another size runs,
+    wrongly) and [input, dimension, least size, 0] where they are symbolic."""
+    signature = exported.graph_signature
+    users = [spec.arg.name for spec in signature.input_specs if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    values = {node.name: node.meta["val"] for node in exported.graph.find_nodes(op="placeholder")}
+    sizes = []
+    for i, name in enumerate(users):
+        for d, size in enumerate(values[name].shape):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else size
+            if getattr(expr, "is_number", True):
+                sizes.append([i, d, int(expr), 1])
+            else:
+                bound = exported.range_constraints.get(expr)
+                sizes.append([i, d, int(bound.lower) if bound is not None else 0, 0])
+    return sizes
+
+
+def _check(sizes: list[list[int]], args: tuple) -> None:
+    """Raise CompileFailed where `args` differ from a program's `sizes` (`_fixed`)."""
+    for i, d, size, fixed in sizes:
+        have = args[i].shape[d]
+        if have != size if fixed else have < size:
+            raise CompileFailed(f"input {i} has {have} at dimension {d}, where the program takes "
+                                f"{size if fixed else f'at least {size}'}")
 
 
 class CompileFailed(RuntimeError):
