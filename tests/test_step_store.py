@@ -217,8 +217,8 @@ def test_a_decode_records_what_it_measured(monkeypatch, tmp_path):
     """A call of at least RATE_REQUESTS requests and a batch records its seconds a request under its loop's
     key, by backend; a shorter one, or a precision auto does not compile, records nothing; a new compiled
     loop records what building its programs took and which packages hold them, after which the store is
-    known to hold them."""
-    from aggdec.decoding.compile_choice import steps_key
+    known to hold them, and the default decides by the rates measured."""
+    from aggdec.decoding.compile_choice import compiles, steps_key
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import get_method
     from aggdec.threads import THREADS
@@ -247,6 +247,10 @@ def test_a_decode_records_what_it_measured(monkeypatch, tmp_path):
             greedy.decode(decode_options("greedy", max_batch_size=4, compile=True), reqs, context)
             rate = step_store.rates(key)
             assert set(rate) == {"eager", "compiled", "build"} and step_store.stored(key), rate
+            # on a store where `compile = true` ran, the default decides by what was measured, and says so
+            choice, line = compiles(context, decode_options("greedy", max_batch_size=4), 10**6)
+            faster = rate["compiled"] < rate["eager"]
+            assert choice is faster and "measured here" in line, (rate, line)
 
 
 def test_auto_resolves_per_call_and_says_why(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ with TorchInductor into an AOTInductor package kept in aggdec's store (aggdec.st
 The program takes every tensor the step reads or writes as an input (the state's, the cache's, the
 statistics', the drafter's rows: `SlotLoop.buffers`); the model's weights are frozen into it as
 constants, so a package is keyed by their bytes and serves that model alone. Integers (the rows' draft
-width, the key positions and source positions read) reach it as the sizes of empty tensors; sizes are
+width, the key positions and source positions read) reach it as the sizes of an empty tensor; sizes are
 symbolic, so one program serves every slot count, width, span and cache size of its loop. A step that
 drafts and one that does not are two programs (width 0 takes no draft); a width of 1 runs as 2 (export
 takes sizes 0 and 1 as fixed), which drafts a token more and changes no output.
@@ -14,6 +14,7 @@ takes sizes 0 and 1 as fixed), which drafts a token more and changes no output.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -48,9 +49,10 @@ def compile_seconds() -> float:
     return _SPENT[0]
 
 
-def _carrier(n: int) -> torch.Tensor:
-    """An integer as an empty tensor's first size, shifted by 2 (export fixes sizes 0 and 1)."""
-    return torch.empty((n + 2, 0), dtype=torch.uint8)
+@functools.lru_cache(maxsize=4096)
+def _carrier(width: int, span: int, src_width: int) -> torch.Tensor:
+    """The integers of a step as the sizes of an empty tensor, each shifted by 2 (export fixes sizes 0 and 1)."""
+    return torch.empty((width + 2, span + 2, src_width + 2, 0), dtype=torch.uint8)
 
 
 class _Traced(torch.nn.Module):
@@ -62,21 +64,32 @@ class _Traced(torch.nn.Module):
         self.model = loop.model
         object.__setattr__(self, "loop", loop)  # not a submodule: its tensors are inputs
         self.drafts, self.names = drafts, names
+        for name in _CONSTANTS:  # constants of the program (the loop's key holds their values)
+            self.register_buffer(name, getattr(loop, name), persistent=False)
 
     def forward(self, *inputs: torch.Tensor):
-        """inputs: the buffers of `names`, then the width, span and source width as `_carrier`s."""
-        *buffers, width, span, src_width = inputs
+        """inputs: the buffers of `names`, then the width, span and source width as one `_carrier`."""
+        *buffers, sizes = inputs
         loop, model = self.loop, self.model
-        kept, projection = loop.buffers(), loop.projection
+        kept, projection, constants = loop.buffers(), loop.projection, {name: getattr(loop, name) for name in _CONSTANTS}
         try:
             loop.bind(dict(zip(self.names, buffers)))
+            for name in _CONSTANTS:
+                setattr(loop, name, getattr(self, name))
             # the projection of the traced weights (the loop's holds the real ones, and a packed copy)
             loop.projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias, pack=False)
-            loop.step(width.shape[0] - 2 if self.drafts else 0, span.shape[0] - 2, src_width.shape[0] - 2)
+            width, span, src_width = (n - 2 for n in sizes.shape[:3])
+            loop.step(width if self.drafts else 0, span, src_width)
         finally:
             loop.bind(kept)
             loop.projection = projection
+            for name, value in constants.items():
+                setattr(loop, name, value)
         return loop.states
+
+
+_CONSTANTS = ("forced", "starts", "_zero")
+"""The loop's constant tensors that its step reads, frozen into the program."""
 
 
 class CompiledStep:
@@ -104,11 +117,11 @@ class CompiledStep:
         the loop's buffers differ from its program's in a size that program fixed."""
         drafts = width > 0
         buffers = self.loop.buffers()
-        args = (*buffers.values(), _carrier(width), _carrier(span), _carrier(src_width))  # (flat: 1.5x faster calls)
+        args = (*buffers.values(), _carrier(width, span, src_width))  # (flat: 1.5x faster calls than nested)
         program = self.programs.get(drafts)
         if program is None:
             program = self.programs[drafts] = self._program(drafts, list(buffers), args)
-        held = tuple(map(id, args[:-3]))
+        held = tuple(map(id, args[:-1]))
         if self._checked.get(drafts) != held:  # new buffers (an allocation, a narrowing): sizes checked once
             _check(self.fixed[drafts], args)
             self._checked[drafts] = held

@@ -363,14 +363,14 @@ class SlotLoop:
         self._summary = leading(self._whole_summary, 2 * n + 3)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """Every tensor the step reads or writes but the model's, by name, as the loop holds them now
-        (narrowed): what a compiled step takes as inputs (aggdec.decoding.compiled_step)."""
+        """Every tensor the step reads or writes but the model's and the loop's constants (`forced`, `starts`,
+        `_zero`), by name, as the loop holds them now (narrowed): a compiled step's inputs
+        (aggdec.decoding.compiled_step)."""
         found = {f"state.{name}": getattr(self.state, name) for name in STATE_ROWS}
         found |= {f"cache.{i}": t for i, t in enumerate(self.cache.tensors())}
         found |= {f"rows.{name}": getattr(self, name) for name in self._whole_rows}
         found |= {f"drafter.{name}": t for name, t in self.drafter.rows.tensors().items()}
-        return found | {"summary": self._summary, "ms_per_fed": self.ms_per_fed, "zero": self._zero,
-                        "forced": self.forced, "starts": self.starts}
+        return found | {"summary": self._summary, "ms_per_fed": self.ms_per_fed}
 
     def bind(self, buffers: dict[str, torch.Tensor]) -> None:
         """Hold `buffers` (named as `buffers` names them) in their places."""
@@ -381,8 +381,7 @@ class SlotLoop:
             setattr(self, name, buffers[f"rows.{name}"])
         for name in self.drafter.rows.tensors():
             setattr(self.drafter.rows, name, buffers[f"drafter.{name}"])
-        self._summary, self.ms_per_fed, self._zero = buffers["summary"], buffers["ms_per_fed"], buffers["zero"]
-        self.forced, self.starts = buffers["forced"], buffers["starts"]
+        self._summary, self.ms_per_fed = buffers["summary"], buffers["ms_per_fed"]
 
     def _compact(self, live: list[int], n: int) -> list[int]:
         """Move the rows of the `live` slots into the first `n` slots and narrow to them, so that a run's

@@ -19,7 +19,7 @@ _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 _enabled = _ONEDNN is not None
 # oneDNN reorders bf16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere it raises
-_BF16_PACK = _REORDER is not None and getattr(torch.cpu, "_is_avx512_supported", lambda: False)()
+_BF16_PACK = _REORDER is not None and all(torch.cpu.get_capabilities().get(f"avx512_{x}") for x in ("bw", "vl", "dq"))
 
 
 def enabled() -> bool:
