@@ -46,6 +46,12 @@ def _tokens(loop, reqs) -> dict[int, list[int]]:
     return {h.index: h.tokens for h in hyps}
 
 
+def _assert_captured(loop) -> None:
+    """Every step of the loop's capture plan was captured (a failed capture stores None and runs eagerly)."""
+    assert loop._captured and all(g is not None for g in loop._captured.values()), loop._captured
+    assert loop.counters.capture_failures == 0
+
+
 @pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like"])
 def test_captured_greedy_equals_eager_greedy_on_the_device(kind):
     model = _model(torch.float32, kind)
@@ -54,7 +60,7 @@ def test_captured_greedy_equals_eager_greedy_on_the_device(kind):
     loop = SlotLoop(model, NoDraft(), max_batch_size=4)
     assert loop.graphs
     assert _tokens(loop, reqs) == eager
-    assert loop._captured, "the steps ran as CUDA graphs"
+    _assert_captured(loop)
     assert _tokens(SlotLoop(model, NoDraft(), max_batch_size=4, graphs="check"), reqs) == eager
 
 
@@ -86,7 +92,7 @@ def test_captured_lossy_acceptance_equals_the_eager_loop(acceptance):
     rows = _tokens(SlotLoop(model, drafter, acceptance, max_batch_size=4, graphs=False), reqs)
     loop = SlotLoop(model, drafter, acceptance, max_batch_size=4)
     assert _tokens(loop, reqs) == rows
-    assert loop._captured, "the steps ran as CUDA graphs"
+    _assert_captured(loop)
 
 
 def test_every_step_is_captured_when_a_run_starts_and_none_after(monkeypatch):
@@ -166,7 +172,8 @@ def test_decode_worker_on_cuda_takes_the_captured_engine(tiny_model_dir):
     out = worker(pa.table({"src": texts}))
     assert out.column("status").to_pylist() == ["ok"] * len(texts)
     loops = list(worker.translator._slot_loops.values())
-    assert loops and loops[0]._captured, "the worker decoded with captured steps"
+    assert loops, "the worker decoded with a slot loop"
+    _assert_captured(loops[0])
     cpu = DecodeWorker(str(tiny_model_dir), opts, task, device="cpu")(pa.table({"src": texts}))
     assert out.column("hyp").to_pylist() == cpu.column("hyp").to_pylist()
 

@@ -4,6 +4,7 @@ greedy, IAD, the draft head (GAD) and proposal heads (blockwise) give naive gree
 float64 models, for any slot count, token budget, draft length, refill order and reuse of the loop
 across runs; every acceptance rule (GAD++, min-block) decides alike packed and fixed."""
 
+import dataclasses
 import math
 import random
 
@@ -738,7 +739,8 @@ def test_capture_discipline_covers_admission_and_retirement(monkeypatch):
     """In check mode, admission and retirement run under a replay's rules too, outside the loop's one
     packed copy of a refill batch and its one read of the retired rows: a drafter's `admit` that reads
     the host, copies host data of its own, or keeps its rows in new tensors (which captured steps would
-    not see) is refused, and so is a host read added to retirement; eagerly all of them decode."""
+    not see) is refused, as is a `propose` that builds a tensor from host data within the step, and a host
+    read added to retirement; eagerly all of them decode."""
     from aggdec.decoding.capture_check import CaptureError
 
     class Reads(InputCopy):
@@ -756,11 +758,16 @@ def test_capture_discipline_covers_admission_and_retirement(monkeypatch):
             super().admit(state, slots)
             self.rows.resume = self.rows.resume.clone()
 
+    class Builds(InputCopy):  # within the step: a captured graph would keep the data of its capture
+        def propose(self, state, width):
+            draft = super().propose(state, width)
+            return dataclasses.replace(draft, num_draft=draft.num_draft + torch.tensor([0] * state.batch_size))
+
     model = tiny_model(seed=1, vocab=9)
     reqs = _requests(random.Random(2), 6, model.cfg.src_vocab, model.cfg.eos)
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
     for drafter, error in ((Reads, "reads a tensor on the host"), (Copies, "builds a tensor from host data"),
-                           (Keeps, "rows._tensors\\['resume'\\]")):
+                           (Keeps, "rows._tensors\\['resume'\\]"), (Builds, "builds a tensor from host data")):
         with pytest.raises(CaptureError, match=error):
             _run(SlotLoop(model, drafter(max_draft=3), max_batch_size=2, graphs="check"), reqs)
         eager = SlotLoop(model, drafter(max_draft=3), max_batch_size=2)

@@ -1,6 +1,6 @@
 """The slot loop's step under a replayed CUDA graph's rules, on any device (`SlotLoop(graphs="check")`;
 the rules: docs/design.md, "The slot loop"): no host read in the step, no state left in a tensor it
-allocated; admission and retirement also build no tensor from host data.
+allocated, and no tensor built from host data in the step, admission or retirement.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class _NoHostReads(TorchFunctionMode):
         if name in HOST_READS:
             raise CaptureError(f"the step reads a tensor on the host ({name}): a replay would not")
         if not self.host_data and (name in HOST_DATA or (name in ("__getitem__", "__setitem__") and _lists(args[1]))):
-            raise CaptureError(f"admission or retirement builds a tensor from host data ({name}): a copy of its "
-                               "own, not the loop's one packed copy")
+            raise CaptureError(f"the step, admission or retirement builds a tensor from host data ({name}): a "
+                               "replay would hold its capture's data, or a copy of its own, not the loop's one copy")
         return func(*args, **(kwargs or {}))
 
 
@@ -78,7 +78,7 @@ def checked(step: Callable[[], object], owner: object, outputs: str | None = Non
     """Run `step()` under the rules above and return what it returns; every tensor `owner` holds
     afterwards must have existed before it, but for its attribute `outputs` (a tuple of tensors or
     None), which is copied into buffers of its own (allocated at the first step of its shapes) as a
-    replay's outputs are. `host_data=False` (admission, retirement): no tensor built from host data."""
+    replay's outputs are. `host_data=False` (the step, admission, retirement): no tensor built from host data."""
     before = {t.untyped_storage().data_ptr() for _, t in held(owner)}
     with _NoHostReads(host_data), _NoSyncingOps():
         result = step()

@@ -238,7 +238,7 @@ class SlotLoop:
             if key not in self._plan or (span, src_width) != (self.cache.length - 1, self.cache.src_width - 1):
                 raise CaptureError(f"step {key} reading {span} positions and {src_width} source positions is not "
                                    "in the capture plan (the whole cache): a captured run would capture it")
-            checked(lambda: self.step(width, span, src_width), self, "states")
+            checked(lambda: self.step(width, span, src_width), self, "states", host_data=False)
             return
         graph = self._captured.get(key) if self.graphs else None
         if graph is None:  # eager; captured: a step whose capture failed (counted)
