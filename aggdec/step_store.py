@@ -164,7 +164,7 @@ def trim(limit: int, keep: str | None = None) -> list[Entry]:
         total += entry.size
         path = os.path.join(store_dir(), f"{entry.key}.pt2")
         if total > limit and path != keep:
-            for suffix in (".pt2", ".json"):
+            for suffix in (".pt2", ".json", ".pt2.lock"):
                 _remove(os.path.join(store_dir(), entry.key + suffix))
             total -= entry.size
             removed.append(entry)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import os
 import time
 import warnings
@@ -30,6 +31,7 @@ from aggdec.thresholds import CPP_GEMM_SLOTS
 
 if TYPE_CHECKING:
     from aggdec.decoding.slot_loop import SlotLoop
+
 
 def inductor_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
     """TorchInductor's options for the package of a step over `slots` slots: a C++ wrapper; the weights frozen
@@ -102,7 +104,7 @@ class CompiledStep:
         self.loop = loop
         self.programs: dict[bool, Any] = {}
         self.fixed: dict[bool, list] = {}  # each program's fixed sizes (`_fixed`)
-        self._checked: dict[bool, tuple] = {}  # the buffers each program's sizes were checked on
+        self._checked: dict[bool, tuple] = {}  # the buffers each program's sizes were last checked on
         self.keys: list[str] = []  # the packages of `programs`
         self.built = self.loaded = 0
         self.seconds = 0.0
@@ -121,10 +123,10 @@ class CompiledStep:
         program = self.programs.get(drafts)
         if program is None:
             program = self.programs[drafts] = self._program(drafts, list(buffers), args)
-        held = tuple(map(id, args[:-1]))
-        if self._checked.get(drafts) != held:  # new buffers (an allocation, a narrowing): sizes checked once
+        checked = self._checked.get(drafts, ())
+        if len(checked) != len(buffers) or not all(map(operator.is_, checked, args)):  # new buffers: checked once
             _check(self.fixed[drafts], args)
-            self._checked[drafts] = held
+            self._checked[drafts] = args[:-1]  # (held, so that no new buffer takes an old one's identity)
         states = program(*args)
         if self.loop.drafter.from_states:
             self.loop.states = states
@@ -134,7 +136,7 @@ class CompiledStep:
         t0 = time.perf_counter()
         key = hashlib.sha256(f"{self._key}|drafts {drafts}|{names}|{sorted(self.options.items())}".encode()).hexdigest()
 
-        def build(path: str) -> None:
+        def build(path: str) -> dict:
             step_store.inductor_cache()
             dims = (tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in args),)  # (*inputs)
             notes = logging.getLogger("torch._export.non_strict_utils")  # a line for every size export fixes
@@ -184,6 +186,7 @@ def _loop_key(loop: SlotLoop) -> str:
     for name, t in (*loop.model.named_parameters(), *loop.model.named_buffers()):
         h.update(repr((name, t.dtype, tuple(t.shape))).encode())
         h.update(memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+
     def settings(owner: object) -> list:
         return sorted((k, v) for k, v in vars(owner).items() if not k.startswith("_") and isinstance(v, plain))
 
