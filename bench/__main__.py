@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    from bench import compare, gpu, host, pipeline, roofline, trees
+    from bench import compare, gpu, host, pipeline, trees
 
     p = sub.add_parser("compare", help="systems x models x batch sizes")
     compare.add_arguments(p, "greedy,iad,ct2")
@@ -38,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--competitor-threads", type=int, default=2, help="threads of each competing process")
     p.set_defaults(func=compare.contention)
     for name, module, about in (("host", host, "host work per decoder call (tiny model)"),
-                                ("roofline", roofline, "the batch-1 fp32 ceiling, and systems' shares of it"),
                                 ("trees", trees, "aggdec's methods from two source trees"),
                                 ("gpu", gpu, "the decode engine on a GPU"),
                                 ("jobs", pipeline, "corpus jobs on Ray against in-process decoding")):
         p = sub.add_parser(name, help=about)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
+    p = sub.add_parser("roofline", help="the batch-1 fp32 ceiling, and systems' shares of it")
+    host.add_roofline_arguments(p)
+    p.set_defaults(func=host.roofline)
     p = sub.add_parser("ops", help="operators per verifier call, two source trees")
     trees.add_ops_arguments(p)
     p.set_defaults(func=trees.ops)

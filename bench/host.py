@@ -11,18 +11,37 @@ device -> host synchronization on a GPU). `--compile` adds greedy's loop with a 
 reads are not counted). `--floor` adds the arithmetic a call cannot do without: every product and
 attention operator of a run timed alone at its own inputs (median of reruns, less the cost of
 calling an operator that does nothing), summed per call; host work is wall time less that floor.
+
+`roofline`: the most sentences/s batch-1 greedy decoding of a model can reach in fp32 on this CPU, and
+how close the systems of a `compare` run came to it.
+
+At batch 1 a decoder step multiplies one vector by every weight of the decoder's step: each layer's
+self-attention products (query, key, value, output), its cross-attention's query and output (the keys
+and values are the encoder's, computed once a sentence), its feed-forward products, and the output
+projection. A matrix-vector product reads each weight once and does one multiply-add with it, so at
+these sizes it runs at the speed weights stream from the caches and memory, and a step can take no
+less than those products take alone. Measured here with the model's own weights (`F.linear`, one row),
+at each layout P x T on `--threads` cores: P processes started together, T threads each, each with its
+own copy of the weights (as CTranslate2's `inter_threads` workers and aggdec's processes hold them);
+a layout's rate is the sum of its processes'. The ceiling: that rate of steps / the decoder steps a
+sentence takes (greedy on `--limit` sentences of the data, end of sentence included). It leaves out the
+encoder, attention and everything else a step does, so no system reaches it; one at a share s of it
+can gain at most 1/s without reading fewer bytes a step (lower precision, or more sentences a step).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import multiprocessing
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.record import Results
+from bench.record import Results, load
+from bench.systems import layouts
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu"}
 ARITHMETIC = ("aten.linear.", "aten.addmm.", "aten.mm.", "aten.bmm.", "aten.baddbmm.", "mkldnn._linear_pointwise.",
@@ -165,3 +184,109 @@ def main(a: argparse.Namespace) -> int:
                         run["host_us_per_call"] = round(run["us_per_call"] - run["floor_us_per_call"], 1)
                     results.add(run)
     return 1 if results.failed or not all(r["identical_to_eager"] for r in results.runs) else 0
+
+
+def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="an aggdec model directory")
+    p.add_argument("--data", type=Path, required=True, help="a TSV with a header line")
+    p.add_argument("--column", required=True, help="the source column")
+    p.add_argument("--limit", type=int, default=100, help="sentences greedy decodes to count steps a sentence")
+    p.add_argument("--threads", type=int, default=2, help="cores: every layout P x T with P * T <= this")
+    p.add_argument("--seconds", type=float, default=3.0, help="how long each process streams, a repeat")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repeats; a figure is their median")
+    p.add_argument("--compare", type=Path, nargs="*", default=[],
+                   help="`compare` results at batch 1: each system's share of the ceiling at its layout")
+    p.add_argument("--out", type=Path, default=None, help="the results file (bench/record.py)")
+
+
+def step_weights(model) -> list:
+    """The weights a batch-1 decoder step multiplies by (module docstring), as contiguous fp32 copies."""
+    import torch
+
+    weights = []
+    for layer in model.decoder.layers:
+        for attn, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "out_proj")),
+                            (layer.encoder_attn, ("q_proj", "out_proj"))):
+            weights += [getattr(attn, name).weight for name in names]
+        weights += [fc.weight for fc in (layer.fc1, layer.fc3, layer.fc2) if fc is not None]
+    projection = model.decoder.output_projection
+    weights.append(model.decoder.embed_tokens.weight if projection is None else projection.weight)
+    return [w.detach().to(torch.float32).contiguous().clone() for w in weights]
+
+
+def _stream(weights: list, threads: int, seconds: float, start, out) -> None:
+    """A process of a layout: the step's products on one row, for `seconds` after `start` (a barrier);
+    puts (steps, seconds) on `out`."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    weights = [w.clone() for w in weights]  # its own copy, as a worker of its own holds one
+    rows = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    with torch.inference_mode():
+        for _ in range(20):
+            for w in weights:
+                F.linear(rows[w.shape[1]], w)
+        start.wait()
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for w in weights:
+                F.linear(rows[w.shape[1]], w)
+            steps += 1
+        out.put((steps, time.perf_counter() - t0))
+
+
+def steps_per_second(weights: list, workers: int, threads: int, seconds: float) -> float:
+    """Decoder steps a second at batch 1, summed over `workers` processes of `threads` threads."""
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_stream, args=(weights, threads, seconds, start, out)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    rates = [steps / s for steps, s in (out.get() for _ in procs)]
+    for p in procs:
+        p.join()
+    return sum(rates)
+
+
+def steps_per_sentence(translator, sources: list[str]) -> float:
+    """Decoder steps a sentence of eager greedy at batch 1 (verifier calls, the end of sentence's included)."""
+    res = translator.translate_batch(sources, method="greedy", max_batch_size=1, compile=False)
+    return sum(r.stats.iterations for r in res) / len(res)
+
+
+def roofline(a: argparse.Namespace) -> int:
+    import torch
+
+    from aggdec.api import Translator
+
+    with a.data.open(encoding="utf-8", newline="") as f:
+        sources = [row[a.column] for _, row in zip(range(a.limit), csv.DictReader(f, delimiter="\t"))]
+    translator = Translator.load(a.model)
+    torch.set_num_threads(a.threads)
+    steps = steps_per_sentence(translator, sources)
+    weights = step_weights(translator.model)
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    settings = {k: [str(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
+                for k, v in vars(a).items() if k not in ("out", "func", "command")}
+    results = Results(a.out, "roofline", settings)
+    grid = layouts(a.threads)
+    rates: dict[str, list[float]] = {f"{p}x{t}": [] for p, t in grid}
+    for _ in range(a.repeat):  # interleaved
+        for p, t in grid:
+            rates[f"{p}x{t}"].append(steps_per_second(weights, p, t, a.seconds))
+    ceiling = {}
+    for layout, found in rates.items():
+        rate = statistics.median(found)
+        ceiling[layout] = rate / steps
+        results.add({"layout": layout, "step_weights_mb": round(megabytes, 2),
+                     "us_per_step": round(1e6 * int(layout.split("x")[0]) / rate, 1),
+                     "gb_per_s": round(rate * megabytes / 1e3, 1), "steps_per_sentence": round(steps, 2),
+                     "ceiling_sentences_per_s": round(ceiling[layout], 1)})
+    for path in a.compare:
+        for run in load(path)["runs"]:
+            if run.get("batch_size") == 1 and run.get("layout") in ceiling and "sentences_per_s" in run:
+                results.add({"system": run["system"], "layout": run["layout"], "from": path.name,
+                             "sentences_per_s": run["sentences_per_s"],
+                             "share_of_ceiling": round(run["sentences_per_s"] / ceiling[run["layout"]], 3)})
+    return 0

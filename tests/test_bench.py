@@ -165,8 +165,7 @@ def test_the_roofline_streams_every_weight_of_a_decoder_step_and_no_other():
     """A batch-1 step's weights: per decoder layer self-attention's four products, cross-attention's query
     and output (not its keys and values, which are the encoder's), the feed-forward pair; and the output
     projection (here the shared embedding), each once."""
-    from bench.host import tiny
-    from bench.roofline import step_weights, steps_per_second
+    from bench.host import step_weights, steps_per_second, tiny
 
     model = tiny()
     d, ffn, vocab, layers = model.cfg.d_model, model.cfg.dec_ffn, model.cfg.tgt_vocab, model.cfg.dec_layers
