@@ -159,13 +159,13 @@ def entries() -> list[Entry]:
 def trim(limit: int, keep: str | None = None) -> list[Entry]:
     """Remove the least recently used packages until the rest take at most `limit` bytes (the package at
     `keep` stays); returns those removed."""
-    removed, total = [], 0
+    removed, total, directory = [], 0, store_dir()
     for entry in entries():
         total += entry.size
-        path = os.path.join(store_dir(), f"{entry.key}.pt2")
+        path = os.path.join(directory, f"{entry.key}.pt2")
         if total > limit and path != keep:
             for suffix in (".pt2", ".json", ".pt2.lock"):
-                _remove(os.path.join(store_dir(), entry.key + suffix))
+                _remove(os.path.join(directory, entry.key + suffix))
             total -= entry.size
             removed.append(entry)
     return removed
