@@ -15,12 +15,6 @@ ENCODE_AHEAD_TOKENS = 4096
 """Source tokens (padded to the longest) that ENCODE_AHEAD's sentences may reach: what waits as
 cross K/V beyond the batch stays small for long sentences and large models."""
 
-HOST_MATCH_ROWS = 64
-"""Most rows whose IAD suffix match runs on the host (`InputCopy.propose_rows`) in an eager step: a few
-rows match in plain Python for less than the tensor `match` costs in operators (at batch 1, 11 us
-against 130 us a call on a 2-core AVX-512 CPU); from about a hundred rows the tensor match is the
-cheaper."""
-
 MATCH_DEPTH = 16
 """Longest output suffix a fixed-shape re-alignment tries (`InputCopy.match`)."""
 
@@ -64,12 +58,6 @@ SLOT_POSITIONS = 64
 (`slots.capacity`: powers of two from here). A short first call still gets buffers that later calls of
 ordinary sentences fit, so a loop allocates once for them (64 slots of gec-base: 32 MB of keys and values
 at this floor); a longer sentence doubles them (to at most the model's limit)."""
-
-RAGGED_SLOTS = 16
-"""Slots from which a compiled step's attention is the kernel of `aggdec.model.decode_attention`,
-which reads each row's own keys, instead of TorchInductor's loops over the masked span (the eager
-step always takes it). With fewer rows the kernel's call through the dispatcher costs more than
-the padding it skips."""
 
 REDUCE_CHUNK = 64
 """Logits a chunk holds in `projection.top2`, the eager top-1 and top-2 over fp32 rows: at 64 x 8,000

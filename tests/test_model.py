@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import CONFIGS, tiny_model
 
-from aggdec.model import decode_attention
 from aggdec.model.config import ModelConfig
 from aggdec.model.slots import SlotCache, Tokens
 
@@ -38,9 +37,8 @@ def _slots(model, src, length=40):
 
 def _decode(model, cache, block, start, keep=None):
     """Logits of `block` written at each slot's `start`: (B,T,V), or (N,V) at the `keep` positions alone."""
-    ragged = decode_attention.usable(block.device, cache.k[0].dtype)
     tokens = Tokens.of(block, start, keep)
-    logits = model.output_logits(model.decode_slots(tokens, cache, cache.length - 1, cache.src_width - 1, ragged))
+    logits = model.output_logits(model.decode_slots(tokens, cache, cache.length - 1, cache.src_width - 1))
     return logits if keep is not None else tokens.grid(logits, 0)
 
 

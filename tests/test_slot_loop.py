@@ -326,21 +326,6 @@ def test_slot_count():
     assert [slot_count(n) for n in (0, 1, 2, 3, 48, 63, 64, 65)] == [1, 1, 2, 4, 64, 64, 64, 128]
 
 
-def test_math_attention_equals_the_kernel():
-    """`core(math=True)` (the compiled step's attention) computes the kernel's attention: float64, random
-    masks that keep at least one key per query, one and several queries per row."""
-    from aggdec.model.transformer import MultiheadAttention
-
-    gen = torch.Generator().manual_seed(0)
-    attn = MultiheadAttention(16, 4, 0.0).eval()
-    for b, t, length in ((1, 1, 5), (3, 1, 17), (2, 4, 9)):
-        q, k, v = (torch.randn(b, n, 16, generator=gen, dtype=torch.float64) for n in (t, length, length))
-        keep = torch.rand(b, 1, t, length, generator=gen) < 0.6
-        keep[..., 0] = True
-        math, kernel = attn.core(q, k, v, keep, math=True), attn.core(q, k, v, keep)
-        torch.testing.assert_close(math, kernel, rtol=1e-12, atol=1e-12)
-
-
 def test_decode_attention_kernel_equals_masked_softmax():
     """The CPU kernel (built in the test environment) computes the masked softmax of `core` where each
     query sees a prefix of its row's keys: float64 to 1e-12, float32 to 1e-5, on cache-prefix views,
@@ -385,8 +370,7 @@ def test_decode_attention_kernel_equals_masked_softmax():
 def test_decode_attention_kernel_adds_a_score_bias():
     """With a score bias (B,heads,T,L) of any strides (T5's relative positions: a view whose heads
     are not last; one row broadcast over the batch) and a scale of its own (T5's: 1), the kernel
-    computes the biased masked softmax of `core`, and so does `core(math=True)`: each query its own
-    row of bias."""
+    computes the biased masked softmax of `core`: each query its own row of bias."""
     from aggdec.model import decode_attention
     from aggdec.model.transformer import MultiheadAttention
 
@@ -403,7 +387,6 @@ def test_decode_attention_kernel_adds_a_score_bias():
             want = attn.core(q, k, v, keep, bias=bias)
             got = decode_attention.attend(q, k, v, count, heads, bias=bias, scale=attn.scale)
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-            torch.testing.assert_close(attn.core(q, k, v, keep, math=True, bias=bias), want, rtol=tol, atol=tol)
             shared = bias[:1].expand(b, -1, -1, -1)
             torch.testing.assert_close(decode_attention.attend(q, k, v, count, heads, bias=shared, scale=attn.scale),
                                        attn.core(q, k, v, keep, bias=bias[:1]), rtol=tol, atol=tol)
@@ -486,16 +469,12 @@ print("ok")
 @compiles
 @pytest.mark.parametrize("kind", ["prenorm-learned-separate", pytest.param("t5-gated-like", marks=pytest.mark.slow)])
 def test_compiled_step_with_the_attention_kernel_equals_greedy(kind):
-    """From `RAGGED_SLOTS` slots a compiled step calls the attention kernel (T5: with its relative
-    position bias): naive greedy's output, with the slots refilled and the tail narrowed (one program
-    for all of it)."""
-    from aggdec.thresholds import RAGGED_SLOTS
-
+    """A compiled step calls the attention kernel (T5: with its relative position bias): naive greedy's
+    output, with the slots refilled and the tail narrowed (one program for all of it)."""
     model = tiny_model(kind, seed=2, vocab=9)
-    reqs = _requests(random.Random(5), 3 * RAGGED_SLOTS, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    reqs = _requests(random.Random(5), 48, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     ref = {r.index: naive_greedy(model, r.src, r.max_len) for r in reqs}
-    loop = SlotLoop(model, NoDraft(), max_batch_size=RAGGED_SLOTS, compile=True)
-    assert loop.ragged and not SlotLoop(model, NoDraft(), max_batch_size=RAGGED_SLOTS // 2, compile=True).ragged
+    loop = SlotLoop(model, NoDraft(), max_batch_size=16, compile=True)
     assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
     _assert_compiled(loop, 1)
 

@@ -256,7 +256,7 @@ def _iad_calls(drafter: InputCopy, src: list[int], output: list[int], eos: int =
     out = torch.zeros(1, len(target) + 1, dtype=torch.long)
     state = DecodeState(src=torch.tensor([src]), src_len=torch.tensor([len(src)]), out=out,
                         out_len=torch.tensor([1]), max_len=torch.tensor([len(target)]), cache=None,
-                        requests=[None], pad=0, eos=eos, fixed=False)  # as an eager step's
+                        requests=[None], pad=0, eos=eos)
     drafter.admit(state, torch.arange(1))
     calls, done = 0, 0
     while done < len(target):

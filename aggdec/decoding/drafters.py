@@ -31,7 +31,7 @@ class Drafter(Protocol):
 
     def propose(self, state: DecodeState, width: int) -> DraftBatch:
         """Drafts for every row: tokens (B, width) and each row's draft length before the loop's cut at
-        `width`. No host reads where `state.fixed`; an eager step also takes fewer than `width` columns."""
+        `width`, with no host read (every backend runs the same step)."""
 
     def observe(self, state: DecodeState, draft: DraftBatch | None, accepted: torch.Tensor,
                 verified: Verified | None) -> None:

@@ -12,7 +12,7 @@ from aggdec.decoding.drafters import RowState, adapt_length
 from aggdec.decoding.metadata import DraftBatch
 from aggdec.decoding.method_options import IADOptions
 from aggdec.decoding.state import DecodeState
-from aggdec.thresholds import HOST_MATCH_ROWS, IAD_MIN_DRAFT, MATCH_DEPTH
+from aggdec.thresholds import IAD_MIN_DRAFT, MATCH_DEPTH
 
 _BOS_MARK = -1  # stands for the decoder's start token and the input's start in suffix matching
 _NO_TOKEN = -2  # source padding, matches nothing
@@ -25,23 +25,6 @@ def _nearest(last: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     i = torch.arange(last.shape[1], device=last.device)[None]
     dist = 2 * (i - anchor[:, None]).abs() - (i > anchor[:, None]).long()
     return dist.masked_fill(~last, last.shape[1] * 4).argmin(dim=1)
-
-
-def _match_row(x: list[int], out: list[int], anchor: int, depth: int) -> int:
-    """`InputCopy.match` of one row: x = (BOS mark, source...), out = (BOS mark, output...)."""
-    j = len(out) - 1
-    ends = [i for i, t in enumerate(x) if t == out[j]]
-    q = 0  # the suffix has q + 1 tokens
-    while len(ends) > 1 and q < min(j, depth - 1):
-        longer = [i for i in ends if i > q and x[i - q - 1] == out[j - q - 1]]
-        if not longer:
-            break
-        ends, q = longer, q + 1
-    if len(ends) == 1:
-        return ends[0]
-    if anchor >= 0 and len(ends) > 1:  # the longest suffix that occurs several times
-        return min(ends, key=lambda i: 2 * abs(i - anchor) - (i > anchor))  # as _nearest
-    return -1
 
 
 def _first_occurrence(state: DecodeState) -> torch.Tensor:
@@ -125,28 +108,6 @@ class InputCopy:
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
-    def propose_rows(self, state: DecodeState, width: int, depth: int = MATCH_DEPTH) -> tuple[torch.Tensor, DraftBatch]:
-        """`propose`'s (x index of each row's first draft token, drafts) computed on the host row by row
-        from one read of the state and the drafter's rows: what `match`, `_drafts` and `_copy` compute
-        (where the step may read the host, `state.fixed` False)."""
-        n, resumes = state.batch_size, self.substitution or self.nearest_match
-        resume = self.rows.resume.tolist() if resumes else [-1] * n
-        cap = self.rows.cap.tolist() if self.adaptive else [self.max_draft or state.src.shape[1]] * n
-        src, src_len, out, out_len = (t.tolist() for t in (state.src, state.src_len, state.out, state.out_len))
-        table = []
-        for x, size, o, m, back, most in zip(src, src_len, out, out_len, resume, cap):
-            x = [_BOS_MARK, *x[:size]]
-            pos = _match_row(x, [_BOS_MARK, *o[1:m]], back if self.nearest_match else -1, depth)
-            if pos < 0 and self.skip_prefix and m == 2 * state.stride and o[m - 1] in x:
-                pos = x.index(o[m - 1])  # as _first_occurrence
-            if pos < 0 and self.substitution and back >= 0:
-                pos = back - 1
-            num = max(min(size - pos, most), 0) if pos >= 0 else 0
-            drafted = x[pos + 1: pos + 1 + min(num, width)] if pos >= 0 else []
-            table.append([pos + 1 if pos >= 0 else -1, num, *drafted, *[state.pad] * (width - len(drafted))])
-        table = torch.tensor(table, dtype=torch.long, device=state.out.device)
-        return table[:, 0], DraftBatch(tokens=table[:, 2:], num_draft=table[:, 1])
-
     def _drafts(self, state: DecodeState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From each row's match `pos` (B,) (-1: none), after the substitution fallback: the x index of
         its first draft token (-1: no draft) and its draft length under the row's cap."""
@@ -173,12 +134,7 @@ class InputCopy:
             rows.cap.copy_(adapt_length(rows.cap, num_draft, accepted, self.min_draft, self.max_draft))
 
     def propose(self, state, width):
-        """Drafts (B, width): each row's input after its unique suffix match, by tensors (`match`, `_drafts`,
-        `_copy`), or on the host (`propose_rows`, the same drafts) where the step may read it and rows are few."""
-        if not state.fixed and state.batch_size <= HOST_MATCH_ROWS:
-            start, draft = self.propose_rows(state, width)
-        else:
-            start, num = self._drafts(state, self.match(state, anchor=self.rows.resume if self.nearest_match else None))
-            draft = _copy(state, start, num, width)
+        """Drafts (B, width): each row's input after its unique suffix match (`match`, `_drafts`, `_copy`)."""
+        start, num = self._drafts(state, self.match(state, anchor=self.rows.resume if self.nearest_match else None))
         self.rows.start.copy_(start)
-        return draft
+        return _copy(state, start, num, width)

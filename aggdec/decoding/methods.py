@@ -100,7 +100,7 @@ class Method:
         compile = choose(context, opts, len(requests))
         new = (opts, compile, 0) not in context.slot_loops
         loop = self.loop(opts, context, self.drafter(opts, context), compile=compile)
-        cpu = loop.device.type == "cpu" and loop.packed
+        cpu = loop.device.type == "cpu" and loop.eager
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n == 1 or not THREADS.cores_busy():
             with measured(context, opts, loop, len(requests), new):

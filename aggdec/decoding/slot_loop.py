@@ -33,7 +33,7 @@ from aggdec.model.projection import OutputProjection, Rules
 from aggdec.model.slots import SlotCache, Tokens, capacity, exact_span, leading
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-from aggdec.thresholds import DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, RAGGED_SLOTS, SLOT_POSITIONS
+from aggdec.thresholds import DRAFT_LONGEST, GRAPH_MIN_SLOTS, GRAPH_WIDTHS, SLOT_POSITIONS
 
 STATE_ROWS = ("src", "src_len", "out", "out_len", "max_len", "index")
 """The fields of `DecodeState` that hold a row per slot (narrowed and moved with the slots)."""
@@ -78,7 +78,8 @@ class SlotLoop:
     `capture_plan`, once for the loop's buffers), or "check": run each step, admission and retirement
     eagerly under a replayed graph's rules (`capture_check`, any device). `compile` (CPU; not an int8
     verifier): the whole fixed-shape step compiled through `torch.export` and AOTInductor, stored once per
-    machine (aggdec.decoding.compiled_step). Elsewhere steps run eagerly on the live positions (`packed`).
+    machine (aggdec.decoding.compiled_step). Elsewhere steps run eagerly (`eager`), on the live tokens alone where the CPU
+    kernel attends (`Transformer.decode_slots`).
     An int8 verifier on a CUDA device is refused (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
@@ -111,17 +112,14 @@ class SlotLoop:
             warnings.warn(f"aggdec: compile: {why}; decoding eagerly", stacklevel=2)
             compile = False
         self.compile = compile
-        # attention over each row's own keys where the kernel builds (docs/design.md)
-        self.ragged = (self.device.type == "cpu" and (not compile or slot_count(max_batch_size) >= RAGGED_SLOTS)
-                       and decode_attention.load())
         # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        kernel = half and self.device.type == "cpu" and decode_attention.load()
-        self.cache_dtype = torch.float32 if kernel else self.dtype
-        # eager steps may read the host: they compute only each slot's real positions, with `projection`
-        self.packed = not compile and self.graphs is False
+        kernel = self.device.type == "cpu" and decode_attention.load()
+        self.cache_dtype = torch.float32 if kernel and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+        # eager steps may read the host, and where the kernel attends, take the live tokens alone
+        self.eager = not compile and self.graphs is False
+        self._live_tokens = self.eager and kernel and self.cache_dtype in (torch.float32, torch.float64)
         # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
-        if projection is None or (projection.certify and not self.packed):
+        if projection is None or (projection.certify and not self.eager):
             projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
                                           int8=model.output_int8)
         self.projection = projection
@@ -160,21 +158,18 @@ class SlotLoop:
             num = torch.where(active, torch.minimum(draft.num_draft, room), 0)
             num = num - num % s if s > 1 else num  # whole steps only
             offered = torch.where(active, draft.num_draft, 0).max()[None]
-            if self.packed:  # as wide as the longest draft
-                drafts = drafts[:, : int(num.max())]
             block = torch.cat([st.last_step(), drafts], dim=1)  # (B, T)
         else:
             block = st.last_step()
-        # 2. Verify [last step ; draft] as one flat batch of tokens (`packed`: only the live slots' real positions)
+        # 2. Verify [last step ; draft] as one flat batch of tokens: the live slots' real positions
+        # (`_live_tokens`), else every position of every slot
         b, t = block.shape
         offs = torch.arange(t, device=self.device)[None]
-        keep = None  # every position (a fixed-shape step; an eager greedy one where every slot holds a row)
-        if self.packed and width:
-            keep = (offs < num[:, None] + s) & active[:, None]
-        elif self.packed and not self._full:
-            keep = active[:, None].expand(b, t)
+        keep = None
+        if self._live_tokens:
+            keep = (offs < num[:, None] + s) & active[:, None] if width else active[:, None].expand(b, t)
         tokens = Tokens.of(block, generated, keep)
-        hidden = self.model.decode_slots(tokens, self.cache, span, src_width, self.ragged)
+        hidden = self.model.decode_slots(tokens, self.cache, span, src_width)
         scores = VerifierScores(self.projection, hidden, Rules(tokens.pos, st.max_len[tokens.rows], cfg.pad, cfg.eos,
                                                                 self.min_len, self.forced))
         # 3. Accept (no draft: every rule takes the top-1), 4. commit d_1..d_m + bonus; cut after the step that
@@ -325,7 +320,7 @@ class SlotLoop:
         self.state = DecodeState(
             src=torch.full((b, src_width), cfg.pad, dtype=torch.long, device=dev), src_len=long(b),
             out=long(b, length), out_len=long(b), max_len=long(b), cache=self.cache, requests=[None] * b,
-            pad=cfg.pad, eos=cfg.eos, stride=self.stride, fixed=not self.packed, index=long(b))
+            pad=cfg.pad, eos=cfg.eos, stride=self.stride, index=long(b))
         # on CUDA, a refill batch's `_admission` rows in pinned host memory and on the device
         self._pinned = self._admitted = None
         if dev.type == "cuda":
@@ -539,7 +534,6 @@ class SlotLoop:
                 width = 2 if width == 1 and self.compile else width  # (compiled_step: sizes 0 and 1 are fixed)
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
             built = self.compiled and self.compiled.seconds
-            self._full = len(live) == n  # every slot holds a row (an eager step may read this)
             self._run_step(width, span, src_width)
             built = built != (self.compiled and self.compiled.seconds)  # this call built or loaded a program
             summary = self._summary.tolist()  # the one host read of the iteration

@@ -23,8 +23,6 @@ class DecodeState:
     requests: host-side, the request each slot holds (None: empty). pad, eos: special ids.
     stride:  tokens the verifier emits per step: 1, or 2 for a double-token model (aggdec.double_token),
              whose generated tokens are a folded stream of (head, tail) pairs.
-    fixed:   the step is one fixed-shape program (compiled, captured, checked): drafters must not read
-             the host; False in an eager step, where they may.
     index:   (B,) int64, the `Request.index` each slot holds (any for an empty slot), on the device.
     """
 
@@ -38,7 +36,6 @@ class DecodeState:
     pad: int
     eos: int
     stride: int = 1
-    fixed: bool = True
     index: torch.Tensor | None = None
 
     @property

@@ -113,26 +113,17 @@ class MultiheadAttention(nn.Module):
         return self._kv((self.k_proj, self.v_proj), x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-             math: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None) -> torch.Tensor:
         """q (B,T,D) projected queries; k, v (B,L,D) projected keys/values; keep (B,1,T|1,L) bool
         -> (B,T,D) attention output before out_proj. bias (B|1,H,T,L), optional: added to the scaled
-        scores (T5's relative positions). math: batched products and a softmax instead of PyTorch's
-        fused kernel (a compiled step's few queries per row: TorchInductor fuses them)."""
+        scores (T5's relative positions)."""
         b, t, d = q.shape
         h = self.heads
         # unflatten splits only the last dimension: a cache prefix's view needs no contiguity check
-        # (under torch.compile, one that would specialize on whether the prefix is the whole cache)
         q, k, v = (x.unflatten(-1, (h, d // h)).transpose(1, 2) for x in (q, k, v))  # (B,H,T|L,Dh)
-        if math:
-            scores = torch.matmul(q, k.transpose(-1, -2))  # (B,H,T,L)
-            scores = scores * self.scale if self.scale != 1.0 else scores
-            scores = scores + bias if bias is not None else scores
-            weights = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-            out = torch.matmul(weights, v)  # (B,H,T,Dh)
-        else:
-            p = self.dropout if self.training else 0.0
-            mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)  # (B,H,T,Dh)
+        p = self.dropout if self.training else 0.0
+        mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)  # (B,H,T,Dh)
         return out.transpose(1, 2).reshape(b, t, d)
 
     def core_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
@@ -251,6 +242,47 @@ class Stack(nn.Module):
         index = tables[0].index(query, keys)
         biases = [table(index) for table in tables]
         return biases if len(biases) > 1 else biases * len(self.layers)
+
+
+def kernel_attend(mha: MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor,
+                  rows: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode_attention.attend` with `mha`'s heads and scale: q (B,T,D) over k, v (B',L,D), query [b, t]
+    seeing sees[b, t] keys (of row rows[b, j], optional); a half-precision model's queries over an fp32
+    cache in fp32, returned in their dtype."""
+    if q.dtype == k.dtype:
+        return decode_attention.attend(q, k, v, sees, mha.heads, rows, bias, mha.scale)
+    bias = None if bias is None else bias.to(k.dtype)
+    return decode_attention.attend(q.to(k.dtype), k, v, sees, mha.heads, rows, bias, mha.scale).to(q.dtype)
+
+
+def slot_attention(tokens: Tokens, cache: SlotCache, span: int, width: int, pairs: bool) -> tuple:
+    """How `Transformer.decode_slots` attends, by device: (self_attend(mha, q, k, v, bias),
+    cross_attend(mha, q, k, v), query). Queries q (N,D) -> (N,D); k, v: a slot cache's keys and values
+    (slots, span, D), or (slots, width, D) for the source; `query`: the tokens' positions as
+    `Stack.position_bias` takes them, for `bias`. Where the CPU kernel runs for the cache's dtype
+    (`decode_attention.usable`), each token reads its own slot's keys up to its position (`pairs`: the
+    end of its pair) and its source, through a row map; query (N,1), bias (N,H,1,span). Elsewhere masked
+    products on the slot grid, which `tokens` must fill (`Tokens.full`); query (B,T), bias (B,H,T,span)."""
+    n, (b, t) = tokens.ids.shape[0], tokens.shape
+    if decode_attention.usable(tokens.ids.device, cache.k[0].dtype):
+        query = tokens.pos[:, None]
+        sees = ((pair_limit(query) if pairs else query) + 1).clamp(max=span)  # (N,1)
+        source = cache.src_count[tokens.rows].clamp(max=width)[:, None]
+
+        def kernel(count, mha, q, k, v, bias=None):
+            return kernel_attend(mha, q[:, None], k, v, count, tokens.rows[:, None].expand(n, k.shape[1]), bias)[:, 0]
+
+        return partial(kernel, sees), partial(kernel, source), query
+    if n != b * t:
+        raise ValueError("masked slot attention takes every position of every slot (Tokens.full)")
+    query = tokens.pos.view(b, t)
+    limit = pair_limit(query) if pairs else query
+    causal = (torch.arange(span, device=query.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
+
+    def masked(keep, mha, q, k, v, bias=None):
+        return mha.core(q.view(b, t, -1), k, v, keep, bias).view(n, -1)
+
+    return partial(masked, causal), partial(masked, cache.src_keep[:, None, None, :width]), query
 
 
 class Transformer(nn.Module):
@@ -402,52 +434,35 @@ class Transformer(nn.Module):
             x = layer(x, self_attn, cross_attn)
         return self._final(x)
 
-    def decode_slots(self, tokens: Tokens, cache: SlotCache, span: int, width: int,
-                     ragged: bool = False) -> torch.Tensor:
+    def decode_slots(self, tokens: Tokens, cache: SlotCache, span: int, width: int) -> torch.Tensor:
         """Score a flat batch of tokens (`Tokens`) on top of their slots' prefixes -> their final states (N,D).
 
         Token i's keys and values are written at position tokens.pos[i] of slot tokens.rows[i] (past the
         cache's length: its last position, which no live row reaches). It attends to its slot's keys at
         positions <= its own (a double-token model: the end of its pair) within the first `span`, and to
-        the first `width` source positions where `cache.src_keep`. Attention runs on the slot grid
-        (`Tokens.grid`), the rest on the N tokens; no host read; shapes depend only on (N, B, T, span,
-        width). `ragged` (used where `decode_attention.usable` for the cache's dtype): the kernel reads
-        each query's visible keys only (in the cache's dtype, which may be fp32 for a half-precision
-        model); else masked products over the `span` and `width` prefixes."""
-        pos = tokens.grid(tokens.pos, 0)  # (B,T): each query's position (0 where no token is taken)
-        biases = self.decoder.position_bias(pos, span)  # (B,H,T,span) each, or None
-        # (row, position) of each token's keys/values: index_put_ (an in-place write, also compiled;
-        # a compiled scatter_ into an input copies the whole buffer)
+        the first `width` source positions where `cache.src_keep`. No host read; shapes depend only on
+        (N, B, T, span, width). Attention (`slot_attention`) reads each token's own keys through the CPU
+        kernel where it runs for the cache's dtype; elsewhere `tokens` must hold every position of every
+        slot (`Tokens.full`), and attention is masked products on the slot grid."""
         at = (tokens.rows, tokens.pos.clamp(max=cache.length - 1))
         x = self.decoder.embed(tokens.ids, tokens.pos)
-        math = torch.compiler.is_compiling() and x.device.type == "cpu"
-        ragged = ragged and decode_attention.usable(x.device, cache.k[0].dtype)
-        attend, self_sees, cross_sees = self._attention(
-            self._default_limit(pos), span, cache.src_count.clamp(max=width),
-            None if ragged else cache.src_keep[:, None, None, :width], ragged, math)
-        grid, flat = (lambda y: tokens.grid(y, 0)), tokens.at
-        if tokens.full:  # every position of every slot: the states stay on the grid (no layout change a layer)
-            b, t = tokens.shape
-            x, at, grid, flat = x.view(b, t, -1), (at[0].view(b, t), at[1].view(b, t)), (lambda y: y), (lambda y: y)
-        elif ragged:  # the kernel skips the queries of positions not taken (no keys)
-            taken = tokens.grid(torch.ones_like(tokens.pos, dtype=torch.bool), False)
-            self_sees, cross_sees = self_sees * taken, cross_sees * taken
+        self_attend, cross_attend, query = slot_attention(tokens, cache, span, width, self.cfg.double_token)
+        biases = self.decoder.position_bias(query, span)  # per token (N,H,1,span) or on the grid, or None
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
             sa, ca = layer.self_attn, layer.encoder_attn
 
             def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
-                cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
-                cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
-                return sa.out_proj(flat(attend(sa, grid(q), cache.k[i][:, :span], cache.v[i][:, :span], self_sees,
-                                               bias=bias)))
+                cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
+                cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
+                return sa.out_proj(self_attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], bias))
 
             def cross_attn(h, i=i, ca=ca):
-                return ca.out_proj(flat(attend(ca, grid(ca.q_proj(h)), cache.cross_k[i][:, :width],
-                                               cache.cross_v[i][:, :width], cross_sees)))
+                return ca.out_proj(cross_attend(ca, ca.q_proj(h), cache.cross_k[i][:, :width],
+                                                cache.cross_v[i][:, :width]))
 
             x = layer(x, self_attn, cross_attn)
-        return self._final(x).flatten(0, -2)
+        return self._final(x)
 
     def _final(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder's last layer's states -> the final norm (pre-norm), times `cfg.output_scale`."""
@@ -457,22 +472,16 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _attention(limit: torch.Tensor, span: int, cross_count: torch.Tensor, cross_keep: torch.Tensor | None,
-                   ragged: bool, math: bool = False) -> tuple:
+                   ragged: bool) -> tuple:
         """How a decoder call attends: (attend(mha, q, k, v, sees, rows=None, bias=None), self_sees,
         cross_sees). Query [b, t] sees the self-attention keys at positions <= limit[b, t] (B,T) within
         the first `span`, and the first cross_count[b] (B,) source positions, which cross_keep (B,1,1,S)
         marks; `bias` (B,H,T,L) is added to its scores. `ragged`: the CPU kernel (counts; `rows` its
-        row map); else masked products (`MultiheadAttention.core`, `math` as there; no row map)."""
+        row map); else masked products (`MultiheadAttention.core`; no row map)."""
         if ragged:
-            def attend(mha, q, k, v, sees, rows=None, bias=None):
-                if q.dtype == k.dtype:
-                    return decode_attention.attend(q, k, v, sees, mha.heads, rows, bias, mha.scale)
-                # queries of a half-precision model over an fp32 slot cache: in fp32, returned in theirs
-                bias = None if bias is None else bias.to(k.dtype)
-                return decode_attention.attend(q.to(k.dtype), k, v, sees, mha.heads, rows, bias, mha.scale).to(q.dtype)
-            return attend, (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
+            return kernel_attend, (limit + 1).clamp(max=span), cross_count[:, None].expand_as(limit)
         keep = (torch.arange(span, device=limit.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
-        return (lambda mha, q, k, v, sees, rows=None, bias=None: mha.core(q, k, v, sees, math, bias)), keep, cross_keep
+        return (lambda mha, q, k, v, sees, rows=None, bias=None: mha.core(q, k, v, sees, bias)), keep, cross_keep
 
     def _default_limit(self, pos: torch.Tensor) -> torch.Tensor:
         """Causal: each position sees itself and before; a double-token model's unit is the pair."""
