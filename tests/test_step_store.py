@@ -299,28 +299,34 @@ def test_a_default_decode_of_one_sentence_is_eager_and_said_once(tiny_model_dir,
         for _ in range(2):
             tr.translate_batch(["the cat runs ."])
     assert tr.backends == {"eager": 2}
-    assert [(opts.compile, compile, stream) for opts, compile, stream in tr._slot_loops] == [("auto", False, 0)]
+    assert [(opts.compile, stream) for opts, stream in tr._slot_loops] == [("auto", 0)]
+    assert not list(tr._slot_loops.values())[0].compile
     said = [r.getMessage() for r in caplog.records if "compile=auto" in r.getMessage()]
     assert said == ["aggdec: compile=auto: eager (greedy, 1 request at batch size 64: would save about 0.012 s, "
                     "loading the stored step takes about 1.5 s)"], said
 
 
-def test_kept_loops_are_kept_by_what_they_compile():
-    """A decode's choice is part of its loop's key: options decoded eagerly, then compiled, keep a loop each
-    (one built compiled, which builds nothing until it runs), and each call takes its own back."""
+@compiles
+def test_one_loop_per_option_set_whatever_each_call_compiles():
+    """A decode's compile choice is made per call on the one loop of its options: eager, compiled, then eager
+    again, each on that loop's slots (allocated once), each with the same output (greedy's)."""
     from aggdec.decoding.compile_choice import backend
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import get_method
+    from test_loop import _requests
     from tiny_models import tiny_model
 
     model = tiny_model("prenorm-learned-separate", seed=3, vocab=9).float()
     context, opts, greedy = _context(model), decode_options("greedy", max_batch_size=2), get_method("greedy")
-    eager = greedy.loop(opts, context, greedy.drafter(opts, context), compile=False)
-    compiled = greedy.loop(opts, context, greedy.drafter(opts, context), compile=True)
-    assert eager is not compiled and backend(eager) == "eager"
-    assert backend(compiled) == ("compiled" if lowered_isa() is None else "eager")
-    assert list(context.slot_loops) == [(opts, False, 0), (opts, True, 0)]
-    assert greedy.loop(opts, context, greedy.drafter(opts, context), compile=False) is eager
+    reqs = _requests(random.Random(3), 6, 9, model.cfg.eos, repeat=True)
+    outputs = []
+    for compile in (False, True, False):
+        loop = greedy.loop(opts, context, greedy.drafter(opts, context), compile=compile)
+        assert backend(loop) == ("compiled" if compile else "eager")
+        outputs.append(sorted((h.index, h.tokens) for h in loop.run(reqs)))
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert list(context.slot_loops) == [(opts, 0)] and loop.counters.allocations == 1
+    assert len(loop.compiled.programs) == 1
 
 
 def test_a_program_is_run_only_on_the_sizes_it_fixed():

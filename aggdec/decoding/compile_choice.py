@@ -41,8 +41,8 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
     if why := refused(context.model):
         return False, f"eager ({why})"
     key = steps_key(context, opts)
-    kept = context.slot_loops.get((opts, True, 0))
-    pays, why = compile_pays(opts, requests, compiled=kept is not None and bool(kept.compile),
+    kept = context.slot_loops.get((opts, 0))
+    pays, why = compile_pays(opts, requests, compiled=kept is not None and bool(kept.compiled and kept.compiled.programs),
                              stored=lambda: step_store.stored(key), measured=lambda: step_store.rates(key))
     return (True, f"compiling the {opts.method} step ({why})") if pays else (False, f"eager ({opts.method}, {why})")
 
@@ -93,29 +93,29 @@ def steps_key(context: DraftContext, opts: DecodeOptions) -> str:
     return hashlib.sha256(repr(what).encode()).hexdigest()
 
 
-def record(context: DraftContext, opts: DecodeOptions, loop, requests: int, seconds: float, new: bool) -> None:
+def record(context: DraftContext, opts: DecodeOptions, loop, requests: int, seconds: float, spent: float) -> None:
     """Record what a call of `requests` requests by `loop` measured, where `auto` may compile such a loop:
     the `seconds` a request took by its backend (programs' build or load left out), where the call decoded
-    at least RATE_REQUESTS requests and a batch; and where the loop is `new` and compiled, what building or
-    loading its programs took and which packages hold them."""
+    at least RATE_REQUESTS requests and a batch; and where the call `spent` seconds building or loading
+    programs, that time and which packages hold them."""
     if not auto_applies(context, opts):
         return
     key, step = steps_key(context, opts), loop.compiled
     if requests >= max(RATE_REQUESTS, opts.max_batch_size):
-        step_store.record_rate(key, "compiled" if step is not None else "eager", seconds / requests)
-    if new and step is not None and step.programs:
-        step_store.record_rate(key, "build" if step.built else "load", step.seconds)
+        step_store.record_rate(key, "compiled" if loop.compile else "eager", seconds / requests)
+    if spent and step is not None:
+        step_store.record_rate(key, "build" if step.built else "load", spent)
         step_store.record_packages(key, step.keys)
 
 
 @contextmanager
-def measured(context: DraftContext, opts: DecodeOptions, loop, requests: int, new: bool) -> Iterator[None]:
+def measured(context: DraftContext, opts: DecodeOptions, loop, requests: int) -> Iterator[None]:
     """Around a slot `loop` of `opts` decoding a call of `requests` requests: `record` what it took."""
     start = time.perf_counter()
     spent = loop.compiled.seconds if loop.compiled is not None else 0.0
     yield
     spent = (loop.compiled.seconds if loop.compiled is not None else 0.0) - spent
-    record(context, opts, loop, requests, time.perf_counter() - start - spent, new)
+    record(context, opts, loop, requests, time.perf_counter() - start - spent, spent)
 
 
 _SAID: set = set()  # say_once

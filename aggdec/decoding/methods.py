@@ -45,7 +45,7 @@ class DraftContext:
     load: Callable[[str, bool], Any]
     budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
     prompt: tuple[int, ...] | None = None
-    slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, compile, stream), kept (KEPT_LOOPS)
+    slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, stream), kept (KEPT_LOOPS)
     backends: Counter = field(default_factory=Counter)
 
 
@@ -68,24 +68,25 @@ class Method:
 
     def loop(self, opts: DecodeOptions, context: DraftContext, drafter: Drafter, stream: int = 0,
              compile: bool | None = None) -> SlotLoop:
-        """The draft -> verify loop of `opts` around `drafter` compiling `compile` (SlotLoop's; None: what
-        `compiles` picks for one request), kept across runs with its compiled step, buffers and captured
-        steps, with a draft budget where `opts` asks for `draft_length = "auto"` and the drafter drafts;
-        `stream`: which of a call's decoding streams it runs (each keeps a budget of its own). Loops and
-        budgets are kept by (options, compile, stream)."""
+        """The draft -> verify loop of `opts` around `drafter` (made with the first call's), kept across runs
+        with its compiled step, buffers and captured steps, its next runs compiling `compile` (None: what
+        `compiles` picks for one request) on those same buffers; with a draft budget where `opts` asks for
+        `draft_length = "auto"` and the drafter drafts. `stream`: which of a call's decoding streams it runs.
+        Loops are kept by (options, stream), budgets by (options, compile, stream)."""
         if compile is None:
             compile = compiles(context, opts, 1)[0]
-        key = (opts, compile, stream)
         budget = None
         if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
-            budget = _keep(context.budgets, key, KEPT_BUDGETS, lambda: DraftBudget(drafter.max_draft or DRAFT_LONGEST))
-        loop = _keep(context.slot_loops, key, KEPT_LOOPS, lambda: SlotLoop(
+            budget = _keep(context.budgets, (opts, compile, stream), KEPT_BUDGETS,
+                           lambda: DraftBudget(drafter.max_draft or DRAFT_LONGEST))
+        loop = _keep(context.slot_loops, (opts, stream), KEPT_LOOPS, lambda: SlotLoop(
             context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size, max_tokens=opts.max_tokens,
-            budget=budget, prompt=context.prompt, compile=compile, projection=context.projection))
-        recent = list(dict.fromkeys(k[:2] for k in reversed(context.slot_loops)))[:KEPT_BUFFERS]
+            prompt=context.prompt, compile=compile, projection=context.projection))
+        recent = list(context.slot_loops)[-KEPT_BUFFERS:]
         for other, kept in context.slot_loops.items():
-            if other[:2] not in recent:
+            if other not in recent:
                 kept.release()
+        loop.use_compiled(compile)
         loop.budget = budget
         return loop
 
@@ -98,12 +99,11 @@ class Method:
             context.backends["eager"] += len(requests)
             return self.run(opts, context.model, requests, context.prompt)
         compile = choose(context, opts, len(requests))
-        new = (opts, compile, 0) not in context.slot_loops
         loop = self.loop(opts, context, self.drafter(opts, context), compile=compile)
         cpu = loop.device.type == "cpu" and loop.eager
         n = stream_count(THREADS.own_threads(), opts.max_batch_size, len(requests)) if cpu else 1
         if n == 1 or not THREADS.cores_busy():
-            with measured(context, opts, loop, len(requests), new):
+            with measured(context, opts, loop, len(requests)):
                 hyps = list(loop.run(requests))
         else:
             part = dataclasses.replace(opts, max_batch_size=opts.max_batch_size // n,

@@ -104,33 +104,41 @@ class SlotLoop:
         self._refills = EncodeAhead(model, encode_batch, self.counters, max_batch_size)
         self.dtype, self.refill = next(model.parameters()).dtype, refill
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        if compile and self.device.type != "cpu":
-            raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        if compile not in (False, True):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        if compile and (why := compiled_step.refused(model)):
-            warnings.warn(f"aggdec: compile: {why}; decoding eagerly", stacklevel=2)
-            compile = False
-        self.compile = compile
         # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
         kernel = self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
-        # eager steps may read the host, and where the kernel attends, take the live tokens alone
-        self.eager = not compile and self.graphs is False
-        self._live_tokens = self.eager and kernel and self.cache_dtype in (torch.float32, torch.float64)
+        self._kernel = kernel and self.cache_dtype in (torch.float32, torch.float64)
         # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
-        if projection is None or (projection.certify and not self.eager):
-            projection = OutputProjection(model.output_weight, certify=False, bias=model.output_bias,
-                                          int8=model.output_int8)
-        self.projection = projection
+        plain = OutputProjection(model.output_weight, certify=False, bias=model.output_bias, int8=model.output_int8)
+        self._projections = (projection or plain, plain if projection is None or projection.certify else projection)
         self.max_draft = DRAFT_LONGEST if self.drafter.max_draft is None else self.drafter.max_draft
-        # slots a run narrows to at least (a compiled step specializes a batch of 1)
-        self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if self.compile else 1
         self._after = self.drafter.from_states  # drafts from each call's verifier states, after the step
         self._source_bound = getattr(self.drafter, "source_bound", False)  # optional (`Drafter`)
         self.states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (hidden, accepted)
+        self.compiled: compiled_step.CompiledStep | None = None  # built by the first compiled run
+        self._failed: str | None = None  # why compiling failed, once it did: the loop stays eager
         self.release()  # no slot buffers (`_allocate`) nor graphs yet
-        self.compiled = compiled_step.CompiledStep(self) if compile else None
+        self.use_compiled(compile, stacklevel=3)
+
+    def use_compiled(self, compile: bool, stacklevel: int = 2) -> None:
+        """Whether the next runs' steps are compiled (`compile`: CPU; an int8 verifier, or a loop whose compile
+        failed, warns and decodes eagerly), on the loop's own slots: the choice may change between runs."""
+        if compile not in (False, True):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if compile and self.device.type != "cpu":
+            raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
+        if compile and (why := compiled_step.refused(self.model) or self._failed):
+            warnings.warn(f"aggdec: compile: {why}; decoding eagerly", stacklevel=stacklevel)
+            compile = False
+        self.compile = compile
+        # eager steps may read the host (`projection`), and where the kernel attends, take the live tokens alone
+        self.eager = not compile and self.graphs is False
+        self._live_tokens = self.eager and self._kernel
+        self.projection = self._projections[0 if self.eager else 1]
+        # slots a run narrows to at least (a compiled step specializes a batch of 1)
+        self._fewest = GRAPH_MIN_SLOTS if self.graphs else 2 if compile else 1
+        if compile and self.compiled is None:
+            self.compiled = compiled_step.CompiledStep(self)
 
     def _queue(self, requests: Iterable[Request]) -> list[Request]:
         """The requests in admission order (pop() takes the longest); ValueError naming a request whose
@@ -221,13 +229,14 @@ class SlotLoop:
         self.drafter.observe(self.state, None, accepted, Verified(behind, keys, length))
 
     def _run_step(self, width: int, span: int, src_width: int) -> None:
-        if self.compiled is not None:
+        if self.compile:
             try:
                 self.compiled(width, span, src_width)
                 return
             except compiled_step.CompileFailed as e:  # before a program ran: rerun eagerly
                 warnings.warn(f"aggdec: compiling the decoder step failed, decoding eagerly: {e}", stacklevel=2)
-                self.compile, self.compiled = False, None
+                self._failed, self.compiled = f"compiling failed ({e})", None
+                self.use_compiled(False)
         key = (self.state.batch_size, width)
         if self.graphs == "check":
             if key not in self._plan or (span, src_width) != (self.cache.length - 1, self.cache.src_width - 1):
