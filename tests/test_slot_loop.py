@@ -776,3 +776,26 @@ def test_a_loop_refuses_int8_on_cuda(monkeypatch):
     assert asked == []
     SlotLoop(with_precision(model, "int8"))
     assert asked == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("kind", ["prenorm-learned-separate", "t5-gated-like", "double-token"])
+def test_masked_attention_on_the_slot_grid_equals_the_kernel(kind, monkeypatch):
+    """Without the CPU kernel (a GPU's path; a CPU where it did not load), a step takes every position of
+    every slot and attends by masked products on the slot grid: the kernel's tokens and statistics
+    (float64; T5's bias, a double-token model's pairs; IAD's drafts, refills and the narrowed tail),
+    eagerly and in check mode."""
+    from aggdec.model import decode_attention
+
+    model = tiny_model(kind, seed=4, vocab=9)
+    reqs = _requests(random.Random(6), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    drafter = (lambda: NoDraft()) if kind == "double-token" else (lambda: InputCopy(max_draft=4))
+
+    def decoded(**kw):
+        return {i: (h.tokens, h.stats.iterations, h.stats.accepted)
+                for i, h in _run(SlotLoop(model, drafter(), max_batch_size=4, **kw), reqs).items()}
+
+    kernel = decoded()
+    monkeypatch.setattr(decode_attention, "_loaded", False)
+    loop = SlotLoop(model, drafter(), max_batch_size=4)
+    assert not loop._live_tokens
+    assert decoded() == kernel == decoded(graphs="check")
