@@ -40,7 +40,7 @@ def test_routes_by_size_grad_and_switch(monkeypatch):
     with torch.no_grad():
         lin.linear(big, w)
         lin.linear(small, torch.randn(256, 256))  # 65k multiply-adds: stays on F.linear
-        with lin.use_onednn(False):
+        with lin.plain_products():
             lin.linear(big, w)
         assert lin.enabled()
     assert calls == [big.shape]
@@ -73,7 +73,7 @@ def test_prepacked_weight_gives_the_unpacked_product(dtype):
         assert torch.equal(y, lin._ONEDNN(x, w, None, "none", [], ""))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(y.float(), F.linear(x.float(), w.float()), atol=tol, rtol=tol)
-        with lin.use_onednn(False):  # the plain weight then, not the packed one
+        with lin.plain_products():  # the plain weight then, not the packed one
             assert torch.equal(lin.linear(x, w, packed=packed), F.linear(x, w))
     assert lin.prepack(w.double()) is None
 

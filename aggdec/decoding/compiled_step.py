@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aggdec import step_store
+from aggdec.model.linear import plain_products
 from aggdec.model.projection import OutputProjection
 from aggdec.thresholds import CPP_GEMM_SLOTS
 
@@ -143,7 +144,7 @@ class CompiledStep:
             level = notes.level
             notes.setLevel(logging.ERROR)
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), plain_products():
                     warnings.simplefilter("ignore")
                     exported = torch.export.export(_Traced(self.loop, drafts, names), args, dynamic_shapes=dims,
                                                    strict=False)

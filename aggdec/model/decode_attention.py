@@ -98,10 +98,8 @@ def _installed(path: Path) -> Path | None:
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients off
-    (no backward), and the kernel loaded (`load`; while torch.compile traces, only if loaded before)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.float64) or torch.is_grad_enabled():
-        return False
-    return bool(_loaded) if torch.compiler.is_compiling() else load()
+    (no backward), and the kernel loaded (`load`)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled() and load()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor, heads: int,

@@ -1,12 +1,13 @@
 """fp32 linear layers for CPU inference, through oneDNN where that is faster than PyTorch's default
 (docs/design.md, "fp32 products through oneDNN"). Only the summation order differs from `F.linear`
 (about 1e-6 relative), so lossless methods stay lossless. Inference only: not with gradients, under CPU
-autocast, while torch.compile traces, nor after `set_onednn(False)`.
+autocast, nor within `plain_products()` (what `torch.export` traces for a compiled step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -17,32 +18,33 @@ from aggdec.thresholds import MIN_MACS, WIDE_ROW_MACS
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
-_enabled = _ONEDNN is not None
+_PLAIN = contextvars.ContextVar("aggdec_plain_products", default=False)
 # oneDNN reorders bf16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere it raises
 _BF16_PACK = _REORDER is not None and all(torch.cpu.get_capabilities().get(f"avx512_{x}") for x in ("bw", "vl", "dq"))
 
 
 def enabled() -> bool:
-    """Whether large fp32 CPU products and prepacked weights go through oneDNN."""
-    return _enabled
+    """Whether large fp32 CPU products and prepacked weights go through oneDNN here (not in `plain_products`)."""
+    return _ONEDNN is not None and not _PLAIN.get()
 
 
-def set_onednn(on: bool) -> None:
-    """Large fp32 CPU inference products through oneDNN (True, the default where PyTorch has it) or
-    always through `F.linear` (False)."""
-    global _enabled
-    _enabled = bool(on) and _ONEDNN is not None
+def plain() -> bool:
+    """Whether this runs within `plain_products`."""
+    return _PLAIN.get()
 
 
 @contextlib.contextmanager
-def use_onednn(on: bool) -> Iterator[None]:
-    """`set_onednn(on)` for the duration of a block."""
-    before = _enabled
-    set_onednn(on)
+def plain_products() -> Iterator[None]:
+    """Within the block (this thread or task alone), every product through `F.linear` on the weights as
+    they are: no oneDNN call, no prepacked weight, fused layers as one concatenated weight. What
+    `torch.export` traces for TorchInductor (which chooses the products' kernels itself), and a
+    baseline for tests. The output projection's top-1 is then one product and plain reductions
+    (`projection.OutputProjection.top1`)."""
+    token = _PLAIN.set(True)
     try:
         yield
     finally:
-        set_onednn(before)
+        _PLAIN.reset(token)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -62,8 +64,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (..., in) @ weight (out, in).T + bias (out,) -> (..., out), as `F.linear`; then ReLU if `relu`
     (fused into the oneDNN product). On oneDNN at inference while `enabled()`: fp32 products of at least
     `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional)."""
-    if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
+    if (enabled() and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")):
         if packed is not None or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS):
             return _ONEDNN(x, weight if packed is None else packed, bias, "relu" if relu else "none", [], "")
     y = F.linear(x, weight, bias)
@@ -72,14 +74,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packed_for(holder: object, weight: torch.Tensor, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor | None:
     """`prepack(weight)` for an fp32 or bf16 inference product x @ weight.T of at least `min_rows` rows and
-    `MIN_MACS` multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None (also while
-    TorchInductor compiles). Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use
-    and again whenever the weight's storage or version counter moves."""
-    # no size test while compiling (the program would guard on the sizes); sizes first: most products stop there
-    if torch.compiler.is_compiling() or x.numel() < min_rows * weight.shape[1]:
+    `MIN_MACS` multiply-adds, or of 2+ rows with at least `WIDE_ROW_MACS` a row; else None (also within
+    `plain_products`). Kept on `holder` (attributes `_pack`, `_pack_key`): packed on first use and again
+    whenever the weight's storage or version counter moves."""
+    # no size test in plain products (a traced program would guard on the sizes); sizes first: most stop there
+    if not enabled() or x.numel() < min_rows * weight.shape[1]:
         return None
     wide = weight.shape[0] * weight.shape[1] >= WIDE_ROW_MACS and x.numel() >= 2 * weight.shape[1]
-    if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or not _enabled or torch.is_grad_enabled()
+    if (not (wide or x.numel() * weight.shape[0] >= MIN_MACS) or torch.is_grad_enabled()
             or weight.dtype not in (torch.float32, torch.bfloat16) or x.dtype != weight.dtype
             or weight.device.type != "cpu" or weight.is_inference()):
         return None
@@ -123,8 +125,8 @@ class Linear(nn.Linear, PackedWeight):
 class FusedLinear:
     """Several `Linear` layers applied to the same input as one product at inference: their weights
     and biases concatenated by output rows (again whenever one changes), one `linear` (prepacked as
-    `packed_for` decides), split back into each layer's output. While torch.compile traces, the
-    concatenation is part of the program (freezing folds it into one constant). With gradients, or
+    `packed_for` decides), split back into each layer's output. Within `plain_products` the concatenation
+    is part of the traced program (freezing folds it into one constant). With gradients, or
     where the layers are not `Linear`s of one dtype and device (an int8 model's), they run one by one.
     Copies and pickles leave the fused weight out."""
 
@@ -144,7 +146,7 @@ class FusedLinear:
                 or any(not isinstance(l, Linear) or (l.bias is not None) != biased or l.weight.dtype != first.dtype
                        or l.weight.device != first.device for l in layers)):
             return tuple(layer(x) for layer in layers)
-        if torch.compiler.is_compiling():
+        if _PLAIN.get():
             y = F.linear(x, torch.cat([l.weight for l in layers]),
                          torch.cat([l.bias for l in layers]) if biased else None)
             return y.split([l.out_features for l in layers], dim=-1)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from aggdec.model.linear import linear, prepack
+from aggdec.model.linear import linear, plain, prepack
 from aggdec.thresholds import CHUNKED_FROM, REDUCE_CHUNK, REFINE_WIDTH, TOP1_ROWS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -93,11 +93,11 @@ class Rules:
 
 
 def _chunked(z: torch.Tensor) -> bool:
-    """Whether `top2` searches chunks of z: eager fp32 rows (N, V) on the CPU, of several REDUCE_CHUNK
-    chunks and CHUNKED_FROM logits or more (ATen's index-returning reductions take several times as long
-    as `amax`'s passes there)."""
+    """Whether `top2` searches chunks of z: fp32 rows (N, V) on the CPU outside `linear.plain_products`, of
+    several REDUCE_CHUNK chunks and CHUNKED_FROM logits or more (ATen's index-returning reductions take
+    several times as long as `amax`'s passes there)."""
     return (z.dim() == 2 and z.dtype == torch.float32 and z.device.type == "cpu" and z.numel() >= CHUNKED_FROM
-            and z.shape[1] >= 2 * REDUCE_CHUNK and not torch.compiler.is_compiling())
+            and z.shape[1] >= 2 * REDUCE_CHUNK and not plain())
 
 
 def top2(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,7 +200,7 @@ class OutputProjection:
         n = hidden.shape[0]
         if self.certify and n >= self.certify_from:
             top1 = self._certified_top1(hidden, rules)
-        elif n <= TOP1_ROWS or torch.compiler.is_compiling():  # (a compiled step: one product, any N)
+        elif n <= TOP1_ROWS or plain():  # (a traced step: one product, any N)
             top1 = self._plain_top1(hidden, rules, None)
         else:
             at = torch.arange(n, device=hidden.device)
