@@ -318,26 +318,23 @@ class Transformer(nn.Module):
         keep = valid[:, None, None, :]  # (B,1,1,S)
         packed = not bool(valid.all())
         x = self.encoder.embed(src[valid], pos[valid]) if packed else self.encoder.embed(src, pos)
-        width = src.shape[1]
-        biases = self.encoder.position_bias(torch.arange(width, device=src.device)[None], width)  # (1,H,S,S) each
+        (bsz, width), kernel = src.shape, decode_attention.usable(src.device, x.dtype)
+        # the queries' positions as `position_bias` takes them: each packed token's for the kernel, else the grid's
+        query = pos[valid][:, None] if kernel and packed else torch.arange(width, device=src.device)[None]
+        biases = self.encoder.position_bias(query, width)  # (N,H,1,S) or (1,H,S,S) each, or None
 
         def unpack(y: torch.Tensor) -> torch.Tensor:
             return y.new_zeros(*src.shape, y.shape[-1]).index_put_((valid,), y) if packed else y
 
         sees = rows = None  # with the CPU kernel: each query's number of keys, and its row's (packed)
-        if decode_attention.usable(src.device, x.dtype):
+        if kernel:
             lengths = nonpad.sum(dim=1)
             if packed:  # a query per real token, its sentence's keys read through a row map
-                sentence = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)[valid]
-                sees, rows = lengths[sentence][:, None], sentence[:, None].expand(-1, src.shape[1])
+                sentence = torch.arange(bsz, device=src.device)[:, None].expand_as(src)[valid]
+                sees, rows = lengths[sentence][:, None], sentence[:, None].expand(-1, width)
             else:
                 sees = lengths[:, None].expand_as(src)
-            kernel = {}  # each table's bias in the kernel's layout: per packed token (N,H,1,S), or per row
-            for b in biases:
-                if b is not None and id(b) not in kernel:
-                    kernel[id(b)] = (b[0][:, pos[valid]].transpose(0, 1)[:, :, None] if packed
-                                     else b.expand(src.shape[0], -1, -1, -1))
-            biases = [kernel[id(b)] if b is not None else None for b in biases]
+                biases = [None if b is None else b.expand(bsz, -1, -1, -1) for b in biases]
 
         def self_attn(h: torch.Tensor, sa: MultiheadAttention, bias: torch.Tensor | None) -> torch.Tensor:
             q, k, v = sa.qkv(h)
