@@ -11,7 +11,7 @@ run: setup
 
 ## Set up and run the default test suite, two tests at a time (pytest-xdist).
 test: setup-dev
-	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider -n 2
+	$(PYTHON) -m pytest -m 'not slow' -p no:cacheprovider -n 2 --dist loadgroup
 
 # The package builds the CPU attention kernel against the torch installed first (setup.py):
 # without build isolation, which would build it against another copy of torch.

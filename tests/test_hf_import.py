@@ -25,6 +25,9 @@ from aggdec.api import Translator, decode_options  # noqa: E402
 from aggdec.decoding.options import OptionError  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402
 
+# one worker builds this module's session fixture once (`make test`: pytest-xdist's loadgroup)
+pytestmark = pytest.mark.xdist_group("hf")
+
 FAMILIES = ("marian", "bart", "mbart", "m2m100")  # every method on each
 LAYOUTS = (*FAMILIES, "marian-separate", "nllb", "mbart50")  # greedy against transformers on each
 BUILDERS = {"marian": hf_models.build_marian, "bart": hf_models.build_bart, "mbart": hf_models.build_mbart,

@@ -504,8 +504,10 @@ def test_compiled_steps_keep_their_own_weights():
 def test_compiled_step_equals_greedy():
     """A compiled step (CPU, symbolic shapes: one program for every span, source width, draft width and
     narrowed slot count) gives naive greedy's output across runs that reuse the loop, reached through the
-    public option of greedy and of IAD (at batch sizes 2 and 3), its draft budget not timing the calls
-    that built or loaded a program."""
+    public option of greedy and of IAD (batch size 3: 4 slots narrowing to 2), its draft budget not timing
+    the calls that built or loaded a program. The loop of one option set takes each call's compile choice
+    on its own slots: eager, then compiled again, with no new allocation nor program."""
+    from aggdec.decoding.compile_choice import backend
     from aggdec.decoding.method_options import decode_options
     from aggdec.decoding.methods import DraftContext, get_method
     from aggdec.model.projection import OutputProjection
@@ -525,23 +527,25 @@ def test_compiled_step_equals_greedy():
     assert loop.compiled.built + loop.compiled.loaded == 1
     with pytest.raises(ValueError, match="compile: takes the fp32 verifier"):
         decode_options("greedy", compile=True, precision="int8")
-    for batch in (2, 3):
-        iad = decode_options("iad", compile=True, max_batch_size=batch)
-        loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
-        heard, record = [], loop.budget.record
-        loop.budget.record = lambda *a, **k: (heard.append(a[0]), record(*a, **k))
-        assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
-        # the draft budget does not hear the calls that built or loaded a program (seconds, once: a first
-        # trial of drafting that paid for it lost, and greedy stayed chosen)
-        programs = len(loop.compiled.programs)
-        assert programs >= 1 and len(heard) == loop.counters.calls - programs
-        _assert_compiled(loop, programs)
-    # options used in turn keep their compiled steps and their buffers: back to greedy's, nothing is built,
-    # loaded or allocated
-    assert greedy.cache is not None and method.loop(opts, context, method.drafter(opts, context)) is greedy
+    iad = decode_options("iad", compile=True, max_batch_size=3)
+    loop = get_method("iad").loop(iad, context, get_method("iad").drafter(iad, context))
+    heard, record = [], loop.budget.record
+    loop.budget.record = lambda *a, **k: (heard.append(a[0]), record(*a, **k))
+    assert {i: h.tokens for i, h in _run(loop, reqs).items()} == ref
+    # the draft budget does not hear the calls that built or loaded a program (seconds, once: a first
+    # trial of drafting that paid for it lost, and greedy stayed chosen)
+    programs = len(loop.compiled.programs)
+    assert programs >= 1 and len(heard) == loop.counters.calls - programs
+    _assert_compiled(loop, programs)
+    # options used in turn keep their compiled steps and their buffers: back to greedy's, eagerly then
+    # compiled, nothing is built, loaded or allocated
     allocations = greedy.counters.allocations
-    assert {i: h.tokens for i, h in _run(greedy, reqs).items()} == ref
+    for compile in (False, True):
+        assert method.loop(opts, context, method.drafter(opts, context), compile=compile) is greedy
+        assert backend(greedy) == ("compiled" if compile else "eager")
+        assert {i: h.tokens for i, h in _run(greedy, reqs).items()} == ref
     assert greedy.compiled.built + greedy.compiled.loaded == 1 and greedy.counters.allocations == allocations
+    assert list(context.slot_loops) == [(iad, 0), (opts, 0)]
 
 
 @compiles

@@ -306,29 +306,6 @@ def test_a_default_decode_of_one_sentence_is_eager_and_said_once(tiny_model_dir,
                     "loading the stored step takes about 1.5 s)"], said
 
 
-@compiles
-def test_one_loop_per_option_set_whatever_each_call_compiles():
-    """A decode's compile choice is made per call on the one loop of its options: eager, compiled, then eager
-    again, each on that loop's slots (allocated once), each with the same output (greedy's)."""
-    from aggdec.decoding.compile_choice import backend
-    from aggdec.decoding.method_options import decode_options
-    from aggdec.decoding.methods import get_method
-    from test_loop import _requests
-    from tiny_models import tiny_model
-
-    model = tiny_model("prenorm-learned-separate", seed=3, vocab=9).float()
-    context, opts, greedy = _context(model), decode_options("greedy", max_batch_size=2), get_method("greedy")
-    reqs = _requests(random.Random(3), 6, 9, model.cfg.eos, repeat=True)
-    outputs = []
-    for compile in (False, True, False):
-        loop = greedy.loop(opts, context, greedy.drafter(opts, context), compile=compile)
-        assert backend(loop) == ("compiled" if compile else "eager")
-        outputs.append(sorted((h.index, h.tokens) for h in loop.run(reqs)))
-    assert outputs[0] == outputs[1] == outputs[2]
-    assert list(context.slot_loops) == [(opts, 0)] and loop.counters.allocations == 1
-    assert len(loop.compiled.programs) == 1
-
-
 def test_a_program_is_run_only_on_the_sizes_it_fixed():
     """An AOTInductor program does not check its inputs' sizes; `compiled_step._fixed` records those export
     fixed and the least of the symbolic ones, and `_check` refuses inputs that differ (the loop then decodes

@@ -31,6 +31,9 @@ from aggdec.decoding.state import DecodeState  # noqa: E402
 from aggdec.model.draft_head import DraftHead, DraftHeadConfig  # noqa: E402
 from aggdec.model.heads import ProposalHeads  # noqa: E402
 
+# one worker builds this module's session fixture once (`make test`: pytest-xdist's loadgroup)
+pytestmark = pytest.mark.xdist_group("t5")
+
 LAYOUTS = ("t5", "t5-v1.1", "mt5")  # umt5 (mt5's code with per-layer tables): test_umt5_*
 LIMIT = 40  # transformers' max_new_tokens; aggdec's max_len_a = 0, max_len_b = LIMIT
 SOURCES = [TASK_PREFIX * (i % 2) + t for i, t in enumerate(synthetic_sentences(60, seed=7))]
