@@ -27,7 +27,10 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
+from aggdec.model.config import HF_FAMILIES as _FAMILIES  # noqa: E402  (torch-free)
+
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "models" / "gec-base")
+HF_FAMILIES = ", ".join(_FAMILIES).replace("m2m_100", "m2m_100/NLLB")
 
 
 class Failure(click.ClickException):
@@ -190,7 +193,7 @@ def _base_type(hint):
 
 @main.command(cls=_DecodeCommand)
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
-              help="Project model directory, a Hugging Face model directory (marian, bart, mbart, m2m_100/NLLB), "
+              help=f"Project model directory, a Hugging Face model directory ({HF_FAMILIES}), "
                    "or a fairseq checkpoint*.pt (then --data-dir and --trust-checkpoint).")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")
 @click.option("--bpe", type=click.Choice(["subword_nmt", "sentencepiece"]), default=None, help="fairseq models: segmentation.")
@@ -247,9 +250,13 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
                 f.write(json.dumps({"line": i + 1, **{k: v[i] for k, v in columns.items()}}) + "\n")
     summary = summarize(results, seconds)
     bad = {k: v for k, v in summary["status"].items() if k != "ok"}
-    per_call = "decoder call" if method == "beam" else "verifier call"  # beam has no verifier
-    click.echo(f"{summary['rows']} sentences in {seconds:.2f}s ({summary['sentences_per_s']:.1f}/s), "
-               f"{summary['tokens_per_iter']:.2f} tokens per {per_call}"
+    rows = summary["rows"]
+    if method == "beam":  # no verifier: a call is a search step, every beam's token at once, until all end
+        calls = f"{summary['iterations'] / max(rows, 1):.1f} decoder calls a sentence (beams together)"
+    else:
+        calls = f"{summary['tokens_per_iter']:.2f} tokens per verifier call"
+    click.echo(f"{rows} sentence{'' if rows == 1 else 's'} in {seconds:.2f}s ({summary['sentences_per_s']:.1f}/s), "
+               f"{calls}"
                + (f", mean accepted draft tokens per verifier call {summary['mean_accepted_per_iter']:.2f}"
                   if summary["drafted"] else "")
                + (f", status {bad}" if bad else ""), err=True)
@@ -259,8 +266,8 @@ def decode(model, method, data_dir, bpe, bpe_model, trust_checkpoint, device, st
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--from", "origin", type=click.Choice(["fairseq", "transformers"]), default="fairseq", show_default=True,
-              help="fairseq: CHECKPOINT is a fairseq .pt; transformers: a local Hugging Face model directory (marian, "
-                   "bart, mbart, m2m_100/NLLB) with its tokenizer files.")
+              help=f"fairseq: CHECKPOINT is a fairseq .pt; transformers: a local Hugging Face model directory "
+                   f"({HF_FAMILIES}) with its tokenizer files.")
 @click.option("--to", "target", type=click.Choice(["aggdec", "fairseq"]), default="aggdec", show_default=True,
               help="aggdec: fairseq checkpoint -> project format; fairseq: project model dir -> fairseq checkpoint + dicts.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None, help="fairseq data dir with dictionaries.")

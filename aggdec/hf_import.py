@@ -34,11 +34,10 @@ import torch
 
 from aggdec.checkpoint import Bundle, check_vocab, file_sha, save
 from aggdec.conventions import Conventions
-from aggdec.model.config import ModelConfig
+from aggdec.model.config import HF_FAMILIES, ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers.hf import hf_tokenizers
 
-SUPPORTED = ("marian", "bart", "mbart", "m2m_100", "t5", "mt5", "umt5")
 T5_FAMILIES = ("t5", "mt5", "umt5")
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh"}
@@ -74,9 +73,9 @@ def _json(path: Path) -> dict:
 
 def _model_type(d: Path, hf: dict) -> str:
     kind = hf.get("model_type")
-    if kind not in SUPPORTED:
+    if kind not in HF_FAMILIES:
         raise ValueError(f"{d / 'config.json'}: model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED)} (NLLB is m2m_100)")
+                         f"{', '.join(HF_FAMILIES)} (NLLB is m2m_100)")
     return kind
 
 

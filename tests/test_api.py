@@ -78,11 +78,19 @@ def test_cli_decode_runs_in_process_and_names_a_bad_device(tiny_model_dir, monke
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--method", "iad", "--device", "cpu"], input=src)
     assert res.exit_code == 0, res.output
     assert res.output.splitlines()[:5] == ref
+    assert res.output.splitlines()[-1].startswith("5 sentences in ")
     assert "tokens per verifier call" in res.output.splitlines()[-1]
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--method", "beam"], input=src)
     summary = res.output.splitlines()[-1]
-    assert res.exit_code == 0 and "tokens per decoder call" in summary and "verifier" not in summary
+    assert res.exit_code == 0 and "decoder calls a sentence (beams together)" in summary and "verifier" not in summary
     assert "accepted" not in summary  # no drafts, no acceptance figure
+    res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir)], input=src.splitlines()[0] + "\n")
+    assert res.exit_code == 0 and res.output.splitlines()[-1].startswith("1 sentence in "), res.output
+    from aggdec.model.config import HF_FAMILIES
+
+    for command in ("decode", "convert"):
+        shown = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+        assert all(family in shown for family in HF_FAMILIES), (command, shown)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), "--device", "cuda"], input=src)
     assert res.exit_code == 2 and "--device" in res.output and "no CUDA device" in res.output

@@ -207,6 +207,8 @@ def test_auto_decides_by_the_rates_measured_on_this_machine():
     assert pays(100, fast, stored=True) and not pays(100, fast, stored=False) and pays(600, fast, stored=False)
     assert pays(40, fast, stored=True) and not pays(40, {"eager": 0.063}, stored=True)
     assert not pays(10**6, {"eager": 0.01, "compiled": 0.02}, True)
+    assert compile_pays(opts, 100, compiled=False, stored=lambda: True, measured=lambda: {"eager": 0.01, "compiled": 0.02})[
+        1] == "100 requests at batch size 1, measured here 100 requests/s eager, 50 compiled: the compiled step measured no faster here"
     assert compile_pays(opts, 100, compiled=False, stored=lambda: True, measured=lambda: {**fast, "load": 0.3})[1] == (
         "100 requests at batch size 1, measured here 16 requests/s eager, 67 compiled, stored: saves about 4.8 s, "
         "loading takes about 0.3 s")

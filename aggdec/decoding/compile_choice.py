@@ -73,6 +73,8 @@ def compile_pays(opts: DecodeOptions, requests: int, *, compiled: bool, stored: 
     else:
         saved = opts.compile_saves_s * requests / max(1, min(batch, requests))
     cold, warm = rate.get("build", COMPILE_COLD_S), rate.get("load", COMPILE_WARM_S)
+    if saved <= 0:
+        return False, f"{call}: the compiled step measured no faster here"
     if saved < warm:
         return False, f"{call}: would save about {saved:.2g} s, loading the stored step takes about {warm:.2g} s"
     if saved >= cold:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+HF_FAMILIES = ("marian", "bart", "mbart", "m2m_100", "t5", "mt5", "umt5")
+"""The Hugging Face `model_type`s that import (aggdec.hf_import); NLLB is m2m_100."""
+
 PRECISIONS = ("fp32", "bf16", "int8")
 """The precisions a verifier runs at (aggdec.model.precision; the `precision` option)."""
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
