@@ -110,3 +110,18 @@ def test_an_exported_fairseq_checkpoint_segments_raw_text_with_its_model(tiny_mo
     (exp / "spm.model").unlink()
     with pytest.raises(FileNotFoundError, match=r"spm.model: .* pass --bpe sentencepiece --bpe-model PATH$"):
         load_fairseq(exp / "checkpoint.pt", exp, trust=True)
+
+
+def test_the_readme_python_api_example_runs_as_written():
+    """The README's Python API block, run as written from the checkout's root in a process of its own,
+    prints its two lines."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run([sys.executable, "-c", block], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stdout.splitlines()) == 2 and "ok" in done.stdout.splitlines()[0], done.stdout
