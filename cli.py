@@ -357,7 +357,10 @@ def train_ar(ctx) -> None:
     config = ar_config(ctx.args)  # --help and bad flags answer here, before torch loads
     from aggdec.train import ar
 
-    ar.train_ar(config)
+    try:
+        ar.train_ar(config)
+    except ValueError as e:  # bad data or options for that data (a vocabulary it cannot hold)
+        raise Failure(str(e)) from e
 
 
 @train.command("heads", context_settings=_PASS_THROUGH)

@@ -327,3 +327,20 @@ def test_a_job_that_fails_to_start_says_so_in_one_line_and_leaves_nothing(tiny_m
     # free space and need in figures that show which is larger
     assert _megabytes(100_000, 100_001) == ("0.100000", "0.100001")
     assert _megabytes(52_000, 148_000) == ("0.05", "0.15") and _megabytes(3e9, 1e9) == ("3000.0", "1000.0")
+
+
+def test_train_ar_on_a_small_text_names_the_vocabulary_size(tmp_path):
+    """`aggdec train ar` on 250 pairs with the default vocabulary size stops before training with one line
+    naming --vocab-size and what the text holds, exit status 2; every flag of its help has a text."""
+    from aggdec.train.args import ar_parser
+
+    words = "the cat dog runs sat on a mat big red".split()
+    rows = [" ".join(words[(i * 7 + j) % len(words)] for j in range(6)) for i in range(250)]
+    (tmp_path / "train.tsv").write_text("src\ttgt\n" + "".join(f"{r}\t{r}\n" for r in rows))
+    done = subprocess.run([*AGGDEC, "train", "ar", "--train", "train.tsv", "--valid", "train.tsv", "--src-col", "src",
+                           "--tgt-col", "tgt", "--out", "m", "--max-minutes", "0.1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and re.fullmatch(r"aggdec: error: --vocab-size 8000: the training text holds at most "
+                                                 r"\d+ pieces; pass --vocab-size \d+ or less, or more text", last), last
+    assert all(a.help for a in ar_parser()._actions)

@@ -63,6 +63,31 @@ class TrainConfig:
 
 
 
+AR_HELP = {
+    "train": "training pairs: a TSV file with a header line", "valid": "validation pairs: a TSV file as --train",
+    "src_col": "the source column of --train and --valid", "tgt_col": "the target column",
+    "out": "the model directory to write", "recipe": "a free-form name recorded in the model's metadata",
+    "spm_model": "reuse this sentencepiece model (default: train OUT/spm.model on the training text)",
+    "vocab_size": "sentencepiece pieces to train (at most what the text holds)",
+    "init_from": "continue from a saved model directory (its configuration and sentencepiece model win)",
+    "rewarmup": "with --init-from: updates over which the continued learning rate ramps up again",
+    "d_model": "model width", "heads": "attention heads", "ffn": "feed-forward width",
+    "enc_layers": "encoder layers", "dec_layers": "decoder layers", "pre_norm": "normalize before each sublayer",
+    "dropout": "dropout after sublayers and embeddings", "attention_dropout": "dropout of attention weights",
+    "activation_dropout": "dropout inside the feed-forward layer", "max_positions": "longest sequence, in pieces",
+    "double_token": "fold targets into (head, tail) pairs: a double-token model (learned decoder positions)",
+    "max_tokens": "tokens a batch holds, padding counted (batch size x longest side)",
+    "lr": "peak learning rate (inverse square root schedule)", "warmup": "updates of linear warm-up",
+    "warmup_init_lr": "learning rate at the first update", "label_smoothing": "label smoothing of the loss",
+    "clip_norm": "gradient norm clipping", "bf16": "bfloat16 autocast for the forward pass (AMX/AVX512-BF16 or CUDA)",
+    "device": "cpu or cuda (checkpoints are saved alike)", "max_minutes": "training time budget",
+    "max_updates": "stop after this many updates (0: no limit)", "seed": "random seed", "threads": "CPU threads",
+    "log_interval": "updates between log lines", "eval_minutes": "validate (and save if better) this often, and at the end",
+    "eval_updates": "or every this many updates (0: off)",
+}
+"""Each `TrainConfig` field's help text (`ar_parser`)."""
+
+
 def ar_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aggdec.train.ar", description=AR_DESCRIPTION)
     p.add_argument("--task", choices=sorted(TASKS),
@@ -73,11 +98,12 @@ def ar_parser() -> argparse.ArgumentParser:
     for name, f in fields.items():
         flag = "--" + name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=AR_HELP[name])
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
             default = None if f.default is dataclasses.MISSING else f.default
-            p.add_argument(flag, type=typ, default=default)
+            p.add_argument(flag, type=typ, default=default,
+                           help=AR_HELP[name] + ("" if default in (None, "") else " (default: %(default)s)"))
     return p
 
 

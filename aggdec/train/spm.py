@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,7 +13,8 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: Path, vocab_size: in
     """Train on `texts` (one sentence each) and return `<model_prefix>.model`.
 
     Deterministic: sentences are fed in the given order, no sampling shuffle, one thread.
-    At most `input_sentence_size` sentences are used (the first ones).
+    At most `input_sentence_size` sentences are used (the first ones). ValueError naming `--vocab-size`
+    where the texts hold fewer pieces than `vocab_size`.
     """
     import sentencepiece as spm
 
@@ -27,8 +29,22 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: Path, vocab_size: in
             if t:
                 yield t
 
+    try:
+        _train(spm, sentences(), model_prefix, vocab_size, model_type, input_sentence_size, character_coverage,
+               byte_fallback)
+    except RuntimeError as e:
+        most = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
+        if most is None:
+            raise
+        raise ValueError(f"--vocab-size {most[1]}: the training text holds at most {most[2]} pieces; "
+                         f"pass --vocab-size {most[2]} or less, or more text") from None
+    return model_prefix.with_suffix(".model")
+
+
+def _train(spm, sentences, model_prefix: Path, vocab_size: int, model_type: str, input_sentence_size: int,
+           character_coverage: float, byte_fallback: bool) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(),
+        sentence_iterator=sentences,
         model_prefix=str(model_prefix),
         vocab_size=vocab_size,
         model_type=model_type,
@@ -41,4 +57,3 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: Path, vocab_size: in
         max_sentence_length=16384,
         minloglevel=2,
     )
-    return model_prefix.with_suffix(".model")
