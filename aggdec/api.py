@@ -24,7 +24,7 @@ import torch
 
 from aggdec import checkpoint
 from aggdec.allocator import keep_freed_memory
-from aggdec.checkpoint import Bundle
+from aggdec.bundle import Bundle
 from aggdec.conventions import Framing
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats

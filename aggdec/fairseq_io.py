@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from aggdec.checkpoint import Bundle, check_vocab, file_sha
+from aggdec.bundle import Bundle, check_vocab, file_sha
+from aggdec.bundle import save as save_project
 from aggdec.checkpoint import load as load_project
-from aggdec.checkpoint import save as save_project
 from aggdec.conventions import Conventions
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer

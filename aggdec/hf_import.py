@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from aggdec.checkpoint import Bundle, check_vocab, file_sha, save
+from aggdec.bundle import Bundle, check_vocab, file_sha, save
 from aggdec.conventions import Conventions
 from aggdec.model.config import HF_FAMILIES, ModelConfig
 from aggdec.model.transformer import Transformer

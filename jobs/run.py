@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from aggdec.checkpoint import file_sha
-from aggdec.decoding.method_options import output_options
+from aggdec.bundle import file_sha
+from aggdec.decoding.options import output_options
 from cluster.connection import alive_nodes
 from cluster.resources import ActorPlan, plan_actors
 from jobs.commit import OutputDir, UnwritableOutput

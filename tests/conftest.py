@@ -46,7 +46,7 @@ def build_tiny_model(out_dir: Path, *, vocab: int = 100, steps: int = 150, seed:
     """Train a unigram sentencepiece model and a 2+2-layer d=32 Transformer on a copy task; save it."""
     import sentencepiece as spm
 
-    from aggdec import checkpoint
+    from aggdec import bundle
     from aggdec.model.config import ModelConfig
     from aggdec.model.transformer import Transformer
 
@@ -85,7 +85,7 @@ def build_tiny_model(out_dir: Path, *, vocab: int = 100, steps: int = 150, seed:
         opt.step()
     model.eval()
     tokenizer = {"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"}
-    return checkpoint.save(out_dir, model, tokenizer, {"spm.model": out_dir / "spm_train.model"},
+    return bundle.save(out_dir, model, tokenizer, {"spm.model": out_dir / "spm_train.model"},
                            dtype=torch.float32, meta={"note": "test fixture: tiny copy model"})
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import CONFIGS, FAIRSEQ_CONFIGS, naive_greedy, tiny_model
 
-from aggdec.checkpoint import Bundle
+from aggdec.bundle import Bundle
 from aggdec.decoding import beam as beam_module
 from aggdec.decoding import scheduler as loop_module
 from aggdec.decoding.beam import beam_search

@@ -13,22 +13,10 @@ from typing import Any
 import torch
 
 from aggdec.decoding.candidates import chunk_for, top_candidates
-from aggdec.decoding.metadata import BeamHypothesis, Hypothesis, Request, RowStats
-from aggdec.decoding.method_options import BeamOptions
+from aggdec.decoding.metadata import BeamHypothesis, Request, RowStats
 from aggdec.decoding.scheduler import ahead_count, pad_batch
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
-
-
-def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
-             prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
-    """Decode `requests` as `opts` says: beam search, over (head, tail) pairs for a double-token model
-    (the double-token paper's Algorithm 1)."""
-    from aggdec.decoding.pair_beam import pair_beam_search
-
-    search = pair_beam_search if model.cfg.double_token else beam_search
-    return search(model, requests, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
-                  nbest=opts.nbest, prompt=prompt)
 
 
 @torch.inference_mode()

@@ -13,18 +13,16 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aggdec import step_store
 from aggdec.decoding.compiled_step import refused
+from aggdec.decoding.context import DraftContext
 from aggdec.decoding.method_options import to_mapping
 from aggdec.decoding.options import DecodeOptions
 from aggdec.thresholds import COMPILE_COLD_S, COMPILE_WARM_S, RATE_REQUESTS
-
-if TYPE_CHECKING:
-    from aggdec.decoding.methods import DraftContext
 
 
 def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple[bool, str | None]:

@@ -21,7 +21,7 @@ import operator
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,8 +30,6 @@ from aggdec.model.linear import plain_products
 from aggdec.model.projection import OutputProjection
 from aggdec.thresholds import CPP_GEMM_SLOTS
 
-if TYPE_CHECKING:
-    from aggdec.decoding.slot_loop import SlotLoop
 
 
 def inductor_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, Any]:
@@ -62,7 +60,7 @@ class _Traced(torch.nn.Module):
     """The loop's step over explicit buffers, for `torch.export`: the model as a submodule (its weights
     are the program's constants), each buffer of `names` an input, the integers as `_carrier` sizes."""
 
-    def __init__(self, loop: SlotLoop, drafts: bool, names: list[str]):
+    def __init__(self, loop: Any, drafts: bool, names: list[str]):
         super().__init__()
         self.model = loop.model
         object.__setattr__(self, "loop", loop)  # not a submodule: its tensors are inputs
@@ -101,7 +99,7 @@ class CompiledStep:
     `built` and `loaded`: programs this object built or loaded; `seconds`: what that took; `keys`: their
     packages' keys."""
 
-    def __init__(self, loop: SlotLoop):
+    def __init__(self, loop: Any):
         self.loop = loop
         self.programs: dict[bool, Any] = {}
         self.fixed: dict[bool, list] = {}  # each program's fixed sizes (`_fixed`)
@@ -176,7 +174,7 @@ class CompiledStep:
                 f"d_model {cfg.d_model}, vocabulary {cfg.tgt_vocab}, {next(loop.model.parameters()).dtype}")
 
 
-def _loop_key(loop: SlotLoop) -> str:
+def _loop_key(loop: Any) -> str:
     """What a loop's programs depend on besides their input shapes: the model's configuration and tensors
     (names, shapes, dtypes, bytes: frozen into the program); the loop's plain settings (its Python values are
     constants of the program: the attention it takes, the batch size its products were chosen for, the

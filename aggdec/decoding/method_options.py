@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from aggdec.decoding.options import (AdaptiveDraft, CompiledStep, DecodeOptions, Drafting, DraftModel, OptionError,
                                      coerce, option, option_fields, type_hints)
 from aggdec.thresholds import DRAFTER_COMPILE_SAVES_S, GREEDY_COMPILE_SAVES_S, IAD_COMPILE_SAVES_S
-from aggdec.versions import package_version
 
 if TYPE_CHECKING:
     from aggdec.decoding.acceptance import Acceptance
@@ -170,19 +169,3 @@ def options_from_mapping(data: Mapping[str, Any], default_method: str) -> tuple[
 def to_mapping(opts: DecodeOptions) -> dict[str, Any]:
     """{"method": ..., option: value, ...}: the inverse of options_from_mapping."""
     return {"method": opts.method, **{name: getattr(opts, name) for name in option_fields(type(opts))}}
-
-
-def output_options(opts: DecodeOptions) -> dict[str, Any]:
-    """Everything that can change the output of `opts`: the package version, the method, its
-    acceptance rule (draft -> verify methods) and every option not marked output=False."""
-    out: dict[str, Any] = {"aggdec": package_version("aggdec"), "method": opts.method}
-    if opts.draft_verify:
-        out["accept"] = opts.acceptance().describe()
-    out.update({name: getattr(opts, name) for name, f in option_fields(type(opts)).items()
-                if f.metadata.get("output", True)})
-    return out
-
-
-def signature(opts: DecodeOptions, sha: str = "") -> str:
-    """`output_options` as one string, plus the checkpoint's hash when given."""
-    return "|".join([f"{k}:{v}" for k, v in output_options(opts).items()] + ([f"ckpt:{sha}"] if sha else []))

@@ -7,16 +7,16 @@ that decodes; `register` adds both sides.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aggdec.decoding.acceptance import ExactMatch
-from aggdec.decoding.beam import run_beam
+from aggdec.decoding.beam import beam_search
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
 from aggdec.decoding.compile_choice import backend, choose, compiles, measured
+from aggdec.decoding.context import DraftContext
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
 from aggdec.decoding.iad import InputCopy
@@ -24,29 +24,13 @@ from aggdec.decoding.metadata import Hypothesis, Request
 from aggdec.decoding.method_options import (OPTIONS, BeamOptions, BlockwiseOptions, GADOptions, GADPlusOptions,
                                             GreedyOptions, IADOptions)
 from aggdec.decoding.options import DecodeOptions, OptionError
+from aggdec.decoding.pair_beam import pair_beam_search
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.streams import decode_in_streams, stream_count
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
 from aggdec.thresholds import DRAFT_LONGEST, KEPT_BUDGETS, KEPT_BUFFERS, KEPT_LOOPS
-
-
-@dataclass
-class DraftContext:
-    """What building a drafter may use: the verifier, its output projection, whether drafts may run in
-    bf16 (`drafts_in_bf16`), and `load(path, bf16)`, which loads a drafter directory for this verifier.
-    `prompt`: the decoder start and forced first tokens (aggdec.conventions.Framing; None: eos only).
-    `backends`: requests decoded by each backend (`compile_choice.backend`; beam: "eager"), counted by `decode`."""
-
-    model: Transformer
-    projection: OutputProjection
-    bf16: bool
-    load: Callable[[str, bool], Any]
-    budgets: dict = field(default_factory=dict)  # DraftBudgets by (options, compile, stream), kept across runs
-    prompt: tuple[int, ...] | None = None
-    slot_loops: dict = field(default_factory=dict)  # SlotLoops by (options, stream), kept (KEPT_LOOPS)
-    backends: Counter = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -121,6 +105,16 @@ def _keep(kept: dict, key: Any, most: int, new: Callable[[], Any]) -> Any:
     while len(kept) > most:
         kept.pop(next(iter(kept)))
     return kept[key]
+
+
+def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
+             prompt: tuple[int, ...] | None = None) -> list[Hypothesis]:
+    """Decode `requests` as `opts` says: beam search, over (head, tail) pairs for a double-token model
+    (the double-token paper's Algorithm 1)."""
+    search = pair_beam_search if model.cfg.double_token else beam_search
+    return search(model, requests, beam=opts.beam, lenpen=opts.lenpen, max_batch_size=opts.max_batch_size,
+                  nbest=opts.nbest, prompt=prompt)
+
 
 
 METHODS: dict[str, Method] = {}

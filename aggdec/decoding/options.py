@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from aggdec.model.config import PRECISIONS
+from aggdec.versions import package_version
 
 if TYPE_CHECKING:
     from aggdec.decoding.acceptance import Acceptance
@@ -92,17 +93,8 @@ class DecodeOptions:
 
         return ExactMatch()
 
-    @property
-    def lossless(self) -> bool:
-        """Whether the output is greedy's, token for token (see aggdec.decoding.methods)."""
-        from aggdec.decoding.methods import get_method
-
-        return get_method(self.method).lossless(self)
-
     def signature(self, sha: str = "") -> str:
-        """A string that changes with anything that can change an output (method_options.signature)."""
-        from aggdec.decoding.method_options import signature
-
+        """A string that changes with anything that can change an output (`signature`)."""
         return signature(self, sha)
 
 
@@ -204,3 +196,19 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
 def type_hints(cls: type) -> dict[str, Any]:
     """Resolved type hints of a dataclass (annotations are strings under `from __future__`)."""
     return typing.get_type_hints(cls)
+
+
+def output_options(opts: DecodeOptions) -> dict[str, Any]:
+    """Everything that can change the output of `opts`: the package version, the method, its
+    acceptance rule (draft -> verify methods) and every option not marked output=False."""
+    out: dict[str, Any] = {"aggdec": package_version("aggdec"), "method": opts.method}
+    if opts.draft_verify:
+        out["accept"] = opts.acceptance().describe()
+    out.update({name: getattr(opts, name) for name, f in option_fields(type(opts)).items()
+                if f.metadata.get("output", True)})
+    return out
+
+
+def signature(opts: DecodeOptions, sha: str = "") -> str:
+    """`output_options` as one string, plus the checkpoint's hash when given."""
+    return "|".join([f"{k}:{v}" for k, v in output_options(opts).items()] + ([f"ckpt:{sha}"] if sha else []))

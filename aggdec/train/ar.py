@@ -3,7 +3,7 @@
 Reads a TSV (header line, tab-separated, no quoting), trains (or reuses) a joint sentencepiece model
 on both sides, encodes the data once, batches it by length into token-bounded batches and trains
 with Adam(0.9, 0.98), an inverse-sqrt schedule with linear warmup, label-smoothed cross entropy and
-gradient clipping. The model is saved in the project format (`aggdec.checkpoint.save`) whenever the
+gradient clipping. The model is saved in the project format (`aggdec.bundle.save`) whenever the
 validation loss improves, so a run stopped at any time leaves a usable model.
 
     python -m aggdec.train.ar --task gec --out models/gec-base --max-minutes 75
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggdec import checkpoint
+from aggdec.bundle import save
 from aggdec.double_token import teacher_forcing
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
@@ -311,7 +312,7 @@ def train_ar(cfg: TrainConfig) -> Path:
             }
             if cfg.init_from:
                 meta["init_from"] = {"path": str(cfg.init_from), "updates": prior_updates, "minutes": prior_minutes}
-            checkpoint.save(out, model, tokenizer={"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"},
+            save(out, model, tokenizer={"type": "sentencepiece", "src": "spm.model", "tgt": "spm.model"},
                             files={"spm.model": spm_path}, dtype=torch.float16, meta=meta)
 
     stop = False
