@@ -86,25 +86,24 @@ class InputCopy:
         fixed-shape tensor program (no host reads) trying the output's suffixes of up to `depth` tokens
         (a unique suffix only longer counts as none). anchor (B,) x index or -1, optional: where a row's
         longest matching suffix occurs several times, the occurrence nearest to it (later on a tie)."""
-        bsz, dev = state.batch_size, state.out.device
-        x = torch.cat([torch.full((bsz, 1), _BOS_MARK, dtype=torch.long, device=dev), state.src], dim=1)
-        width = x.shape[1]
-        x = x.masked_fill(torch.arange(width, device=dev)[None] > state.src_len[:, None], _NO_TOKEN)
-        at = state.out_len[:, None] - 1 - torch.arange(depth, device=dev)  # (B, Q): o's last tokens, newest first
-        tok = state.out.gather(1, at.clamp(min=0))
-        tok = torch.where(at == 0, _BOS_MARK, torch.where(at < 0, _NO_MATCH, tok))
-        # windows[b, i, r] = x[b, i - r]: the input token r places before each end position i
-        windows = F.pad(x, (depth - 1, 0), value=_NO_TOKEN).unfold(1, depth, 1).flip(-1)  # (B, S, Q)
-        cand = torch.cumprod((windows == tok[:, None, :]).to(torch.uint8), dim=2).bool()  # suffix of r+1 tokens ends at i
-        count = cand.sum(dim=1)  # (B, Q), non-increasing in r
+        dev, q = state.out.device, torch.arange(depth, device=state.out.device)
+        # x: the BOS mark at x index 0 (and at the depth - 1 places before it, which no suffix reaches: the
+        # output's first token is no BOS mark), the source, NO_TOKEN past its length
+        x = F.pad(state.src, (depth, 0), value=_BOS_MARK)
+        x = x.masked_fill(torch.arange(x.shape[1], device=dev) >= depth + state.src_len[:, None], _NO_TOKEN)
+        # windows[b, i, q] = x[b, i - (depth - 1 - q)] and tok[b, q], o's token depth - 1 - q from its end
+        at = state.out_len[:, None] - depth + q
+        tok = state.out.gather(1, at.clamp(min=0)).masked_fill(at == 0, _BOS_MARK).masked_fill(at < 0, _NO_MATCH)
+        miss = x.unfold(1, depth, 1) != tok[:, None, :]  # (B, S, Q)
+        # matched[b, i]: how many of o's last tokens end at i (its suffix of r + 1 tokens: where matched > r)
+        matched = depth - 1 - torch.where(miss, q, -1).amax(dim=2)
+        count = (matched[:, :, None] > q).sum(dim=1)  # (B, Q): end positions of each suffix, non-increasing in r
         unique = count == 1
-        first = unique.to(torch.uint8).argmax(dim=1)
-        ends = cand.gather(2, first[:, None, None].expand(bsz, width, 1)).squeeze(2)  # (B, S)
-        pos = torch.where(unique.any(dim=1), ends.to(torch.uint8).argmax(dim=1), -1)
+        first = unique.to(torch.uint8).argmax(dim=1)  # the shortest unique suffix has first + 1 tokens
+        pos = torch.where(unique.any(dim=1), (matched > first[:, None]).to(torch.uint8).argmax(dim=1), -1)
         if anchor is not None:
             several = (count > 1).sum(dim=1)  # the longest suffix that occurs more than once has this many tokens
-            last = cand.gather(2, (several - 1).clamp(min=0)[:, None, None].expand(bsz, width, 1)).squeeze(2)
-            last &= (several > 0)[:, None]
+            last = (matched >= several[:, None]) & (several > 0)[:, None]
             pos = torch.where((pos < 0) & (anchor >= 0) & (several > 0), _nearest(last, anchor), pos)
         return pos
 
