@@ -257,22 +257,24 @@ def kernel_attend(mha: MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: 
 
 def slot_attention(tokens: Tokens, cache: SlotCache, span: int, width: int, pairs: bool) -> tuple:
     """How `Transformer.decode_slots` attends, by device: (self_attend(mha, q, k, v, bias),
-    cross_attend(mha, q, k, v), query). Queries q (N,D) -> (N,D); k, v: a slot cache's keys and values
-    (slots, span, D), or (slots, width, D) for the source; `query`: the tokens' positions as
-    `Stack.position_bias` takes them, for `bias`. Where the CPU kernel runs for the cache's dtype
-    (`decode_attention.usable`), each token reads its own slot's keys up to its position (`pairs`: the
-    end of its pair) and its source, through a row map; query (N,1), bias (N,H,1,span). Elsewhere masked
-    products on the slot grid, which `tokens` must fill (`Tokens.full`); query (B,T), bias (B,H,T,span)."""
+    cross_attend(mha, q, k, v), query). Queries q (N,1,D) -> (N,1,D), a query a token; k, v: a slot
+    cache's keys and values (slots, span, D), or (slots, width, D) for the source; `query`: the tokens'
+    positions as `Stack.position_bias` takes them, for `bias`. Where the CPU kernel runs for the cache's
+    dtype (`decode_attention.usable`), each token reads its own slot's keys up to its position (`pairs`:
+    the end of its pair) and its source, through a row map; query (N,1), bias (N,H,1,span). Elsewhere
+    masked products on the slot grid, which `tokens` must fill (`Tokens.full`); query (B,T), bias
+    (B,H,T,span)."""
     n, (b, t) = tokens.ids.shape[0], tokens.shape
     if decode_attention.usable(tokens.ids.device, cache.k[0].dtype):
-        query = tokens.pos[:, None]
+        query, slots = tokens.pos[:, None], tokens.rows[:, None]
         sees = ((pair_limit(query) if pairs else query) + 1).clamp(max=span)  # (N,1)
-        source = cache.src_count[tokens.rows].clamp(max=width)[:, None]
+        source = cache.src_count[slots].clamp(max=width)
 
-        def kernel(count, mha, q, k, v, bias=None):
-            return kernel_attend(mha, q[:, None], k, v, count, tokens.rows[:, None].expand(n, k.shape[1]), bias)[:, 0]
+        def kernel(count, rows, mha, q, k, v, bias=None):
+            return kernel_attend(mha, q, k, v, count, rows, bias)
 
-        return partial(kernel, sees), partial(kernel, source), query
+        return (partial(kernel, sees, slots.expand(n, span)), partial(kernel, source, slots.expand(n, width)),
+                query)
     if n != b * t:
         raise ValueError("masked slot attention takes every position of every slot (Tokens.full)")
     query = tokens.pos.view(b, t)
@@ -280,7 +282,7 @@ def slot_attention(tokens: Tokens, cache: SlotCache, span: int, width: int, pair
     causal = (torch.arange(span, device=query.device)[None, None, :] <= limit[:, :, None])[:, None]  # (B,1,T,span)
 
     def masked(keep, mha, q, k, v, bias=None):
-        return mha.core(q.view(b, t, -1), k, v, keep, bias).view(n, -1)
+        return mha.core(q.view(b, t, -1), k, v, keep, bias).view(n, 1, -1)
 
     return partial(masked, causal), partial(masked, cache.src_keep[:, None, None, :width]), query
 
@@ -441,8 +443,9 @@ class Transformer(nn.Module):
         (N, B, T, span, width). Attention (`slot_attention`) reads each token's own keys through the CPU
         kernel where it runs for the cache's dtype; elsewhere `tokens` must hold every position of every
         slot (`Tokens.full`), and attention is masked products on the slot grid."""
-        at = (tokens.rows, tokens.pos.clamp(max=cache.length - 1))
-        x = self.decoder.embed(tokens.ids, tokens.pos)
+        # each token a row of one query (N,1,D), its keys and values written at (slot, position) (N,1) each
+        at = (tokens.rows[:, None], tokens.pos.clamp(max=cache.length - 1)[:, None])
+        x = self.decoder.embed(tokens.ids[:, None], tokens.pos[:, None])
         self_attend, cross_attend, query = slot_attention(tokens, cache, span, width, self.cfg.double_token)
         biases = self.decoder.position_bias(query, span)  # per token (N,H,1,span) or on the grid, or None
         for i, (layer, bias) in enumerate(zip(self.decoder.layers, biases)):
@@ -450,8 +453,8 @@ class Transformer(nn.Module):
 
             def self_attn(h, i=i, sa=sa, bias=bias):
                 q, k, v = sa.qkv(h)
-                cache.k[i].index_put_(at, k.to(cache.k[i].dtype))
-                cache.v[i].index_put_(at, v.to(cache.v[i].dtype))
+                cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
+                cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
                 return sa.out_proj(self_attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], bias))
 
             def cross_attn(h, i=i, ca=ca):
@@ -459,7 +462,7 @@ class Transformer(nn.Module):
                                                 cache.cross_v[i][:, :width]))
 
             x = layer(x, self_attn, cross_attn)
-        return self._final(x)
+        return self._final(x).view(x.shape[0], -1)
 
     def _final(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder's last layer's states -> the final norm (pre-norm), times `cfg.output_scale`."""
