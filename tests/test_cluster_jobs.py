@@ -164,7 +164,7 @@ def test_input_and_output_in_object_storage(s3, tiny_model_dir, tmp_path):
     for p in sorted(local.glob("*.parquet")):
         with fs.open_output_stream(f"corpus/in/{p.name}") as f:
             f.write(p.read_bytes())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # after the AWS_* variables are set
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # after the AWS_* variables are set
     try:
         spec = _spec(tiny_model_dir, "s3://corpus/in", "s3://corpus/out", "batching.rows_per_task=4")
         first = run_job(spec)
@@ -216,7 +216,7 @@ def test_a_rerun_after_an_input_changed_recomputes_that_file(ray_local, tiny_mod
 
 @pytest.fixture
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

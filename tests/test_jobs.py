@@ -31,7 +31,8 @@ SHARDS, ROWS = 3, 20
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a Ray of its own, never the cluster another test's `ray start` recorded in Ray's temp directory
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -65,7 +66,7 @@ def read_outputs(out: Path) -> pa.Table:
 
 def run_on_new_ray(spec, out: Path) -> tuple:
     """Run `spec` on a Ray started for it (and shut down after) -> (JobResult, its outputs)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         result = run_job(spec)
     finally:
