@@ -485,6 +485,7 @@ def _assert_compiled(loop: SlotLoop, programs: int) -> None:
 
 
 @compiles
+@pytest.mark.slow  # the default suite's test_step_store checks a same-shape model's own program across processes
 def test_compiled_steps_keep_their_own_weights():
     """fp32 models of the same shapes (their weights frozen into each program): two loops compiled in one
     process decode as their own model does eagerly, run after run, each from a package of its own."""
