@@ -168,8 +168,9 @@ def _decoding_params() -> list[click.Option]:
         else:
             kind = {"type": str}
         default = "" if f.default is None else f"  [default: {f.default}]"
-        flag = meta.get("flag") or "--" + name.replace("_", "-")
-        params.append(click.Option([flag, name], default=None, help=meta["help"] + default, **kind))
+        # the field's own name is a flag too (the job spec's key), beside a shorter one an option declares
+        flags = dict.fromkeys([meta.get("flag") or "--" + name.replace("_", "-"), "--" + name.replace("_", "-")])
+        params.append(click.Option([*flags, name], default=None, help=meta["help"] + default, **kind))
     return params
 
 

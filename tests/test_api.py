@@ -86,6 +86,9 @@ def test_cli_decode_runs_in_process_and_names_a_bad_device(tiny_model_dir, monke
     assert "accepted" not in summary  # no drafts, no acceptance figure
     res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir)], input=src.splitlines()[0] + "\n")
     assert res.exit_code == 0 and res.output.splitlines()[-1].startswith("1 sentence in "), res.output
+    for flag in ("--batch-size", "--max-batch-size"):  # the CLI's name and the job spec's
+        res = CliRunner().invoke(main, ["decode", "-m", str(tiny_model_dir), flag, "2"], input=src)
+        assert res.exit_code == 0 and res.output.splitlines()[:5] == ref, (flag, res.output)
     from aggdec.model.config import HF_FAMILIES
 
     for command in ("decode", "convert"):
