@@ -344,3 +344,12 @@ def test_train_ar_on_a_small_text_names_the_vocabulary_size(tmp_path):
     assert done.returncode == 2 and re.fullmatch(r"aggdec: error: --vocab-size 8000: the training text holds at most "
                                                  r"\d+ pieces; pass --vocab-size \d+ or less, or more text", last), last
     assert all(a.help for a in ar_parser()._actions)
+
+
+def test_the_example_spec_keeps_iads_defaults():
+    """examples/correct.toml (the default job) and `decode_options("iad")` agree on IAD's re-alignment options."""
+    from aggdec.api import decode_options
+
+    spec, defaults = load_spec(REPO / "examples" / "correct.toml", []), decode_options("iad")
+    for name in ("substitution", "nearest_match", "skip_prefix"):
+        assert getattr(spec.decode, name) == getattr(defaults, name), name
