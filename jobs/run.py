@@ -89,8 +89,8 @@ class JobResult:
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
     attempts: int = 0  # pipeline runs (more than 1 after lost actors or nodes)
-    backends: dict[str, int] = field(default_factory=dict)  # actors that decoded units with each backend
-    compile_seconds: float = 0.0  # seconds the actors spent compiling decoder programs, summed
+    backends: dict[str, int] = field(default_factory=dict)  # this run's actors that decoded units with each backend
+    compile_seconds: float = 0.0  # seconds this run's actors spent compiling decoder programs, summed
     distill: dict | None = None  # distill jobs: {"kept": n, "filtered": {reason: n}}, all units
 
     @property
@@ -294,14 +294,15 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
         raise SpecError(f"{unwritten[0]}; every unit committed, a rerun writes it")
     tot = totals(records)
     speed = tot["speedup"]
+    ran = totals({unit: records[unit] for unit in run_info["committed"]})  # this run's actors, not a resumed one's
     return JobResult(output_dir=out.uri, manifest=out.loc.uri_of("_manifest.json"), rows=tot["rows"],
                      status=tot["status"], decoded_rows=decoded_rows, committed=list(run_info["committed"]),
                      skipped=skipped, pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
                      decoder_seconds=speed["decode_ms"] / 1000.0, decoder_sentences=speed["sentences"],
                      drafted=speed["drafted"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
-                     attempts=attempts, distill=tot.get("distill"), backends=tot["backends"],
-                     compile_seconds=tot["compile_s"])
+                     attempts=attempts, distill=tot.get("distill"), backends=ran["backends"],
+                     compile_seconds=ran["compile_s"])
 
 
 def _committed_units(out: OutputDir, units: list[Unit], found: dict[str, dict | None]) -> dict[str, dict]:

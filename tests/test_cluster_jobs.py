@@ -189,6 +189,7 @@ def test_a_rerun_after_an_input_changed_recomputes_that_file(ray_local, tiny_mod
                    inp / "part-00001.parquet")  # same stem and row count, other rows
     rerun = run_job(_spec(tiny_model_dir, inp, out))
     assert rerun.skipped == ["part-00000"] and rerun.committed == ["part-00001"]
+    assert sum(rerun.backends.values()) == 1  # the one actor that decoded this run's unit, not the first run's too
     assert pq.read_table(out / "part-00001.parquet").column("src").to_pylist() == ["the dog runs ."] * 6
     # a same-length edit of one value keeps the file's size and footer; the unit's content hash tells
     from jobs.inputs import read_footer
