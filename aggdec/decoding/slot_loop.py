@@ -78,8 +78,9 @@ class SlotLoop:
     `capture_plan`, once for the loop's buffers), or "check": run each step, admission and retirement
     eagerly under a replayed graph's rules (`capture_check`, any device). `compile` (CPU; not an int8
     verifier): the whole fixed-shape step compiled through `torch.export` and AOTInductor, stored once per
-    machine (aggdec.decoding.compiled_step). Elsewhere steps run eagerly (`eager`), on the live tokens alone where the CPU
-    kernel attends (`Transformer.decode_slots`).
+    machine (aggdec.decoding.compiled_step); `use_compiled` changes it between runs, on the same slots.
+    Elsewhere steps run eagerly (`eager`), on the live tokens alone where the CPU kernel attends
+    (`Transformer.decode_slots`).
     An int8 verifier on a CUDA device is refused (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
