@@ -116,7 +116,6 @@ def run_beam(opts: BeamOptions, model: Transformer, requests: list[Request],
                   nbest=opts.nbest, prompt=prompt)
 
 
-
 METHODS: dict[str, Method] = {}
 
 

@@ -146,7 +146,7 @@ class FusedLinear:
                 or any(not isinstance(l, Linear) or (l.bias is not None) != biased or l.weight.dtype != first.dtype
                        or l.weight.device != first.device for l in layers)):
             return tuple(layer(x) for layer in layers)
-        if _PLAIN.get():
+        if plain():
             y = F.linear(x, torch.cat([l.weight for l in layers]),
                          torch.cat([l.bias for l in layers]) if biased else None)
             return y.split([l.out_features for l in layers], dim=-1)

@@ -270,11 +270,8 @@ def slot_attention(tokens: Tokens, cache: SlotCache, span: int, width: int, pair
         sees = ((pair_limit(query) if pairs else query) + 1).clamp(max=span)  # (N,1)
         source = cache.src_count[slots].clamp(max=width)
 
-        def kernel(count, rows, mha, q, k, v, bias=None):
-            return kernel_attend(mha, q, k, v, count, rows, bias)
-
-        return (partial(kernel, sees, slots.expand(n, span)), partial(kernel, source, slots.expand(n, width)),
-                query)
+        return (partial(kernel_attend, sees=sees, rows=slots.expand(n, span)),
+                partial(kernel_attend, sees=source, rows=slots.expand(n, width)), query)
     if n != b * t:
         raise ValueError("masked slot attention takes every position of every slot (Tokens.full)")
     query = tokens.pos.view(b, t)
@@ -455,7 +452,7 @@ class Transformer(nn.Module):
                 q, k, v = sa.qkv(h)
                 cache.k[i].index_put_(at, k if k.dtype == cache.k[i].dtype else k.to(cache.k[i].dtype))
                 cache.v[i].index_put_(at, v if v.dtype == cache.v[i].dtype else v.to(cache.v[i].dtype))
-                return sa.out_proj(self_attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], bias))
+                return sa.out_proj(self_attend(sa, q, cache.k[i][:, :span], cache.v[i][:, :span], bias=bias))
 
             def cross_attn(h, i=i, ca=ca):
                 return ca.out_proj(cross_attend(ca, ca.q_proj(h), cache.cross_k[i][:, :width],
