@@ -29,7 +29,7 @@ from aggdec.conventions import Framing
 from aggdec.decoding.limits import max_len_for
 from aggdec.decoding.metadata import Hypothesis, Request, RowStats
 from aggdec.decoding.method_options import decode_options
-from aggdec.decoding.methods import DraftContext, drafts_in_bf16, get_method
+from aggdec.decoding.methods import DraftContext, drafts_in_bf16, get_method, invariant_for
 from aggdec.decoding.options import DecodeOptions
 from aggdec.decoding.scheduler import pad_batch
 from aggdec.double_token import teacher_forcing
@@ -190,6 +190,7 @@ class Translator:
         self.verifier(opts.precision)  # a precision the device refuses is a configuration error: raise now
         if method.drafter is not None:
             method.drafter(opts, self._context(opts))  # a bad drafter is a configuration error: raise now
+            invariant_for(opts, self.verifier(opts.precision), method.lossless(opts))  # as are kernels that cannot run
         results: list[TranslationResult] = []
         reqs: list[Request] = []
         for i, s in enumerate(source):

@@ -23,6 +23,10 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aggdec-test-ind
 os.environ["AGGDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="aggdec-test-store-")
 for _path in (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["AGGDEC_CACHE_DIR"]):
     atexit.register(shutil.rmtree, _path, ignore_errors=True)
+# Without a CUDA device, Triton's kernels (aggdec.model.invariant) run on CPU tensors through its interpreter,
+# which Triton decides as it is imported (before anything imports it: TorchInductor does)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from aggdec.decoding.compiled_step import lowered_isa  # noqa: E402  (after the cache directory is set)
 

@@ -47,10 +47,12 @@ def compiles(context: DraftContext, opts: DecodeOptions, requests: int) -> tuple
 
 def auto_applies(context: DraftContext, opts: DecodeOptions) -> bool:
     """Whether `compile = "auto"` may compile a loop of `opts` on `context`'s verifier: an fp32 verifier on a
-    CPU at fp32 precision, below the method's `auto_below` batch size, for a method measured faster."""
+    CPU at fp32 precision, below the method's `auto_below` batch size, for a method measured faster, not
+    through the invariant kernels (`invariant = true`)."""
     weight = next(context.model.parameters())
     below = getattr(opts, "auto_below", None)
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and opts.precision == "fp32"
+            and getattr(opts, "invariant", False) is not True
             and getattr(opts, "compile_saves_s", 0.0) > 0 and (below is None or opts.max_batch_size < below))
 
 

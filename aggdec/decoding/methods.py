@@ -15,7 +15,7 @@ from aggdec.decoding.acceptance import ExactMatch
 from aggdec.decoding.beam import beam_search
 from aggdec.decoding.blockwise import BlockwiseHeads
 from aggdec.decoding.budget import DraftBudget
-from aggdec.decoding.compile_choice import backend, choose, compiles, measured
+from aggdec.decoding.compile_choice import backend, choose, compiles, measured, say_once
 from aggdec.decoding.context import DraftContext
 from aggdec.decoding.drafters import Drafter, NoDraft
 from aggdec.decoding.gad_head import DraftHeadDrafter
@@ -27,6 +27,7 @@ from aggdec.decoding.options import DecodeOptions, OptionError
 from aggdec.decoding.pair_beam import pair_beam_search
 from aggdec.decoding.slot_loop import SlotLoop
 from aggdec.decoding.streams import decode_in_streams, stream_count
+from aggdec.model import invariant
 from aggdec.model.projection import OutputProjection
 from aggdec.model.transformer import Transformer
 from aggdec.threads import THREADS
@@ -57,15 +58,17 @@ class Method:
         `compiles` picks for one request) on those same buffers; with a draft budget where `opts` asks for
         `draft_length = "auto"` and the drafter drafts. `stream`: which of a call's decoding streams it runs.
         Loops are kept by (options, stream), budgets by (options, compile, stream)."""
+        invariant = invariant_for(opts, context.model, self.lossless(opts))
         if compile is None:
             compile = compiles(context, opts, 1)[0]
+        compile = compile and not invariant
         budget = None
         if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
             budget = _keep(context.budgets, (opts, compile, stream), KEPT_BUDGETS,
                            lambda: DraftBudget(drafter.max_draft or DRAFT_LONGEST))
         loop = _keep(context.slot_loops, (opts, stream), KEPT_LOOPS, lambda: SlotLoop(
             context.model, drafter, opts.acceptance(), max_batch_size=opts.max_batch_size, max_tokens=opts.max_tokens,
-            prompt=context.prompt, compile=compile, projection=context.projection))
+            prompt=context.prompt, compile=compile, projection=context.projection, invariant=invariant))
         recent = list(context.slot_loops)[-KEPT_BUFFERS:]
         for other, kept in context.slot_loops.items():
             if other not in recent:
@@ -96,6 +99,27 @@ class Method:
             hyps = decode_in_streams(loops, requests)
         context.backends[backend(loop)] += len(requests)
         return hyps
+
+
+def invariant_for(opts: DecodeOptions, model: Transformer, lossless: bool) -> bool:
+    """Whether a loop of `opts` on `model` runs the batch-invariant kernels (aggdec.model.invariant):
+    `opts.invariant`, "auto" being on for a `lossless` method on a CUDA device (where they cannot run
+    there: off, said once). OptionError where `invariant = true` and they cannot run."""
+    setting = getattr(opts, "invariant", False)
+    if setting is False:
+        return False
+    weight = next(model.parameters())
+    why = invariant.unavailable(weight.device, weight.dtype)
+    if setting is True:
+        if why:
+            raise OptionError("invariant", why)
+        return True
+    if weight.device.type != "cuda" or not lossless:
+        return False
+    if why:
+        say_once(("invariant", why), f"aggdec: invariant=auto: off ({why}); lossless outputs may differ from greedy's "
+                                     "in near-ties")
+    return why is None
 
 
 def _keep(kept: dict, key: Any, most: int, new: Callable[[], Any]) -> Any:

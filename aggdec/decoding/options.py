@@ -112,7 +112,8 @@ class Drafting:
 
 @dataclass(frozen=True, kw_only=True)
 class CompiledStep:
-    """Mixin: methods whose decoder step the slot loop compiles on a CPU (`compile`). `auto_below`: the batch
+    """Mixin: methods whose decoder step the slot loop runs: compiled on a CPU (`compile`), batch-invariant
+    (`invariant`). `auto_below`: the batch
     size from which the compiled step measured no faster than eager steps, where `auto` does not compile
     (None: none). `compile_saves_s`: the seconds the compiled step measured saving a sentence at batch
     size 1 (0: not measured), for `compile = "auto"` where this machine has not measured both."""
@@ -125,11 +126,21 @@ class CompiledStep:
                 "every later process (aggdec cache list). true: compile (fp32 verifiers). auto: where this "
                 "machine measured it faster and the call repays loading or building it; logged once.",
         choices=("auto", True, False), output=False)
+    invariant: bool | str = option(
+        "auto", "The verifier's products, norms and attention through Triton kernels whose every row's result is "
+                "the same whatever the batch holds (aggdec.model.invariant), so that a lossless method gives its "
+                "greedy's output at any batch size on a GPU too (cuBLAS's and SDPA's kernels change a row's last "
+                "bits with the batch). auto: on a CUDA device for lossless methods. true: also on a CPU, under "
+                "TRITON_INTERPRET=1 (slow: for tests). false: torch's kernels.", choices=("auto", True, False))
 
     def validate(self) -> None:
         super().validate()
         if self.compile is True and self.precision != "fp32":
             raise OptionError("compile", f"takes the fp32 verifier, not precision={self.precision}")
+        if self.invariant is True and self.precision == "int8":
+            raise OptionError("invariant", "has no int8 kernels; take precision fp32 or bf16")
+        if self.invariant is True and self.compile is True:
+            raise OptionError("invariant", "runs its kernels eagerly (or captured on a GPU); not with compile = true")
 
 
 @dataclass(frozen=True, kw_only=True)

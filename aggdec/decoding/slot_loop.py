@@ -28,6 +28,7 @@ from aggdec.decoding.scheduler import EncodeAhead, LoopCounters, take
 from aggdec.decoding.state import DecodeState
 from aggdec.double_token import STRIDE, unfold
 from aggdec.model import decode_attention
+from aggdec.model import invariant as batch_invariant
 from aggdec.model.precision import refuse_int8
 from aggdec.model.projection import OutputProjection, Rules
 from aggdec.model.slots import SlotCache, Tokens, capacity, exact_span, leading
@@ -80,14 +81,16 @@ class SlotLoop:
     verifier): the whole fixed-shape step compiled through `torch.export` and AOTInductor, stored once per
     machine (aggdec.decoding.compiled_step); `use_compiled` changes it between runs, on the same slots.
     Elsewhere steps run eagerly (`eager`), on the live tokens alone where the CPU kernel attends
-    (`Transformer.decode_slots`).
+    (`Transformer.decode_slots`). `invariant`: encode and step within `invariant.kernels()` (aggdec.model.invariant:
+    every row's states the same whatever the batch; CUDA, or a CPU under Triton's interpreter; eager or
+    captured, not compiled); ValueError where the kernels cannot run.
     An int8 verifier on a CUDA device is refused (ValueError, `precision.refuse_int8`)."""
 
     def __init__(self, model: Transformer, drafter=None, acceptance: Acceptance | None = None, *,
                  max_batch_size: int = 32, max_tokens: int | None = None, min_len: int = 1,
                  encode_batch: int | None = None, budget: DraftBudget | None = None,
                  prompt: tuple[int, ...] | None = None, graphs: bool | str | None = None, compile: bool | str = False,
-                 projection: OutputProjection | None = None, refill: bool = True):
+                 projection: OutputProjection | None = None, refill: bool = True, invariant: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model, self.drafter, self.acceptance = model, drafter or NoDraft(), acceptance or ExactMatch()
@@ -95,6 +98,10 @@ class SlotLoop:
         self.device = next(model.parameters()).device
         if model.output_int8 is not None:
             refuse_int8(self.device)
+        self.invariant = invariant
+        if invariant and (why := batch_invariant.unavailable(self.device, next(model.parameters()).dtype) or (
+                model.output_int8 is not None and "an int8 verifier has no invariant kernels")):
+            raise ValueError(f"invariant: {why}")
         self.forced = torch.tensor(prompt[1:] if prompt else (), dtype=torch.long, device=self.device)
         self.stride = STRIDE if model.cfg.double_token else 1
         start = prompt[0] if prompt else model.cfg.eos
@@ -108,7 +115,7 @@ class SlotLoop:
         # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
         kernel = self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
-        self._kernel = kernel and self.cache_dtype in (torch.float32, torch.float64)
+        self._kernel = kernel and self.cache_dtype in (torch.float32, torch.float64) or invariant
         # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
         plain = OutputProjection(model.output_weight, certify=False, bias=model.output_bias, int8=model.output_int8)
         self._projections = (projection or plain, plain if projection is None or projection.certify else projection)
@@ -128,7 +135,8 @@ class SlotLoop:
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if compile and self.device.type != "cpu":
             raise ValueError("compile is for CPU decoding (on a GPU, steps are captured as CUDA graphs)")
-        if compile and (why := compiled_step.refused(self.model) or self._failed):
+        if compile and (why := compiled_step.refused(self.model) or self._failed
+                        or (self.invariant and "the invariant kernels run eagerly")):
             warnings.warn(f"aggdec: compile: {why}; decoding eagerly", stacklevel=stacklevel)
             compile = False
         self.compile = compile
@@ -512,7 +520,8 @@ class SlotLoop:
             return
         self._allocate(queue)
         if self.graphs is True:
-            self._capture_plan()
+            with batch_invariant.kernels(self.invariant):
+                self._capture_plan()
         self._refills.reset()
         THREADS.start()
         # the slots the steps run on: the power of two that holds the requests (all slots where they
@@ -529,7 +538,8 @@ class SlotLoop:
                 reqs = take(queue, len(free), sum(src_len), self.max_tokens)
                 if reqs:
                     slots, free = free[: len(reqs)], free[len(reqs):]
-                    self._fill(slots, reqs, queue)
+                    with batch_invariant.kernels(self.invariant):
+                        self._fill(slots, reqs, queue)
                     for s, r in zip(slots, reqs):
                         src_len[s], out_len[s] = len(r.src), self.stride
             t0 = time.perf_counter()
@@ -544,7 +554,8 @@ class SlotLoop:
                 width = 2 if width == 1 and self.compile else width  # (compiled_step: sizes 0 and 1 are fixed)
                 span = exact_span(max(out_len[s] for s in live) + width, self.cache.length - 1)
             built = self.compiled and self.compiled.seconds
-            self._run_step(width, span, src_width)
+            with batch_invariant.kernels(self.invariant):
+                self._run_step(width, span, src_width)
             built = built != (self.compiled and self.compiled.seconds)  # this call built or loaded a program
             summary = self._summary.tolist()  # the one host read of the iteration
             done, out_len = summary[:n], summary[n: 2 * n]

@@ -29,6 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
+from aggdec.model import invariant
+
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 OP = "decode_attention_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 """The operator, `torch.ops.aggdec.<OP>`: its name carries the source's digest, so that no program
@@ -97,8 +99,11 @@ def _installed(path: Path) -> Path | None:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `attend` runs for tensors of this device and dtype: the CPU, fp32 or fp64, gradients off
-    (no backward), and the kernel loaded (`load`)."""
+    """Whether `attend` runs for tensors of this device and dtype, gradients off (no backward): within
+    `invariant.kernels()`, `invariant.DTYPES` on any device (the batch-invariant kernel); else the CPU, fp32
+    or fp64, and the kernel loaded (`load`)."""
+    if invariant.active():
+        return dtype in invariant.DTYPES and not torch.is_grad_enabled()
     return device.type == "cpu" and dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled() and load()
 
 
@@ -106,6 +111,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tenso
            rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            scale: float | None = None) -> torch.Tensor:
     """See the module docstring. Only where `usable(q.device, q.dtype)`."""
+    if invariant.active():
+        return invariant.attend(q, k, v, count, heads, rows, bias, scale)
     return getattr(torch.ops.aggdec, OP)(q, k, v, count, heads, rows, bias, scale)
 
 

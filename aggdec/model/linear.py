@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aggdec.model import invariant
 from aggdec.thresholds import MIN_MACS, WIDE_ROW_MACS
 
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -24,8 +25,9 @@ _BF16_PACK = _REORDER is not None and all(torch.cpu.get_capabilities().get(f"avx
 
 
 def enabled() -> bool:
-    """Whether large fp32 CPU products and prepacked weights go through oneDNN here (not in `plain_products`)."""
-    return _ONEDNN is not None and not _PLAIN.get()
+    """Whether large fp32 CPU products and prepacked weights go through oneDNN here (not in `plain_products`
+    nor in `invariant.kernels`)."""
+    return _ONEDNN is not None and not _PLAIN.get() and not invariant.active()
 
 
 def plain() -> bool:
@@ -63,7 +65,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T + bias (out,) -> (..., out), as `F.linear`; then ReLU if `relu`
     (fused into the oneDNN product). On oneDNN at inference while `enabled()`: fp32 products of at least
-    `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional)."""
+    `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional). Within
+    `invariant.kernels()`, the batch-invariant product (`invariant.linear`)."""
+    if invariant.active() and not torch.is_grad_enabled():
+        return invariant.linear(x, weight, bias, relu)
     if (enabled() and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu")):
         if packed is not None or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= MIN_MACS):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggdec.double_token import pair_limit
-from aggdec.model import decode_attention
+from aggdec.model import decode_attention, invariant
 from aggdec.model.cache import CrossKV, DecoderCache
 from aggdec.model.config import ModelConfig
 from aggdec.model.linear import FusedLinear, Linear, PackedWeight, linear, packed_for
@@ -76,6 +76,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.active() and not torch.is_grad_enabled():
+            return invariant.norm(x, self.weight, None, self.eps, rms=True)
         if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         variance = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
@@ -83,9 +85,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(self.weight.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters and state-dict keys); within `invariant.kernels()` at inference, the
+    batch-invariant kernel's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.active() and not torch.is_grad_enabled():
+            return invariant.norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
 def layer_norm(cfg: ModelConfig) -> nn.Module:
     """A norm over d_model of the kind the config names (`cfg.norm`)."""
-    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
 class MultiheadAttention(nn.Module):
@@ -218,7 +230,7 @@ class Stack(nn.Module):
         self.relative_attention_bias = nn.ModuleList(
             RelativeBias(cfg.relative_buckets, heads, cfg.relative_max_distance, not decoder)
             for _ in range(n if cfg.relative_per_layer else 1)) if cfg.relative_buckets else None
-        self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
+        self.layernorm_embedding = LayerNorm(d) if cfg.layernorm_embedding else None
         self.layers = nn.ModuleList(Layer(cfg, decoder) for _ in range(n))
         self.layer_norm = layer_norm(cfg) if getattr(cfg, f"{side}_normalize_before") else None
 
