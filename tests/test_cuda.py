@@ -2,9 +2,10 @@
 
     python -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider
 
-Exact equality across shapes is asserted in float64 only: cuBLAS's and SDPA's fp32 and bf16 kernels are not
-batch-invariant (a row's bits may change with the rows beside it), so there `python -m bench gpu` reports the
-share of identical outputs, and these tests assert that every step was captured and every request decoded.
+Exact equality across shapes is asserted in float64, and at fp32 and bf16 through the batch-invariant
+kernels (aggdec.model.invariant): cuBLAS's and SDPA's fp32 and bf16 kernels are not batch-invariant (a row's
+bits may change with the rows beside it), so without those `python -m bench gpu` reports the share of
+identical outputs, and these tests assert that every step was captured and every request decoded.
 In float64 the captured engine (slot loop, steps as CUDA graphs) equals eager greedy on the device; every
 lossless method equals the same device's greedy; GAD++ and min-block captured equal the eager step. A run
 whose shapes were seen captures nothing; an iteration synchronizes the host once; a DecodeWorker on `cuda`
@@ -108,6 +109,44 @@ def test_every_method_is_captured_and_decodes_every_request_at_fp32_and_bf16(met
     loop = SlotLoop(model, DRAFTERS[method](model, {"device": "cuda", "dtype": dtype}), max_batch_size=8)
     _tokens(loop, reqs)
     _assert_captured(loop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_invariant_kernels_give_a_row_the_same_bits_at_any_row_count(dtype):
+    """On the device: a row's product and norm are the same bits among 1, 2, 17 or 64 rows; a query's
+    attention is the same alone and among others (aggdec.model.invariant)."""
+    from aggdec.model import invariant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g, device="cuda").to(dtype) for s in ((64, 96), (200, 96), (200,)))
+    lin, nrm = invariant.linear(x, w, b), invariant.norm(x, w[0], b[:96], 1e-5)
+    for m, at in ((1, 0), (1, 37), (2, 31), (17, 40)):
+        assert torch.equal(invariant.linear(x[at: at + m], w, b), lin[at: at + m]), (m, at)
+        assert torch.equal(invariant.norm(x[at: at + m], w[0], b[:96], 1e-5), nrm[at: at + m]), (m, at)
+    q, k, v = (torch.randn(*s, generator=g, device="cuda").to(dtype) for s in ((6, 3, 64), (6, 50, 64), (6, 50, 64)))
+    count = torch.randint(1, 50, (6, 3), generator=g, device="cuda")
+    full = invariant.attend(q, k, v, count, 4)
+    for i in range(6):
+        assert torch.equal(invariant.attend(q[i:i + 1, 1:2], k[i:i + 1], v[i:i + 1], count[i:i + 1, 1:2], 4)[0, 0],
+                           full[i, 1]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", DRAFTERS)
+def test_every_lossless_method_over_the_invariant_kernels_equals_greedy_at_fp32_and_bf16(method, dtype):
+    """With the batch-invariant kernels, at fp32 and bf16: the device's batch-1 greedy (also invariant) at any
+    batch composition and draft width (a random budget), captured and eager."""
+    model = _model(dtype)
+    reqs = _requests(random.Random(1), 24, model.cfg.src_vocab, model.cfg.eos, repeat=True)
+    greedy = _tokens(SlotLoop(model, NoDraft(), max_batch_size=1, graphs=False, invariant=True), reqs)
+    torch.manual_seed(1)
+    drafter = DRAFTERS[method](model, {"device": "cuda", "dtype": dtype})
+    for bs in (1, 3, 8):
+        loop = SlotLoop(model, drafter, max_batch_size=bs, budget=RandomBudget(bs, drafter.max_draft or 6),
+                        invariant=True)
+        assert _tokens(loop, reqs) == greedy, bs
+        _assert_captured(loop)
+        assert _tokens(SlotLoop(model, drafter, max_batch_size=bs, graphs=False, invariant=True), reqs) == greedy, bs
 
 
 def test_every_step_is_captured_when_a_run_starts_and_none_after(monkeypatch):
