@@ -33,7 +33,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 LINEAR_TILES = (32, 64, 32)  # BLOCK_M, BLOCK_N, BLOCK_K: one tiling for every call
 NORM_ROWS = 4
-ATTENTION_TILES = (16, 32)  # queries, keys a block
+ATTENTION_TILES = {"cuda": (1, 64), "cpu": (16, 32)}
+"""Queries a program and keys a block, by device kind: on a GPU a program per (query, head), keeping its
+(keys, head dim) blocks in registers; under the interpreter, which costs milliseconds a program, 16 queries.
+A query's arithmetic is the same in either (a block past its keys changes nothing)."""
 
 
 def active() -> bool:
@@ -126,7 +129,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tenso
     bias_ = bias.expand(b, heads, t, bias.shape[-1]) if bias is not None else q
     sb = bias_.stride() if bias is not None else (0, 0, 0, 0)
     sr = rows_.stride() if rows is not None else (0, 0)
-    bm, bn = ATTENTION_TILES
+    bm, bn = ATTENTION_TILES["cuda" if q.device.type == "cuda" else "cpu"]
     _kernels().attention_kernel[(_cdiv(nq, bm), heads)](
         q, k, v, count, rows_, bias_, out, nq, t, dh, dh**-0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), count.stride(0),
