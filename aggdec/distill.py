@@ -36,6 +36,11 @@ from aggdec.text import clean_text
 
 REASONS = ("error", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "empty", "control_chars",
            "len_ratio_low", "len_ratio_high")
+REASON_TEXT = {"error": "failed to decode", "truncated": "with sources cut to the model's positions",
+               "truncated_output": "cut at the output length limit", "unknown_tokens": "mostly unknown tokens",
+               "invalid_utf8": "not valid UTF-8", "empty": "empty", "control_chars": "with control characters",
+               "len_ratio_low": "below the length ratio", "len_ratio_high": "above the length ratio"}
+"""Each of `REASONS` in words, for messages."""
 TSV_HEADER = "src\tkd\n"
 _CONTROL = r"[\x00-\x1f\x7f-\x{9f}]"  # Unicode category Cc, what clean_text replaces
 

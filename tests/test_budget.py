@@ -189,3 +189,42 @@ def test_trials_that_lose_cost_a_small_share_of_a_run():
         length = budget.next_length(256, 64)
     assert budget.choice == 0
     assert spent[True] < 0.06 * (spent[True] + spent[False])
+
+
+def test_drafts_that_never_land_are_turned_off_at_a_large_models_cost(monkeypatch):
+    """IAD with the draft budget on a model whose outputs never copy its input (no draft is ever accepted),
+    its calls costing what a large model's compute-bound calls cost (each verified position as much as a
+    greedy step's; a clock the loop reads): once the budget has settled (the second half of the run),
+    at most a tenth of the calls draft, and the drafted tokens are a small share of the output's."""
+    import random
+    import types
+
+    from tiny_models import tiny_model
+
+    from aggdec.decoding import slot_loop
+    from aggdec.decoding.iad import InputCopy
+    from aggdec.decoding.metadata import Request
+
+    model = tiny_model("prenorm-learned-separate", seed=5, vocab=13, output_bias=True)
+    alphabet = [4, 5, 6]  # sources of tokens the model never outputs: a copy of the input is never accepted
+    with torch.no_grad():
+        model.decoder.output_bias[alphabet] = -1e4
+    rng = random.Random(1)
+    reqs = [Request(index=i, src=[rng.choice(alphabet) for _ in range(rng.randint(4, 12))] + [model.cfg.eos],
+                    max_len=24) for i in range(400)]
+    now = [0.0]
+    monkeypatch.setattr(slot_loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    run_step, calls = slot_loop.SlotLoop._run_step, []
+
+    def charged(self, width, span, src_width):  # 1 ms per verified position of every slot
+        run_step(self, width, span, src_width)
+        now[0] += 1e-3 * self.state.batch_size * (1 + width)
+        calls.append(width)
+
+    monkeypatch.setattr(slot_loop.SlotLoop, "_run_step", charged)
+    loop = slot_loop.SlotLoop(model, InputCopy(), max_batch_size=8, budget=DraftBudget(16))
+    hyps = list(loop.run(reqs))
+    assert sum(h.stats.accepted for h in hyps) == 0
+    settled = calls[len(calls) // 2:]
+    assert sum(w > 0 for w in settled) <= 0.1 * len(settled), settled  # (every call drafts without the budget)
+    assert sum(h.stats.drafted for h in hyps) <= 0.05 * sum(len(h.tokens) for h in hyps)

@@ -22,7 +22,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     kd = tmp / "kd.tsv"
     torch.set_num_threads(1)
     sources = synthetic_sentences(120, seed=5)
-    assert generate(tiny_model_dir, sources, kd, batch_size=32) > 100
+    assert generate(tiny_model_dir, sources, kd, batch_size=32)["kept"] > 100
     heads_train.main(["--verifier", str(tiny_model_dir), "--data", str(kd), "--max-minutes", "0.05", "--threads", "1",
                       "--max-tokens", "512", "--warmup", "20", "--log-interval", "1000", "--out", str(tmp / "heads"),
                       "--block-size", "3", "--hidden", "32"])
