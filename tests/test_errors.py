@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import synthetic_sentences
 from test_jobs import write_corpus
