@@ -191,6 +191,20 @@ def test_trials_that_lose_cost_a_small_share_of_a_run():
     assert spent[True] < 0.06 * (spent[True] + spent[False])
 
 
+def test_a_challenger_that_offered_no_draft_is_not_judged_against_none():
+    """From none, a drafting challenger whose calls were offered no draft (IAD between its rows' starts) ran
+    as greedy does: its block is not judged (timing noise would decide), so drafting is not chosen by it."""
+    budget = DraftBudget(16)
+    gen = torch.Generator().manual_seed(3)
+    length, chosen = budget.next_length(8, 16), []
+    for _ in range(400):
+        noise = float(torch.empty(1).uniform_(0.7, 1.3, generator=gen))
+        budget.record(length, 8, noise * 1e-3, 8, offered=0)  # one token a row, whatever the length
+        length = budget.next_length(8, 16)
+        chosen.append(budget.choice)
+    assert set(chosen) == {0} and not budget.score
+
+
 def test_drafts_that_never_land_are_turned_off_at_a_large_models_cost(monkeypatch):
     """IAD with the draft budget on a model whose outputs never copy its input (no draft is ever accepted),
     its calls costing what a large model's compute-bound calls cost (each verified position as much as a

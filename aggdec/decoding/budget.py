@@ -90,8 +90,9 @@ class DraftBudget:
             challenger, c, before = self._pending
             self._pending = None
             pair = [block] if before is None else [before, block]
-            # dropped where the two lengths drafted alike or the batch changed size (a drain changes the rate)
-            if c.longest < min(challenger, self.choice):
+            # dropped where the two lengths drafted alike (no draft offered longer than both allow: from none,
+            # none offered at all) or the batch changed size (a drain changes the rate)
+            if challenger and c.longest <= min(challenger, self.choice):
                 self._alike.add(challenger)
             elif max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
                 rate = sum(b.rate for b in pair) / len(pair)
