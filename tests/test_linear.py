@@ -165,3 +165,30 @@ def test_prepacked_weights_from_two_rows_where_a_row_is_wide():
         assert lin.packed_for(lin.PackedWeight(), narrow, torch.randn(16, 256)) is not None  # 2^20
         assert lin.packed_for(lin.PackedWeight(), big, torch.randn(1, 1024)) is not None  # 2^20 at one row
     assert lin.packed_for(lin.PackedWeight(), wide, torch.randn(2, 256)) is None  # gradients: F.linear
+
+
+def test_fused_layers_shared_by_threads_that_rebuild_them():
+    """Two threads (decoding streams share a model) call one FusedLinear while its layers change in place,
+    so that calls rebuild the concatenation: every call gives each layer's product, none fails."""
+    import threading
+
+    layers = tuple(lin.Linear(64, n) for n in (64, 32))
+    fused, errors = lin.FusedLinear(), []
+    x = torch.randn(4, 64)
+
+    def work():
+        try:
+            for _ in range(400):
+                with torch.no_grad():
+                    layers[1].bias.add_(0.0)  # a new version: the next call rebuilds
+                    a, b = fused(layers, x)
+                assert a.shape == (4, 64) and b.shape == (4, 32)
+        except Exception as e:  # (a thread's exception does not fail the test by itself)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

@@ -133,15 +133,20 @@ class FusedLinear:
     `packed_for` decides), split back into each layer's output. Within `plain_products` the concatenation
     is part of the traced program (freezing folds it into one constant). With gradients, or
     where the layers are not `Linear`s of one dtype and device (an int8 model's), they run one by one.
-    Copies and pickles leave the fused weight out."""
+    Safe to call from several threads at once (decoding streams share a model): a concatenation is
+    built whole, then published with its key in one assignment. Copies and pickles leave it out."""
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._key: tuple | None = None
-        self.weight = self.bias = None
+        self._fused: tuple | None = None  # (key, weight, bias): the concatenation and what it was built from
         self._pack = self._pack_key = None
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The concatenated weight of the last inference call that fused (None before one)."""
+        return None if self._fused is None else self._fused[1]
 
     def __call__(self, layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(layer(x) for layer in layers), each (..., layer.out_features)."""
@@ -159,13 +164,14 @@ class FusedLinear:
             return tuple(layer(x) for layer in layers)
         params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
         key = tuple((p.data_ptr(), p._version) for p in params)
-        if key != self._key:
-            self._reset()
+        fused = self._fused
+        if fused is None or fused[0] != key:
             with torch.inference_mode(False):  # a plain tensor, so that it can be prepacked
-                self.weight = torch.cat([l.weight.detach() for l in layers])
-                self.bias = torch.cat([l.bias.detach() for l in layers]) if biased else None
-            self._key = key
-        y = linear(x, self.weight, self.bias, packed_for(self, self.weight, x))
+                weight = torch.cat([l.weight.detach() for l in layers])
+                bias = torch.cat([l.bias.detach() for l in layers]) if biased else None
+            fused = self._fused = (key, weight, bias)
+        _, weight, bias = fused
+        y = linear(x, weight, bias, packed_for(self, weight, x))
         return y.split([l.out_features for l in layers], dim=-1)
 
     def __getstate__(self) -> dict:
