@@ -260,6 +260,9 @@ class Translator:
                     results[r.index].status = "error"
                     results[r.index].error = f"{type(e).__name__}: {e}"[:500]
                 return []
+            # said once a reason: the rows are decoded alone, correct but many times slower
+            warnings.warn(f"aggdec: a batch of {len(reqs)} sentences failed ({type(e).__name__}: {e}); decoding its "
+                          f"rows one at a time", stacklevel=2)
         hyps = []
         for r in reqs:
             hyps.extend(self._decode_isolating([r], opts, results))

@@ -128,3 +128,26 @@ def test_the_readme_python_api_example_runs_as_written():
     done = subprocess.run([sys.executable, "-c", block], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stdout.splitlines()) == 2 and "ok" in done.stdout.splitlines()[0], done.stdout
+
+
+def test_a_batch_that_fails_is_decoded_row_by_row_and_says_so(tiny_model_dir, monkeypatch):
+    """A batch whose decoding raises (here a fault put into batches of several rows) is retried row by row:
+    every row decoded, and one warning names the batch's failure (the rows alone run many times slower)."""
+    import warnings
+
+    tr = Translator.load(tiny_model_dir)
+    run = Translator._run
+
+    def failing(self, reqs, opts):
+        if len(reqs) > 1:
+            raise RuntimeError("a fault in batches")
+        return run(self, reqs, opts)
+
+    monkeypatch.setattr(Translator, "_run", failing)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = tr.translate_batch(["She go to school .", "He have a cat ."], method="greedy", compile=False)
+    assert [r.status for r in res] == ["ok", "ok"] and all(r.text for r in res)
+    said = [str(w.message) for w in seen if "batch" in str(w.message)]
+    assert said == ["aggdec: a batch of 2 sentences failed (RuntimeError: a fault in batches); decoding its rows one "
+                    "at a time"]
