@@ -487,9 +487,11 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
 
     from aggdec.model.precision import cpu_isa, cpu_warning
     from cluster.connection import check_reachable, connect, disconnect
+    from jobs.lease import Lease
     from jobs.preflight import check_job
     from jobs.run import run_job
     from jobs.spec import SpecError
+    from jobs.storage import Location
 
     say = _echo_err
     try:  # first: where no cluster answers, that is the one line (connect checks again)
@@ -511,23 +513,32 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
     ignored = _ignored_options(job, own_spec, overrides)
     if ignored:
         say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
-    progress = _ProgressLine()
+    # the output location's lease before Ray starts: a job started at the same moment is refused at once
+    lease = Lease(Location(job.output.dir), take_over=take_over_lease)
     try:
-        conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
-    except ConnectionError as e:
-        raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
-    try:
-        result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
-                         timings={"ray_init_s": round(conn.seconds, 3)}, take_over_lease=take_over_lease)
+        lease.acquire()
     except SpecError as e:
         raise Failure(str(e)) from e
-    except KeyboardInterrupt:
-        raise Stopped(f"committed units are kept in {job.output.dir}, rerun to resume") from None
+    try:
+        progress = _ProgressLine()
+        try:
+            conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
+        except ConnectionError as e:
+            raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
+        try:
+            result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
+                             timings={"ray_init_s": round(conn.seconds, 3)}, lease=lease)
+        except SpecError as e:
+            raise Failure(str(e)) from e
+        except KeyboardInterrupt:
+            raise Stopped(f"committed units are kept in {job.output.dir}, rerun to resume") from None
+        finally:
+            progress.end()
+            stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
+            disconnect(conn)
+            signal.signal(signal.SIGTERM, stop)
     finally:
-        progress.end()
-        stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
-        disconnect(conn)
-        signal.signal(signal.SIGTERM, stop)
+        lease.release()
     return result
 
 

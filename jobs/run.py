@@ -22,7 +22,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -150,12 +150,14 @@ def fingerprint(spec: JobSpec, model_sha: str) -> dict:
 def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
             warn: Callable[[str], None] = lambda msg: None,
             progress: Callable[[Progress], None] = lambda p: None, timings: dict | None = None,
-            take_over_lease: bool = False) -> JobResult:
+            take_over_lease: bool = False, lease: Lease | None = None) -> JobResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError (bad input) before any Ray work.
 
     The job holds the output location's lease (jobs.lease) from before it touches the location
     until it ends: a location held by another live job raises LeaseHeld (a SpecError) naming it;
-    `take_over_lease` takes over any holder's lease (for a holder known to be gone).
+    `take_over_lease` takes over any holder's lease (for a holder known to be gone). `lease`: that lease,
+    already taken by the caller (`aggdec run` takes it before Ray starts, so that a job started at the same
+    moment is refused at once); the caller releases it.
 
     `log` gets what the job does (one line each), `warn` what the user should see even when `log`
     is not shown (the plan line: rows, units, actors and their resources, before the first pipeline
@@ -169,10 +171,10 @@ def run_job(spec: JobSpec, *, log: Callable[[str], None] = lambda msg: None,
     check_output_apart(spec, shards)
     model_sha = file_sha(Path(spec.model) / "model.safetensors")
     out = OutputDir(spec.output.dir, inputs=input_locations(spec, shards))
-    with Lease(out.loc, take_over=take_over_lease) as lease:
-        if lease.taken_over is not None:
-            log(f"took over the lease of a job that is gone ({lease.taken_over.describe()})")
-        return _run_units(spec, out, lease, shards, model_sha, t0, started_at, log, warn, progress, timings)
+    with nullcontext(lease) if lease is not None else Lease(out.loc, take_over=take_over_lease) as held:
+        if held.taken_over is not None:
+            log(f"took over the lease of a job that is gone ({held.taken_over.describe()})")
+        return _run_units(spec, out, held, shards, model_sha, t0, started_at, log, warn, progress, timings)
 
 
 def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard], model_sha: str, t0: float,

@@ -157,6 +157,35 @@ def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir
     assert 1 <= len(list(out.glob("_SUCCESS.*"))) < 200
 
 
+def test_two_jobs_started_at_once_on_one_output_one_is_refused_before_ray_starts(tiny_model_dir, tmp_path):
+    """Two `aggdec run`s on one output location started at the same moment: both pass the checks, the lease
+    is taken before Ray starts, so one is refused (exit 2, one line naming the other job) without starting
+    Ray (no plan line), while the other runs; it stops cleanly on SIGTERM."""
+    inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=4)
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    cmd = [*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
+           "--set", "batching.rows_per_task=10", "--set", "input.id_column=none", "--method", "greedy"]
+    t0 = time.time()
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                              preexec_fn=_foreground) for _ in range(2)]
+    deadline = t0 + 120
+    while all(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.05)
+    seconds = time.time() - t0
+    refused = next(p for p in procs if p.poll() is not None)
+    running = next(p for p in procs if p is not refused)
+    stderr = refused.communicate(timeout=30)[1]
+    running.send_signal(signal.SIGTERM)
+    running.communicate(timeout=120)
+    assert refused.returncode == 2, stderr
+    assert re.search(rf"output\.dir: {re.escape(str(out))} is in use by another job \(pid {running.pid} ", stderr), stderr
+    assert "actor(s) on" not in stderr  # refused before the plan line
+    # both processes' start, imports and checks on shared cores: about 4 s here; 15 s with the lease after Ray
+    assert seconds < 10, seconds
+    assert running.returncode == 128 + signal.SIGTERM
+
+
 def test_only_options_the_user_set_are_noted_as_ignored(tmp_path):
     """`aggdec run --set decode.method=greedy` on the embedded default spec notes nothing (IAD's
     options there are the spec's, not the user's); options the user set on the command line or in
