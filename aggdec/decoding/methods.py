@@ -61,7 +61,6 @@ class Method:
         invariant = invariant_for(opts, context.model, self.lossless(opts))
         if compile is None:
             compile = compiles(context, opts, 1)[0]
-        compile = compile and not invariant
         budget = None
         if getattr(opts, "draft_length", "max") == "auto" and getattr(drafter, "max_draft", 0) != 0:
             budget = _keep(context.budgets, (opts, compile, stream), KEPT_BUDGETS,

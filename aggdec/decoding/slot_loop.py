@@ -115,6 +115,7 @@ class SlotLoop:
         # a half-precision model's CPU cache holds fp32 keys and values (docs/design.md, "Slots and buffers")
         kernel = self.device.type == "cpu" and decode_attention.load()
         self.cache_dtype = torch.float32 if kernel and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+        # a kernel attends each token through row maps: the CPU's for the cache's dtype, or the invariant one
         self._kernel = kernel and self.cache_dtype in (torch.float32, torch.float64) or invariant
         # fixed-shape steps read no host: a certified projection's plain fp32 twin (the same token)
         plain = OutputProjection(model.output_weight, certify=False, bias=model.output_bias, int8=model.output_int8)

@@ -103,7 +103,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     `invariant.kernels()`, `invariant.DTYPES` on any device (the batch-invariant kernel); else the CPU, fp32
     or fp64, and the kernel loaded (`load`)."""
     if invariant.active():
-        return dtype in invariant.DTYPES and not torch.is_grad_enabled()
+        return dtype in invariant.DTYPES
     return device.type == "cpu" and dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled() and load()
 
 

@@ -40,8 +40,9 @@ A query's arithmetic is the same in either (a block past its keys changes nothin
 
 
 def active() -> bool:
-    """Whether this thread or task runs within `kernels()`."""
-    return _ACTIVE.get()
+    """Whether this thread or task runs within `kernels()`, at inference (gradients off: the kernels have
+    no backward)."""
+    return _ACTIVE.get() and not torch.is_grad_enabled()
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (fused into the oneDNN product). On oneDNN at inference while `enabled()`: fp32 products of at least
     `MIN_MACS` multiply-adds, and any with `packed` (`prepack(weight)`, optional). Within
     `invariant.kernels()`, the batch-invariant product (`invariant.linear`)."""
-    if invariant.active() and not torch.is_grad_enabled():
+    if invariant.active():
         return invariant.linear(x, weight, bias, relu)
     if (enabled() and x.device.type == "cpu" and x.dtype == weight.dtype and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu")):

@@ -76,7 +76,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if invariant.active() and not torch.is_grad_enabled():
+        if invariant.active():
             return invariant.norm(x, self.weight, None, self.eps, rms=True)
         if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -90,7 +90,7 @@ class LayerNorm(nn.LayerNorm):
     batch-invariant kernel's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if invariant.active() and not torch.is_grad_enabled():
+        if invariant.active():
             return invariant.norm(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
