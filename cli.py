@@ -626,9 +626,8 @@ def submit_cmd(spec, address, pip, submission_id, take_over_lease, sets, input_p
     except ValueError:
         spec_arg = spec
     run_args = [a for o in overrides for a in ("--set", o)] + (["--take-over-lease"] if take_over_lease else [])
-    python = _jobs_call(lambda address, _: jobs_api.job_python(address), address, None)
-    job_id = _jobs_call(lambda address, _: jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None,
-                                                            submission_id=submission_id, python=python), address, None)
+    job_id, python = _jobs_call(lambda address, _: jobs_api.submit(address, spec_arg, run_args, pip=list(pip) or None,
+                                                                    submission_id=submission_id), address, None)
     click.echo(job_id)
     if python != sys.executable:
         click.echo(f"note: the cluster runs the job with its own `{python}` (the first on its processes' PATH), which "
@@ -690,11 +689,11 @@ def logs_cmd(job_id, address, follow) -> None:
         return
     import asyncio
 
-    async def _follow():
+    async def _follow(address: str, job_id: str) -> None:
         async for lines in jobs_api.tail_logs(address, job_id):
             click.echo(lines, nl=False)
 
-    asyncio.run(_follow())
+    _jobs_call(lambda address, job_id: asyncio.run(_follow(address, job_id)), address, job_id)
 
 
 @main.command("stop")

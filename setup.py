@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _module(name: str):
-    """aggdec/model/<name>.py alone: its names, not the package's imports."""
+    """aggdec/model/<name>.py alone: its names, not the package's imports. Its own imports of aggdec
+    resolve to this checkout (nothing may be installed yet); they may need torch alone."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location(name, ROOT / "aggdec" / "model" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -119,6 +119,11 @@ def check_reachable(address: str) -> None:
         raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or check "
                               "the address (HOST:PORT of the head's GCS, port 6379 by default)") from None
     other = None if address.startswith("ray://") else _not_a_gcs(host, int(port))
+    if other == "gRPC DEADLINE_EXCEEDED":
+        raise ConnectionError(f"{address}: something accepts connections there but did not answer a request for the "
+                              f"cluster's id within {PROBE_TIMEOUT_S:.0f} s; check that the head node is up and not "
+                              "overloaded, that any proxy or port-forward to it still reaches it, and the address "
+                              "(HOST:PORT of the head's GCS, port 6379 by default)")
     if other:
         raise ConnectionError(f"{address}: something answers there, but not a Ray cluster's GCS ({other}); check "
                               "the address (HOST:PORT of the head's GCS, port 6379 by default)")

@@ -31,6 +31,7 @@ class Head:
     gcs: str  # HOST:PORT, for ray.init / aggdec run --address
     dashboard: str  # http://HOST:PORT, for the Jobs API
     temp_dir: Path
+    pid: int  # of `ray start`, the leader of the session every process of the head is in
 
 
 def free_port() -> int:
@@ -65,31 +66,45 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, start_timeout_s: float = 12
                 if head.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the Ray head did not start: {(temp / 'start.log').read_text()[-2000:]}")
                 time.sleep(0.5)
-        yield Head(gcs=f"127.0.0.1:{ports['port']}", dashboard=dashboard, temp_dir=temp)
+        yield Head(gcs=f"127.0.0.1:{ports['port']}", dashboard=dashboard, temp_dir=temp, pid=head.pid)
     finally:
         _kill_tree(head.pid)
         head.wait()
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def signal_all(head: Head, signum: int) -> None:
+    """Send `signum` to every process of `head` (`tree`): SIGSTOP makes it a head that accepts
+    connections and answers nothing, as a swapping one does; SIGCONT undoes it."""
+    for pid in tree(head.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def tree(root: int) -> set[int]:
+    """The live processes in `root`'s session and every descendant of those."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) ": state ppid pgrp session
+                parents[int(entry)] = (int(fields[1]), int(fields[3]), fields[0])
+            except (OSError, ValueError):
+                continue
+    found = {pid for pid, (_, session, state) in parents.items() if session == root and state != "Z"}
+    grown = True
+    while grown:
+        more = {pid for pid, (ppid, _, state) in parents.items() if ppid in found and state != "Z"} - found
+        found |= more
+        grown = bool(more)
+    return found
+
+
 def _kill_tree(root: int) -> None:
-    """SIGKILL every process in `root`'s session and every descendant of those, until none is left."""
+    """SIGKILL every process of `tree(root)`, until none is left."""
     for _ in range(20):
-        parents = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) ": state ppid pgrp session
-                    parents[int(entry)] = (int(fields[1]), int(fields[3]), fields[0])
-                except (OSError, ValueError):
-                    continue
-        doomed = {pid for pid, (_, session, state) in parents.items() if session == root and state != "Z"}
-        grown = True
-        while grown:
-            more = {pid for pid, (ppid, _, state) in parents.items() if ppid in doomed and state != "Z"} - doomed
-            doomed |= more
-            grown = bool(more)
+        doomed = tree(root)
         if not doomed:
             return
         for pid in doomed:

@@ -201,3 +201,24 @@ def test_a_compile_killed_midway_does_not_stop_the_next_compile(tmp_path):
     assert "waiting" not in done.stderr
 
 
+
+
+def test_setup_reads_the_kernel_modules_where_aggdec_is_not_installed(tmp_path):
+    """setup.py reads the kernel modules' names on a machine where aggdec is not importable yet (a
+    fresh `pip install -e .`): their own imports of aggdec resolve to the checkout."""
+    script = f"""
+import runpy, sys
+from pathlib import Path
+sys.path[:] = [p for p in sys.path if p and "__editable__" not in p and Path(p).resolve() != Path({str(REPO)!r})]
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+try:
+    import aggdec
+    sys.exit("aggdec is still importable from " + aggdec.__file__)
+except ImportError:
+    pass
+sys.argv = ["setup.py", "--name"]
+runpy.run_path({str(REPO / "setup.py")!r}, run_name="__main__")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "aggdec", done.stdout + done.stderr
