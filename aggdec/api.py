@@ -9,7 +9,10 @@ Every input yields exactly one `TranslationResult`. Statuses (aggdec.schema.STAT
 "empty" (nothing to decode after cleaning: the output is ""); "truncated" (longer than the model's
 source positions, decoded from the first tokens that fit); "truncated_output" (the output reached
 the length limit and was cut there); "unknown_tokens" (most of the source is text the vocabulary
-lacks; decoded anyway); "error" (decoding this row raised; `error` says why).
+lacks; decoded anyway); "invalid_output" (the output's byte tokens do not form UTF-8: U+FFFD in its
+text); "lost_characters" (the tokenizer drops characters of the source, such as bidirectional marks:
+`error` names them); "error" (decoding this row raised; `error` says why). A row has one status, the
+first that applies in that order; `error` also names lost characters where another status won.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from aggdec.model.projection import OutputProjection, certified_pays
 from aggdec.model.transformer import Transformer
 from aggdec.schema import DECODED_STATUSES, count_status
 from aggdec.stats import SpeedupStats
-from aggdec.text import clean_text
+from aggdec.text import clean_text, lost_characters, name_characters
 from aggdec.thresholds import AUTO_CERTIFIED_ROWS, CHUNK_SIZE
 
 __all__ = ["DecodeOptions", "TranslationResult", "Translator", "decode_options", "summarize"]
@@ -193,6 +196,7 @@ class Translator:
             invariant_for(opts, self.verifier(opts.precision), method.lossless(opts))  # as are kernels that cannot run
         results: list[TranslationResult] = []
         reqs: list[Request] = []
+        lost_in: set[int] = set()  # rows whose source lost characters in tokenization
         for i, s in enumerate(source):
             ids, status, text = self.prepare(s, framing)
             results.append(TranslationResult(source=text, text="", tokens=[], status=status,
@@ -201,6 +205,10 @@ class Translator:
             if ids is not None and status == "ok" and self.bundle.src_tok.unrepresented(body) > opts.max_unknown_share:
                 results[-1].status = "unknown_tokens"
                 results[-1].error = "most of the source is text the model's vocabulary lacks (unknown or byte tokens)"
+            if ids is not None and (lost := lost_characters(text, self.bundle.src_tok.decode(body))):
+                lost_text = f"the tokenizer drops {len(lost)} character(s) of the source: {name_characters(lost)}"
+                results[-1].error = "; ".join(filter(None, [results[-1].error, lost_text]))
+                lost_in.add(i)
             if ids is not None:
                 max_len = max_len_for(len(ids), opts.max_len_a, opts.max_len_b, self.cfg.max_target_positions)
                 reqs.append(Request(index=i, src=ids, max_len=max(1, max_len)))
@@ -212,6 +220,12 @@ class Translator:
                 r.status = "truncated_output"
                 r.error = f"the output reached the length limit ({limits[hyp.index]} tokens) and was cut there"
             r.text = self.bundle.tgt_tok.decode(hyp.tokens)
+            if r.status == "ok" and (broken := r.text.count("\ufffd") - r.source.count("\ufffd")) > 0:
+                r.status = "invalid_output"
+                broken_text = f"the output's byte tokens do not form UTF-8: {broken} U+FFFD in its text"
+                r.error = "; ".join(filter(None, [broken_text, r.error]))
+            elif r.status == "ok" and hyp.index in lost_in:
+                r.status = "lost_characters"
             r.score = getattr(hyp, "score", None)  # beam.BeamHypothesis carries score and nbest
             if getattr(opts, "nbest", 1) > 1:
                 r.nbest = [(self.bundle.tgt_tok.decode(toks), score) for toks, score in hyp.nbest]

@@ -6,9 +6,9 @@ filter that applies is the reason:
 
   error           status "error" (always)
   truncated       status "truncated": the output covers only the source's first tokens (always)
-  truncated_output, unknown_tokens, invalid_utf8
+  truncated_output, unknown_tokens, invalid_utf8, invalid_output
                   the row statuses of the same names (always: a cut output, a source the model
-                  cannot represent, input bytes that were not text)
+                  cannot represent, input bytes that were not text, output bytes that are not)
   empty           status "empty", or an output that is empty or only whitespace (drop_empty)
   control_chars   the output holds a control character (tab, CR, LF, ...; always, see the TSV below)
   len_ratio_low   hyp_len / (src_len - 1) < min_len_ratio
@@ -34,11 +34,12 @@ import pyarrow.compute as pc
 
 from aggdec.text import clean_text
 
-REASONS = ("error", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "empty", "control_chars",
-           "len_ratio_low", "len_ratio_high")
+REASONS = ("error", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "invalid_output", "empty",
+           "control_chars", "len_ratio_low", "len_ratio_high")
 REASON_TEXT = {"error": "failed to decode", "truncated": "with sources cut to the model's positions",
                "truncated_output": "cut at the output length limit", "unknown_tokens": "mostly unknown tokens",
-               "invalid_utf8": "not valid UTF-8", "empty": "empty", "control_chars": "with control characters",
+               "invalid_utf8": "not valid UTF-8", "invalid_output": "with outputs that are not valid UTF-8",
+               "empty": "empty", "control_chars": "with control characters",
                "len_ratio_low": "below the length ratio", "len_ratio_high": "above the length ratio"}
 """Each of `REASONS` in words, for messages."""
 TSV_HEADER = "src\tkd\n"
@@ -72,7 +73,7 @@ def filter_reasons(table: pa.Table, opts: PairFilter) -> np.ndarray:
     high = has_ratio & (ratio > opts.max_len_ratio) if opts.max_len_ratio is not None else np.zeros(len(status), bool)
     empty = ((status == "empty") | blank) if opts.drop_empty else np.zeros(len(status), bool)
     conditions = [status == "error", status == "truncated", status == "truncated_output", status == "unknown_tokens",
-                  status == "invalid_utf8", empty, control, low, high]
+                  status == "invalid_utf8", status == "invalid_output", empty, control, low, high]
     return np.select(conditions, list(REASONS), default="").astype(object)
 
 

@@ -28,12 +28,17 @@ import pyarrow.parquet as pq
 
 MANIFEST_NAME = "_manifest.json"
 
-STATUSES = ("ok", "empty", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "error")
+STATUSES = ("ok", "empty", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "invalid_output",
+            "lost_characters", "error")
 """Row statuses: ok; empty (nothing to decode); truncated (the source was cut to the model's
 positions); truncated_output (the output was cut at the length limit); unknown_tokens (most of the
 source is text the vocabulary lacks); invalid_utf8 (the input bytes were not UTF-8; invalid bytes
-read as U+FFFD); error (decoding the row raised). `error` says why for all but ok and empty."""
-DECODED_STATUSES = ("ok", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8")
+read as U+FFFD); invalid_output (the output's byte tokens do not form UTF-8: its text holds U+FFFD
+the source does not); lost_characters (the tokenizer drops characters of the source, such as
+bidirectional marks, or has no piece for them: the model never saw them); error (decoding the row
+raised). `error` says why, and names the characters, for all but ok and empty."""
+DECODED_STATUSES = ("ok", "truncated", "truncated_output", "unknown_tokens", "invalid_utf8", "invalid_output",
+                    "lost_characters")
 """Statuses of rows that were decoded (their statistics count)."""
 
 DECODED = pa.schema([

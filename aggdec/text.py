@@ -21,3 +21,20 @@ def clean_text(text: object) -> str:
     text = "".join(" " if unicodedata.category(c) == "Cc" else c for c in text)
     return " ".join(text.split())
 
+
+
+def lost_characters(text: str, round_trip: str) -> list[str]:
+    """The characters of `text` that `round_trip` (its tokens decoded again) lacks, in order of first
+    appearance: what a tokenizer drops or turns into an unknown piece, so that the model never sees
+    it. Both sides are compared in NFKC, so a tokenizer's own normalization (full-width letters,
+    ligatures) and whitespace are not losses; format characters (category Cf: bidirectional marks,
+    zero-width joiners) are, where the tokenizer drops them."""
+    kept = set(unicodedata.normalize("NFKC", round_trip))
+    lost = dict.fromkeys(c for c in unicodedata.normalize("NFKC", text) if not c.isspace() and c not in kept)
+    return list(lost)
+
+
+def name_characters(chars: list[str], most: int = 5) -> str:
+    """`chars` by code point and name ("U+200F RIGHT-TO-LEFT MARK, ..."), at most `most` of them."""
+    named = [f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in chars[:most]]
+    return ", ".join(named) + (f" and {len(chars) - most} more" if len(chars) > most else "")

@@ -1,7 +1,8 @@
 """Connecting to Ray. The only place (with cli.py) that calls ray.init; nothing here runs at import.
 
 `connect(None)` starts an embedded local Ray (no dashboard; a new one even where another Ray runs on
-the machine) unless RAY_ADDRESS is set, which is the case inside a job submitted with the Jobs API:
+the machine, whose processes end with this one however it ends: `cluster.reaper`) unless
+RAY_ADDRESS is set, which is the case inside a job submitted with the Jobs API:
 then it joins that cluster. `connect("HOST:6379")`
 or `connect("auto")` joins a running cluster.
 """
@@ -12,10 +13,13 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from cluster.reaper import release, watch
 
 RAY_AUTH_LOGGER = "ray._private.authentication"
 PROBE_TIMEOUT_S = 5.0
@@ -55,6 +59,7 @@ class Connection:
     resources: dict[str, float]  # ray.cluster_resources() at connect time
     seconds: float  # time spent in ray.init (0 when Ray was already initialized)
     started: bool  # this call started Ray (so disconnect() should stop it)
+    reaper: subprocess.Popen | None = None  # of a local Ray this call started (cluster.reaper)
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True,
@@ -74,6 +79,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
     # ray.init replaces the SIGTERM handler with its own (sys.exit(15)); a handler the caller set
     # (cli.py: stop cleanly, exit status 143) is put back, and gets a SIGTERM that ends ray.init
     ours = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    reaper = None
     try:
         if address or os.environ.get("RAY_ADDRESS"):
             check_reachable(address or os.environ["RAY_ADDRESS"])  # ray.init would retry for minutes
@@ -85,18 +91,20 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, log_to_d
             logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
             # "local": a new instance, never a cluster another process started on this machine (which
             # ray.init() without an address would join, recorded in Ray's temp directory)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+            context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+            reaper = watch(context.address_info["session_dir"])
     except SystemExit as e:
         if not callable(ours) or e.code != signal.SIGTERM:
             raise
         ray.shutdown()
+        release(reaper)
         signal.signal(signal.SIGTERM, ours)
         ours(signal.SIGTERM, None)
         raise
     if callable(ours):
         signal.signal(signal.SIGTERM, ours)
     return Connection(address=address, resources=ray.cluster_resources(), seconds=time.perf_counter() - t0,
-                      started=True)
+                      started=True, reaper=reaper)
 
 
 def check_reachable(address: str) -> None:
@@ -171,6 +179,8 @@ def disconnect(conn: Connection | None = None) -> None:
 
     if conn is None or conn.started:
         ray.shutdown()
+    if conn is not None:
+        release(conn.reaper)
 
 
 def alive_nodes() -> list[dict[str, float]]:

@@ -29,7 +29,29 @@ def test_bad_rows_get_statuses(tiny_model_dir):
     [cjk] = tr.translate_batch(["日本語の文 ☃☃ 中文"], method="greedy")
     assert cjk.status == "unknown_tokens" and cjk.text  # flagged, still decoded
     [lenient] = tr.translate_batch(["日本語の文 ☃☃ 中文"], method="greedy", max_unknown_share=1.0)
-    assert lenient.status == "ok"
+    assert lenient.status == "lost_characters" and lenient.text  # decoded, with what the model never saw named
+    assert lenient.error.startswith("the tokenizer drops 7 character(s) of the source: U+65E5 ") and "and 2 more" in lenient.error
+
+
+def test_statuses_name_what_tokenizers_lose_and_outputs_that_are_not_utf8():
+    """Right-to-left marks and other format characters in a source either survive the tokenizer or are
+    named (status lost_characters); an output whose byte tokens do not form UTF-8 (U+FFFD in its text)
+    is status invalid_output; both are counted. `models/gec-base` has byte pieces: its tokenizer keeps
+    U+202E and U+202C (as bytes) and drops U+200F."""
+    tr = Translator.load("models/gec-base")
+    src = ["She \u200fgo to \u202eschool\u202c yesterday .", "She go to \u202eschool\u202c .", "Ｆｕｌｌ width ﬁne café .",
+           "She go to school ."]
+    res = tr.translate_batch(src, method="iad")
+    assert "U+200F RIGHT-TO-LEFT MARK" in res[0].error and "U+202E" not in res[0].error
+    for r in res:
+        broken = r.text.count("\ufffd") > r.source.count("\ufffd")
+        assert (r.status == "invalid_output") == broken, (r.text, r.status)
+        assert (r.status == "lost_characters") == (not broken and "U+" in r.error), (r.text, r.status, r.error)
+        assert r.status in ("ok", "invalid_output", "lost_characters"), r.status
+    assert res[0].status in ("invalid_output", "lost_characters")
+    assert "\u202e" in res[1].source and "drops" not in res[1].error  # bytes carry it: nothing lost
+    assert res[2].error == ""  # NFKC: the tokenizer's normalization loses nothing
+    assert summarize(res)["status"].get(res[0].status) >= 1
 
 
 def test_lossless_methods_agree_and_options_validate(tiny_model_dir):

@@ -106,8 +106,8 @@ def test_logs_follow_ends_in_one_line_when_the_head_goes_silent_mid_stream(tmp_p
 
     from cluster import jobs_api
 
-    script = ("import time\nprint('before the quiet', flush=True)\ntime.sleep(1.5 * %r)\n"
-              "for i in range(10**4):\n    print('line', i, flush=True)\n    time.sleep(0.2)\n") % jobs_api.SILENCE_S
+    script = (f"import time\nprint('before the quiet', flush=True)\ntime.sleep({1.5 * jobs_api.SILENCE_S})\n"
+              "for i in range(10**4):\n    print('line', i, flush=True)\n    time.sleep(0.2)\n")
     with ray_head(_env()) as head:
         job = JobSubmissionClient(head.dashboard).submit_job(entrypoint=shlex.join([sys.executable, "-c", script]))
         follow = subprocess.Popen([sys.executable, "-m", "cli", "logs", job, "--follow", "--address", head.dashboard],
@@ -121,7 +121,7 @@ def test_logs_follow_ends_in_one_line_when_the_head_goes_silent_mid_stream(tmp_p
             assert any(line.startswith("before the quiet") for line in seen) and seen[-1].startswith("line 5"), seen
             signal_all(head, signal.SIGSTOP)
             silent_since = time.monotonic()
-            rest, err = follow.communicate(timeout=60)
+            _, err = follow.communicate(timeout=60)
             took = time.monotonic() - silent_since
         finally:
             follow.kill()

@@ -157,6 +157,35 @@ def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir
     assert 1 <= len(list(out.glob("_SUCCESS.*"))) < 200
 
 
+def test_a_killed_job_leaves_no_process_behind(tiny_model_dir, tmp_path):
+    """SIGKILL of `aggdec run` mid-job on an embedded Ray: within 10 s no process it started is left
+    (Ray's agents outlived it by about a minute, reporting the raylet's death to a GCS that was gone;
+    `cluster.reaper` ends them)."""
+    psutil = pytest.importorskip("psutil")
+    inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=5)
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
+                             "--set", "batching.rows_per_task=10", "--set", "input.id_column=none",
+                             "--method", "greedy"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=REPO)
+    deadline = time.time() + 120
+    while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("DashboardAgent" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
+    proc.kill()
+    proc.wait(timeout=30)
+    killed = time.time()
+
+    def alive() -> list:
+        return [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    while alive() and time.time() < killed + 10:
+        time.sleep(0.2)
+    assert not alive(), [p.cmdline()[:2] for p in alive()]
+
+
 def test_two_jobs_started_at_once_on_one_output_one_is_refused_before_ray_starts(tiny_model_dir, tmp_path):
     """Two `aggdec run`s on one output location started at the same moment: both pass the checks, the lease
     is taken before Ray starts, so one is refused (exit 2, one line naming the other job) without starting

@@ -199,7 +199,9 @@ def test_malformed_rows_become_status_rows(ray_local, tiny_model_dir, tmp_path):
     result = run_job(spec)
     table = pq.read_table(out / "weird.parquet")
     assert table.column("id").to_pylist() == [str(k) for k in range(100, 100 + len(rows))]
-    assert table.column("status").to_pylist() == ["empty", "empty", "empty", "ok", "truncated", "ok", "ok"]
+    assert table.column("status").to_pylist() == ["empty", "empty", "empty", "ok", "truncated", "lost_characters", "ok"]
+    assert "U+202E RIGHT-TO-LEFT OVERRIDE" in table.column("error")[5].as_py()  # the tiny vocabulary lacks it
+    assert result.status["lost_characters"] == 1  # counted in the summary
     assert table.column("hyp").to_pylist()[:3] == ["", "", ""]
     assert table.column("src").to_pylist() == rows  # stored input, not the cleaned text
     assert result.rows == len(rows) and result.errors == 0
