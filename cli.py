@@ -830,19 +830,23 @@ def _echo_comparison(r: dict) -> None:
               help="Benchmark results JSON (bench/*.py --out), repeatable: adds a method comparison.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), default="report.html",
               show_default=True, help="The HTML file to write (self-contained: plots are embedded).")
-def report_cmd(out_dir, bench, out_path) -> None:
-    """Write one self-contained HTML page about a job's output: verifier calls and speedup vs edit
-    ratio, accepted tokens per call, throughput by length, acceptance by position, benchmarks.
+@click.option("--compare", "greedy_dir", type=click.Path(exists=True), default=None,
+              help="The output of a greedy run of the same inputs: adds decoder time against greedy, by id.")
+def report_cmd(out_dir, bench, out_path, greedy_dir) -> None:
+    """Write one self-contained HTML page about a job's output: what drafting did and why, verifier
+    calls and calls saved vs edit ratio, accepted tokens per call, throughput by length, acceptance by
+    position, time against a greedy run (--compare), benchmarks.
 
     \b
     Examples:
       aggdec report out/gec-sample --out report.html
+      aggdec report out/gec-sample --compare out/greedy --out report.html
       aggdec report out/gec-sample --bench bench/results/iad.json --out report.html
     """
     from aggdec.report import build_report
 
     try:
-        page = build_report(out_dir, list(bench))
+        page = build_report(out_dir, list(bench), compare=greedy_dir)
     except (FileNotFoundError, ValueError, ImportError) as e:
         raise Failure(str(e)) from e
     Path(out_path).write_text(page, encoding="utf-8")

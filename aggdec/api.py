@@ -180,6 +180,15 @@ class Translator:
 
     # -- public ----------------------------------------------------------------------------------
 
+    def drafting(self, options: DecodeOptions) -> dict:
+        """What the draft budgets of `options` (`draft_length = "auto"`) did over this translator's calls:
+        {"calls": verifier calls they chose for, "drafting_calls": those given a draft, "budget": why each
+        drafts as it does now (`DraftBudget.describe`), one per decoding stream and backend}; zeros and
+        no reasons where `options` has no budget."""
+        budgets = [b for (opts, *_), b in self._budgets.items() if opts == options]
+        return {"calls": sum(b.calls for b in budgets), "drafting_calls": sum(b.drafting_calls for b in budgets),
+                "budget": list(dict.fromkeys(b.describe() for b in budgets if b.calls))}
+
     def translate_batch(self, source: list[str], options: DecodeOptions | None = None, **kwargs) -> list[TranslationResult]:
         """Decode `source` (any order of lengths); results align with `source`.
 

@@ -10,7 +10,12 @@ One page, no external files: plots are PNGs rendered with matplotlib's Agg canva
 2. distribution of draft tokens accepted per verifier call (`accepted_per_iter`);
 3. throughput by source length bucket (src_len, model tokens) from each row's decode_ms share;
 4. acceptance by position in the draft block (see `acceptance_by_position`);
-5. a method comparison table and plot from `python -m bench compare` results files (`runs` lists), when given.
+5. time against a greedy run of the same inputs (`compare`): decoder time of the rows both hold, by id,
+   and the share of identical outputs;
+6. a method comparison table and plot from `python -m bench compare` results files (`runs` lists), when given.
+
+The summary says what drafting did: the share of verifier calls that carried a draft where a draft
+budget chose (`draft_length = "auto"`), and why it chose so (the manifest's totals).
 
 Needs matplotlib (the `report` extra).
 """
@@ -184,7 +189,7 @@ def _fig_calls_vs_edit_ratio(rows: dict[str, np.ndarray], methods: list[str]) ->
     left.set(xlabel="edit ratio (token edits src -> hyp / src tokens)", ylabel="verifier calls per sentence",
              title="Verifier calls vs edit ratio")
     right.axhline(1.0, color="0.3", ls="--", lw=1, label="greedy (1 token per call)")
-    right.set(xlabel="edit ratio", ylabel="calls saved: (hyp_len + 1) / calls", title="Speedup in calls vs greedy")
+    right.set(xlabel="edit ratio", ylabel="calls saved: (hyp_len + 1) / calls", title="Calls saved vs greedy (not time)")
     if ((rows["hyp_len"] + 1) / np.maximum(rows["iterations"], 1)).max() >= 4:  # a log axis only for wide ranges
         right.set_yscale("log", base=2)
         right.yaxis.set_major_formatter(FormatStrFormatter("%g"))
@@ -346,6 +351,11 @@ def _summary_section(out_dir: str | Path, manifest: dict | None, rows: dict[str,
         if wall:
             facts.append(("last run", wall))
     facts.append(("rows by status", ", ".join(f"{k}: {v:,}" for k, v in sorted(status_counts.items()))))
+    drafting = (manifest or {}).get("totals", {}).get("drafting", {})
+    if drafting.get("calls"):
+        facts.append(("drafting", f"{drafting['drafting_calls'] / drafting['calls']:.0%} of {drafting['calls']:,} "
+                                  "verifier calls carried a draft (draft_length auto)"))
+        facts += [("draft budget", why) for why in drafting.get("budget", [])]
     kv = "".join(f"<tr><th{LEFT}>{html.escape(k)}</th><td{LEFT}><code>{html.escape(_fmt(v))}</code></td></tr>"
                  for k, v in facts)
     per_method = []
@@ -358,7 +368,7 @@ def _summary_section(out_dir: str | Path, manifest: dict | None, rows: dict[str,
                            accepted / calls if calls else None, accepted / drafted if drafted else None,
                            float(np.median(rows["edit_ratio"][sel])), seconds,
                            int(sel.sum()) / seconds if seconds else None])
-    header = ["method", "sentences", "verifier calls", "output tokens", "tokens / call (= calls saved)",
+    header = ["method", "sentences", "verifier calls", "output tokens", "tokens / call (calls saved, not time)",
               "accepted / call", "accepted / drafted", "median edit ratio", "decoder time s",
               "sentences / s of decoder time"]
     return (f"<h2>Summary</h2><table>{kv}</table>{_table(header, per_method)}"
@@ -366,6 +376,29 @@ def _summary_section(out_dir: str | Path, manifest: dict | None, rows: dict[str,
             "wall-clock time decoding and committing (as in the summary of <code>aggdec run</code>). Decoder time: "
             "the sum of each row's share of verifier/drafter time, additive across shards, actors and runs, so it "
             "leaves out reading, writing and scheduling.</p>")
+
+
+def _compare_section(out_dir: str | Path, greedy_dir: str | Path) -> str:
+    """Time against greedy: the rows of `out_dir` and `greedy_dir` (a greedy run of the same inputs)
+    that both decoded, matched by id; each side's decoder time for them, the ratio, and the share of
+    identical outputs. ValueError where they share no id."""
+    columns = ("id", "hyp", "status", "decode_ms")
+    ours, theirs = (read_outputs(d, columns).to_pydict() for d in (out_dir, greedy_dir))
+    mine = {i: (h, ms) for i, h, st, ms in zip(*(ours[c] for c in columns)) if st in DECODED_STATUSES}
+    both = [(mine[i], (h, ms)) for i, h, st, ms in zip(*(theirs[c] for c in columns))
+            if st in DECODED_STATUSES and i in mine]
+    if not both:
+        raise ValueError(f"{greedy_dir}: no decoded row shares an id with {out_dir}")
+    seconds = sum(a[1] for a, _ in both) / 1000.0
+    greedy_seconds = sum(b[1] for _, b in both) / 1000.0
+    same = sum(a[0] == b[0] for a, b in both) / len(both)
+    rows = [[str(out_dir), len(both), seconds, greedy_seconds / seconds if seconds else None, same],
+            [str(greedy_dir), len(both), greedy_seconds, 1.0, 1.0]]
+    return ("<h2>Time against greedy</h2>"
+            + _table(["output", "rows in both", "decoder time s", "x greedy (time)", "identical to greedy"], rows)
+            + "<p class=\"note\">Decoder time of the rows both outputs decoded (matched by id): the time that "
+              "drafting saves or costs, unlike calls saved above. Both runs should have had the machine to "
+              "themselves.</p>")
 
 
 def _last_run_wall(manifest: dict) -> str | None:
@@ -378,8 +411,9 @@ def _last_run_wall(manifest: dict) -> str | None:
     return f"decoded {rows:,} rows: wall {seconds:.1f} s, {rows / seconds:.1f} sentences/s"
 
 
-def build_report(out_dir: str | Path, bench_paths: Sequence[str | Path] = ()) -> str:
-    """The report page for output directory `out_dir` (and benchmark JSON files) as one HTML string.
+def build_report(out_dir: str | Path, bench_paths: Sequence[str | Path] = (), compare: str | Path | None = None) -> str:
+    """The report page for output directory `out_dir` (and benchmark JSON files; `compare`: the output
+    of a greedy run of the same inputs, for time against greedy) as one HTML string.
 
     Raises ValueError naming the file/column at fault for unreadable inputs, and when no row has
     status ok/truncated; ImportError naming the `report` extra when matplotlib is missing.
@@ -395,6 +429,7 @@ def build_report(out_dir: str | Path, bench_paths: Sequence[str | Path] = ()) ->
                for m in methods for sel in [rows["method"] == m]}
     parts = [f"<h1>aggdec report</h1><p class=\"note\"><code>{html.escape(str(out_dir))}</code></p>",
              _summary_section(out_dir, manifest, rows, status_counts, methods),
+             _compare_section(out_dir, compare) if compare else "",
              "<h2>Verifier calls vs edit ratio</h2>",
              _img(_fig_calls_vs_edit_ratio(rows, methods), "verifier calls and calls saved vs edit ratio"),
              "<p class=\"note\">Greedy decoding needs hyp_len + 1 verifier calls; aggressive decoding saves the most "

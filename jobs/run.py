@@ -86,6 +86,7 @@ class JobResult:
     decoder_seconds: float = 0.0  # the decoded rows' summed decode_ms (every actor, every run), in seconds
     decoder_sentences: int = 0  # the rows decoder_seconds counts (status ok or truncated)
     drafted: int = 0  # draft tokens of all units (0 for methods without drafts)
+    drafting: dict = field(default_factory=dict)  # manifest.totals' "drafting": what the draft budgets did
     mean_accepted_per_iter: float = 0.0
     tokens_per_iter: float = 0.0
     attempts: int = 0  # pipeline runs (more than 1 after lost actors or nodes)
@@ -122,9 +123,20 @@ class JobResult:
                 + (f"; backend {self._backend_text()}" if self.backends else "")
                 + (f"; kept {self.distill['kept']} pairs" + "".join(
                     f", {n} {r}" for r, n in self.distill["filtered"].items()) if self.distill else "")
+                + self._drafting_text()
                 + (f"; mean accepted draft tokens per verifier call {self.mean_accepted_per_iter:.2f}"
                    if self.drafted else "")
                 + f"; output {self.output_dir}")
+
+    def _drafting_text(self) -> str:
+        """"; drafted on 3% of 512 verifier calls (draft_length auto: no draft; ...)" where a draft
+        budget chose the calls' draft lengths."""
+        calls = self.drafting.get("calls", 0)
+        if not calls:
+            return ""
+        why = " | ".join(self.drafting.get("budget", []))
+        return (f"; drafted on {self.drafting['drafting_calls'] / calls:.0%} of {calls} verifier call"
+                f"{'' if calls == 1 else 's'}" + (f" (draft_length auto: {why})" if why else ""))
 
     def _backend_text(self) -> str:
         """"compiled on 2 actors, eager on 1, compiling 31.2 s" (the compiling where any did)."""
@@ -301,7 +313,7 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
                      status=tot["status"], decoded_rows=decoded_rows, committed=list(run_info["committed"]),
                      skipped=skipped, pipeline_seconds=timing["pipeline_s"], wall_seconds=timing["wall_s"],
                      decoder_seconds=speed["decode_ms"] / 1000.0, decoder_sentences=speed["sentences"],
-                     drafted=speed["drafted"],
+                     drafted=speed["drafted"], drafting=tot["drafting"],
                      mean_accepted_per_iter=speed["mean_accepted_per_iter"], tokens_per_iter=speed["tokens_per_iter"],
                      attempts=attempts, distill=tot.get("distill"), backends=ran["backends"],
                      compile_seconds=ran["compile_s"])

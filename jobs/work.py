@@ -64,9 +64,11 @@ class UnitTask:
         except UnreadableInput as e:
             return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
         texts, bad_utf8 = texts_of(source.column(self.text_column))
-        backends, compiling = Counter(translator.backends), compile_seconds()
+        backends, compiling, before = Counter(translator.backends), compile_seconds(), translator.drafting(options)
         results = translator.translate_batch(texts, options)
-        backends, compiling = translator.backends - backends, compile_seconds() - compiling
+        backends, compiling, after = translator.backends - backends, compile_seconds() - compiling, translator.drafting(options)
+        drafting = {"calls": after["calls"] - before["calls"],
+                    "drafting_calls": after["drafting_calls"] - before["drafting_calls"], "budget": after["budget"]}
         for i in bad_utf8:
             results[i].status = "invalid_utf8"
             results[i].error = "the text is not valid UTF-8; invalid bytes were decoded as U+FFFD"
@@ -82,7 +84,7 @@ class UnitTask:
                   "rows": unit.rows, "hashed_bytes": sl.bytes, "hash_s": round(sl.seconds, 4),
                   "output": self._out.loc.uri_of(f"{unit.name}.parquet"), "status": status,
                   "speedup": stats.to_dict(), "fingerprint": self.fingerprint, "backends": dict(backends),
-                  "compile_s": round(compiling, 3)}
+                  "compile_s": round(compiling, 3), "drafting": drafting}
         tsv = None
         if self.distill is not None:
             table, tsv, record["distill"] = distill_table(table, self.distill, tsv=self.tsv)

@@ -1,5 +1,6 @@
 """DraftBudget settles on the draft length with the most output tokens per measured second."""
 
+import numpy as np
 import torch
 
 from aggdec.decoding.budget import DraftBudget
@@ -38,6 +39,20 @@ def test_drafting_turns_itself_off_where_it_does_not_pay():
     chosen = _drive(budget, 64, accept, lambda b, d: 1e-4 * (b + d))
     assert chosen[-50:] == [0] * 50
     assert budget.score and all(s < 0 for s in budget.score.values())  # each length tried lost
+
+
+def test_a_budget_counts_the_calls_that_drafted_and_says_why():
+    """Every recorded call is counted, those at a draft length above 0 apart; `describe` names the choice
+    and what each length tried against it measured."""
+    budget = DraftBudget(4)
+    assert budget.describe() == "no draft, nothing measured against it yet"
+    gen = torch.Generator().manual_seed(0)
+    _drive(budget, 64, lambda length, rows: (torch.rand(rows, length, generator=gen) < 0.3).long().cumprod(1).sum(1)
+           if length else torch.zeros(rows, dtype=torch.long), lambda b, d: 1e-4 * (b + d))
+    assert budget.calls == 200 and 0 < budget.drafting_calls < 40
+    why = budget.describe()
+    assert why.startswith("no draft; ") and all(f"{x} token" in why for x in budget.score), why
+    assert all(f"{np.exp(s):.2f}x its output tokens/s" in why for s in budget.score.values()), why
 
 
 def test_a_cold_budget_starts_on_the_plain_path_and_retries_a_dropped_comparison():

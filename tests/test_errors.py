@@ -122,6 +122,7 @@ def test_the_default_job_prints_a_handful_of_lines(tiny_model_dir, tmp_path):
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) <= 4, lines
     assert proc.stderr.startswith("3 input file(s), 300 rows; method iad") and "300 rows (" in proc.stdout
+    assert re.search(r"; drafted on \d+% of \d+ verifier calls \(draft_length auto: [^)]+\)", proc.stdout), proc.stdout
     assert not any("INFO" in line or "core_worker" in line or "Dataset" in line for line in lines), lines
 
 
@@ -264,6 +265,10 @@ def test_the_job_summary_names_each_figure_once_wall_clock_first():
     assert "(69.8 sentences/s of decoder time); backend eager on 1 actor;" in result.summary_line()
     result.backends, result.compile_seconds = {"compiled": 2, "eager": 1}, 51.24
     assert "; backend compiled on 2 actors, eager on 1, compiling 51.2 s;" in result.summary_line()
+    result.drafting = {"calls": 512, "drafting_calls": 15, "budget": ["no draft; 16 tokens a row measured 0.74x its "
+                                                                    "output tokens/s"]}
+    assert ("; drafted on 3% of 512 verifier calls (draft_length auto: no draft; 16 tokens a row measured 0.74x its "
+            "output tokens/s); mean accepted") in result.summary_line()
 
 
 def test_bad_input_exits_2_and_the_codes_are_documented(tmp_path):

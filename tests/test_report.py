@@ -143,6 +143,34 @@ def test_report_renders(tmp_path: Path):
     assert json.loads(found.group(1).replace("&quot;", '"')) == [True] * 5
 
 
+def test_report_says_what_drafting_did_and_times_against_greedy(tmp_path: Path):
+    """The summary gives the share of verifier calls that drafted and the budget's reason (the
+    manifest's totals); `compare` adds decoder time against a greedy output of the same ids, and calls
+    saved are labelled as not time."""
+    pytest.importorskip("matplotlib")
+    from aggdec.report import build_report
+
+    out_dir = write_output_dir(tmp_path / "out", [("iad", 120, 1)])
+    manifest = json.loads((out_dir / "_manifest.json").read_text())
+    manifest["totals"] = {"drafting": {"calls": 400, "drafting_calls": 100, "budget": ["8 tokens a row; no draft "
+                                                                                       "measured 0.80x its output tokens/s"]}}
+    (out_dir / "_manifest.json").write_text(json.dumps(manifest))
+    greedy = tmp_path / "greedy"
+    greedy.mkdir()
+    table = pq.read_table(out_dir / "part-00000.parquet")
+    slower = pa.compute.multiply(table.column("decode_ms"), 3.0)
+    pq.write_table(table.set_column(table.schema.get_field_index("decode_ms"), "decode_ms", slower),
+                   greedy / "part-00000.parquet")
+    text = re.sub(r"<[^>]+>", " ", build_report(out_dir, compare=greedy))
+    assert "drafting 25% of 400 verifier calls carried a draft (draft_length auto)" in " ".join(text.split())
+    assert "8 tokens a row; no draft measured 0.80x its output tokens/s" in text
+    assert "calls saved, not time" in text and "speedup" not in text.lower()
+    row = re.search(rf"{re.escape(str(out_dir))}\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", text)
+    assert row and row.group(1) == "117" and row.group(3) == "3.00" and row.group(4) == "1.00", text
+    with pytest.raises(ValueError, match="no decoded row shares an id"):
+        build_report(out_dir, compare=write_output_dir(tmp_path / "other", [("iad", 10, 7)]))
+
+
 def test_report_without_ok_rows_names_the_directory(tmp_path: Path):
     pytest.importorskip("matplotlib")
     from aggdec.report import build_report

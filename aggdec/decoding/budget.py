@@ -50,6 +50,7 @@ class DraftBudget:
         self._before: Block | None = None  # the last best-length block
         self._pending: tuple[int, Block, Block | None] | None = None  # (challenger, its block, the one before)
         self._alike: set[int] = set()  # challengers that drafted as the choice does (`_close`)
+        self.calls = self.drafting_calls = 0  # calls recorded, and those at a draft length above 0
 
     def next_length(self, rows: int, limit: int) -> int:
         """The draft length for the next call (at most `limit`, the drafter's)."""
@@ -58,7 +59,9 @@ class DraftBudget:
     def record(self, length: int, tokens: int, seconds: float, rows: int = 1, offered: int | None = None) -> None:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
         `seconds`; `offered`: the longest draft proposed for it before the length cap (None: unknown).
-        Calls at another length than the current block's are not counted."""
+        Calls at another length than the current block's are not measured (they are counted)."""
+        self.calls += 1
+        self.drafting_calls += length > 0
         if min(length, self.max_length) != self._current:
             return
         self._tokens += tokens
@@ -72,6 +75,18 @@ class DraftBudget:
             block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest, self._seconds)
             self._tokens, self._seconds, self._count = 0.0, 0.0, 0
             self._current = self._close(self._current, block)
+
+    def describe(self) -> str:
+        """Why the budget drafts as it does, in words: its choice and what each length tried against it
+        measured ("no draft; 16 tokens measured 0.74x its output tokens/s"), or that it is still warming up."""
+        def name(length: int) -> str:
+            return f"{length} token{'s' if length > 1 else ''} a row" if length else "no draft"
+
+        if not self.score:
+            return f"{name(self.choice)}, nothing measured against it yet"
+        tried = ", ".join(f"{name(x)} measured {math.exp(s):.2f}x its output tokens/s"
+                          for x, s in sorted(self.score.items()) if x != self.choice)
+        return f"{name(self.choice)}" + (f"; {tried}" if tried else "")
 
     def _block_length(self) -> int:
         """Calls per block: `block`, fewer on wide batches (at least `row_calls` row-calls and 2 calls);
