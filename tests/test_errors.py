@@ -393,20 +393,26 @@ def test_a_job_that_fails_to_start_says_so_in_one_line_and_leaves_nothing(tiny_m
     assert _megabytes(52_000, 148_000) == ("0.05", "0.15") and _megabytes(3e9, 1e9) == ("3000.0", "1000.0")
 
 
-def test_train_ar_on_a_small_text_names_the_vocabulary_size(tmp_path):
-    """`aggdec train ar` on 250 pairs with the default vocabulary size stops before training with one line
-    naming --vocab-size and what the text holds, exit status 2; every flag of its help has a text."""
+def test_train_ar_on_a_small_text_fits_the_vocabulary_or_names_its_size(tmp_path):
+    """`aggdec train ar` on 250 pairs: by default it trains as many pieces as the text holds (fewer than
+    8000) and says so; given --vocab-size 8000, it stops before training with one line naming --vocab-size
+    and what the text holds, exit status 2. Every flag of its help has a text."""
     from aggdec.train.args import ar_parser
 
     words = "the cat dog runs sat on a mat big red".split()
     rows = [" ".join(words[(i * 7 + j) % len(words)] for j in range(6)) for i in range(250)]
     (tmp_path / "train.tsv").write_text("src\ttgt\n" + "".join(f"{r}\t{r}\n" for r in rows))
-    done = subprocess.run([*AGGDEC, "train", "ar", "--train", "train.tsv", "--valid", "train.tsv", "--src-col", "src",
-                           "--tgt-col", "tgt", "--out", "m", "--max-minutes", "0.1"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    args = [*AGGDEC, "train", "ar", "--train", "train.tsv", "--valid", "train.tsv", "--src-col", "src", "--tgt-col",
+            "tgt", "--max-updates", "1", "--eval-updates", "1"]
+    fits = subprocess.run([*args, "--out", "m"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert fits.returncode == 0, fits.stderr
+    pieces = int(re.search(r"trained sentencepiece \S+ \(vocab (\d+)\)", fits.stdout + fits.stderr)[1])
+    assert pieces < 8000 and (tmp_path / "m" / "config.json").exists()
+    done = subprocess.run([*args, "--vocab-size", "8000", "--out", "m2"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and re.fullmatch(r"aggdec: error: --vocab-size 8000: the training text holds at most "
-                                                 r"\d+ pieces; pass --vocab-size \d+ or less, or more text", last), last
+    assert done.returncode == 2 and last == (f"aggdec: error: --vocab-size 8000: the training text holds at most "
+                                             f"{pieces} pieces; pass --vocab-size {pieces} or less, or more text"), last
     assert all(a.help for a in ar_parser()._actions)
 
 

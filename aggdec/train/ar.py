@@ -36,7 +36,7 @@ from aggdec.double_token import teacher_forcing
 from aggdec.model.config import ModelConfig
 from aggdec.model.transformer import Transformer
 from aggdec.tokenizers import SentencePieceTokenizer
-from aggdec.train.args import TrainConfig, ar_config
+from aggdec.train.args import VOCAB_SIZE, TrainConfig, ar_config
 from aggdec.train.spm import train_sentencepiece
 
 BOS, PAD, EOS = 0, 1, 2
@@ -246,9 +246,10 @@ def train_ar(cfg: TrainConfig) -> Path:
         if not spm_path.is_file():
             t0 = time.time()
             prefix = spm_path.with_suffix("")
-            train_sentencepiece(tr_src + tr_tgt, prefix, cfg.vocab_size)
+            train_sentencepiece(tr_src + tr_tgt, prefix, cfg.vocab_size or VOCAB_SIZE, at_most=cfg.vocab_size is None)
             prefix.with_suffix(".vocab").unlink(missing_ok=True)
-            log(f"trained sentencepiece {spm_path} (vocab {cfg.vocab_size}) in {time.time() - t0:.0f}s")
+            log(f"trained sentencepiece {spm_path} (vocab {len(SentencePieceTokenizer(spm_path))}) in "
+                f"{time.time() - t0:.0f}s")
         tok = SentencePieceTokenizer(spm_path)
         mcfg = ModelConfig(
             src_vocab=len(tok), tgt_vocab=len(tok), d_model=cfg.d_model,

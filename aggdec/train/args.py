@@ -17,6 +17,10 @@ TASKS = {  # name -> (directory, source column, target column)
 }
 
 
+VOCAB_SIZE = 8000
+"""Sentencepiece pieces `train ar` trains where --vocab-size is not given (fewer where the text holds fewer)."""
+
+
 @dataclass
 class TrainConfig:
     """A run of aggdec.train.ar: data, model shape, optimisation and budget (each a flag of `ar_config`)."""
@@ -28,7 +32,7 @@ class TrainConfig:
     out: str
     recipe: str = ""  # free-form name recorded in meta
     spm_model: str | None = None  # reuse this sentencepiece model; default: train <out>/spm.model
-    vocab_size: int = 8000
+    vocab_size: int | None = None  # None: VOCAB_SIZE, or as many pieces as the text holds where fewer
     init_from: str | None = None  # continue from a saved model directory (its config and spm win)
     rewarmup: int = 100  # with init_from: ramp the (continued) schedule's lr up over this many updates
     # model
@@ -68,7 +72,8 @@ AR_HELP = {
     "src_col": "the source column of --train and --valid", "tgt_col": "the target column",
     "out": "the model directory to write", "recipe": "a free-form name recorded in the model's metadata",
     "spm_model": "reuse this sentencepiece model (default: train OUT/spm.model on the training text)",
-    "vocab_size": "sentencepiece pieces to train (at most what the text holds)",
+    "vocab_size": f"sentencepiece pieces to train (default: {VOCAB_SIZE}, or as many as the training text holds "
+                  "where it holds fewer; more than it holds is an error)",
     "init_from": "continue from a saved model directory (its configuration and sentencepiece model win)",
     "rewarmup": "with --init-from: updates over which the continued learning rate ramps up again",
     "d_model": "model width", "heads": "attention heads", "ffn": "feed-forward width",
@@ -100,7 +105,7 @@ def ar_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=AR_HELP[name])
         else:
-            typ = {"int": int, "float": float}.get(str(f.type), str)
+            typ = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
             default = None if f.default is dataclasses.MISSING else f.default
             p.add_argument(flag, type=typ, default=default,
                            help=AR_HELP[name] + ("" if default in (None, "") else " (default: %(default)s)"))
@@ -142,26 +147,27 @@ def ar_config(argv: list[str] | None = None) -> TrainConfig:
 
 def heads_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`python -m aggdec.train.heads`'s flags; SystemExit for a bad one (and after --help)."""
-    ap = argparse.ArgumentParser(prog="python -m aggdec.train.heads", description="Train blockwise proposal heads (Stern et al. 2018) on a frozen verifier, "
-                                                                         "on Seq-KD data.")
-    ap.add_argument("--verifier", required=True)
+    ap = argparse.ArgumentParser(prog="python -m aggdec.train.heads", description="Train blockwise proposal heads "
+                                 "(Stern et al. 2018) on a frozen verifier, on Seq-KD data.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--verifier", required=True, help="the model directory whose heads these are (kept frozen)")
     ap.add_argument("--data", required=True, help="Seq-KD TSV (see aggdec.train.seqkd)")
-    ap.add_argument("--src-col", default="src")
-    ap.add_argument("--tgt-col", default="kd")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--src-col", default="src", help="source column of --data")
+    ap.add_argument("--tgt-col", default="kd", help="target column of --data: the verifier's own outputs")
+    ap.add_argument("--out", required=True, help="directory to write the heads to")
     ap.add_argument("--block-size", type=int, default=4, help="k: k - 1 heads")
     ap.add_argument("--hidden", type=int, default=512, help="FFN width of each head")
-    ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--warmup", type=int, default=500)
-    ap.add_argument("--label-smoothing", type=float, default=0.1)
-    ap.add_argument("--max-minutes", type=float, default=30)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=4096, help="tokens a batch holds, padding counted")
+    ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (inverse square root schedule)")
+    ap.add_argument("--warmup", type=int, default=500, help="updates of linear warm-up")
+    ap.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss")
+    ap.add_argument("--max-minutes", type=float, default=30, help="training time budget")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads")
+    ap.add_argument("--seed", type=int, default=1, help="random seed")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for forward passes")
     ap.add_argument("--pad-multiple", type=int, default=8, help="round batch widths up to this (GPU shape reuse)")
-    ap.add_argument("--log-interval", type=int, default=50)
+    ap.add_argument("--log-interval", type=int, default=50, help="updates between log lines")
     a = ap.parse_args(argv)
     if a.block_size < 2:
         raise SystemExit("--block-size must be >= 2")
@@ -170,15 +176,16 @@ def heads_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def seqkd_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`python -m aggdec.train.seqkd`'s flags; SystemExit for a bad one (and after --help)."""
-    ap = argparse.ArgumentParser(prog="python -m aggdec.train.seqkd", description="Seq-KD data: the verifier's own greedy (or beam) outputs on "
-                                                                         "training sources.")
-    ap.add_argument("--model", required=True)
+    ap = argparse.ArgumentParser(prog="python -m aggdec.train.seqkd", description="Seq-KD data: a model's own "
+                                 "greedy (or beam) outputs on training sources.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", required=True, help="the model directory whose outputs are the data (the teacher)")
     ap.add_argument("--data", required=True, help="TSV with a header line")
     ap.add_argument("--column", required=True, help="source column")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--method", default="greedy", choices=["greedy", "beam"])
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True, help="the TSV to write (columns src, kd)")
+    ap.add_argument("--limit", type=int, default=0, help="decode only the first this many sources (0: all)")
+    ap.add_argument("--method", default="greedy", choices=["greedy", "beam"], help="decoding method")
+    ap.add_argument("--batch-size", type=int, default=64, help="sentences decoded at once")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     return ap.parse_args(argv)

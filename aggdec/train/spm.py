@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def train_sentencepiece(texts: Iterable[str], model_prefix: Path, vocab_size: int, *,
+def train_sentencepiece(texts: Sequence[str], model_prefix: Path, vocab_size: int, *,
                         model_type: str = "unigram", input_sentence_size: int = 1_000_000,
-                        character_coverage: float = 0.9999, byte_fallback: bool = True) -> Path:
+                        character_coverage: float = 0.9999, byte_fallback: bool = True,
+                        at_most: bool = False) -> Path:
     """Train on `texts` (one sentence each) and return `<model_prefix>.model`.
 
     Deterministic: sentences are fed in the given order, no sampling shuffle, one thread.
-    At most `input_sentence_size` sentences are used (the first ones). ValueError naming `--vocab-size`
-    where the texts hold fewer pieces than `vocab_size`.
+    At most `input_sentence_size` sentences are used (the first ones). Where the texts hold fewer
+    pieces than `vocab_size`: with `at_most`, as many as they hold; else ValueError naming `--vocab-size`.
     """
     import sentencepiece as spm
 
@@ -36,8 +37,11 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: Path, vocab_size: in
         most = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
         if most is None:
             raise
-        raise ValueError(f"--vocab-size {most[1]}: the training text holds at most {most[2]} pieces; "
-                         f"pass --vocab-size {most[2]} or less, or more text") from None
+        if not at_most:
+            raise ValueError(f"--vocab-size {most[1]}: the training text holds at most {most[2]} pieces; "
+                             f"pass --vocab-size {most[2]} or less, or more text") from None
+        _train(spm, sentences(), model_prefix, int(most[2]), model_type, input_sentence_size, character_coverage,
+               byte_fallback)
     return model_prefix.with_suffix(".model")
 
 
