@@ -452,7 +452,7 @@ def _with_spec_overrides(fn):
 @_with_spec_overrides
 def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path, output, model, method, drafter,
             actors, gpus_per_actor) -> None:
-    """Run a corpus job (a TOML spec) on Ray: Parquet in, one Parquet file per input file out.
+    """Run a corpus job (a TOML spec) on Ray: Parquet in, one Parquet file per commit unit out.
 
     Without SPEC, runs the embedded default examples/correct.toml (IAD correction of the sample
     corpus with models/gec-base into out/gec-sample). Inputs are checked before Ray starts; shards
@@ -482,14 +482,11 @@ def run_cmd(spec, address, num_cpus, verbose, take_over_lease, sets, input_path,
 
 def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, take_over_lease: bool, *,
                  own_spec: bool, overrides: list[str]):
-    """`aggdec run`'s work once the spec is read: check the job, connect to Ray, run it."""
-    import torch
-
-    from aggdec.model.precision import cpu_isa, cpu_warning
-    from cluster.connection import check_reachable, connect, disconnect
+    """`aggdec run`'s work once the spec is read: take the output's lease, check the job, connect to
+    Ray, run it."""
+    from cluster.connection import check_reachable
+    from jobs.inputs import check_output_apart, inspect_inputs
     from jobs.lease import Lease
-    from jobs.preflight import check_job
-    from jobs.run import run_job
     from jobs.spec import SpecError
     from jobs.storage import Location
 
@@ -499,8 +496,40 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
             check_reachable(address or os.environ["RAY_ADDRESS"])
     except ConnectionError as e:
         raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
+    # the output location's lease before torch and Ray load (once the output is known to be apart from the
+    # inputs): a job started at the same moment is refused at once
     try:
-        shards = check_job(job, warn=say, take_over_lease=take_over_lease)  # inputs, output, model: before Ray starts
+        shards = inspect_inputs(job)
+        check_output_apart(job, shards)
+        lease = Lease(Location(job.output.dir), take_over=take_over_lease)
+        lease.acquire()
+    except SpecError as e:
+        raise Failure(str(e)) from e
+    except OSError as e:
+        raise Failure(f"output.dir: {job.output.dir}: cannot be written ({e.strerror or e})") from e
+    try:
+        return _run_leased(job, lease, shards, address, num_cpus, verbose, own_spec=own_spec, overrides=overrides)
+    finally:
+        lease.release()
+
+
+def _run_leased(job, lease, shards, address: str | None, num_cpus: int | None, verbose: bool, *, own_spec: bool,
+                overrides: list[str]):
+    """`aggdec run`'s work once the output's lease is held: check the job, connect to Ray, run it."""
+    import torch
+
+    from aggdec.model.precision import cpu_isa, cpu_warning
+    from cluster.connection import connect, disconnect
+    from jobs.preflight import check_job
+    from jobs.run import run_job
+    from jobs.spec import SpecError
+
+    say = _echo_err
+    if lease.taken_over is not None:
+        say(f"note: output.dir: taking over the lease of {'another' if lease.take_over else 'a stale'} job "
+            f"({lease.taken_over.describe()})")
+    try:
+        shards = check_job(job, warn=say, lease=lease, shards=shards)  # output, model, ids: before Ray starts
     except SpecError as e:
         raise Failure(str(e)) from e
     say(f"{len(shards)} input file(s), {sum(s.rows for s in shards)} rows; method {job.method}; "
@@ -513,33 +542,23 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
     ignored = _ignored_options(job, own_spec, overrides)
     if ignored:
         say(f"note: not options of method {job.method}, ignored: {', '.join(ignored)}")
-    # the output location's lease before Ray starts: a job started at the same moment is refused at once
-    lease = Lease(Location(job.output.dir), take_over=take_over_lease)
+    progress = _ProgressLine()
     try:
-        lease.acquire()
+        conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
+    except ConnectionError as e:
+        raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
+    try:
+        return run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
+                       timings={"ray_init_s": round(conn.seconds, 3)}, lease=lease)
     except SpecError as e:
         raise Failure(str(e)) from e
-    try:
-        progress = _ProgressLine()
-        try:
-            conn = connect(address, num_cpus=num_cpus, quiet=not verbose)  # keeps run()'s SIGTERM handler
-        except ConnectionError as e:
-            raise Failure(f"{'--address' if address else 'RAY_ADDRESS'} {e}") from None
-        try:
-            result = run_job(job, log=say if verbose else lambda msg: None, warn=progress.say, progress=progress,
-                             timings={"ray_init_s": round(conn.seconds, 3)}, lease=lease)
-        except SpecError as e:
-            raise Failure(str(e)) from e
-        except KeyboardInterrupt:
-            raise Stopped(f"committed units are kept in {job.output.dir}, rerun to resume") from None
-        finally:
-            progress.end()
-            stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
-            disconnect(conn)
-            signal.signal(signal.SIGTERM, stop)
+    except KeyboardInterrupt:
+        raise Stopped(f"committed units are kept in {job.output.dir}, rerun to resume") from None
     finally:
-        lease.release()
-    return result
+        progress.end()
+        stop = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is over: shutting Ray down is not interrupted
+        disconnect(conn)
+        signal.signal(signal.SIGTERM, stop)
 
 
 def _ignored_options(job, own_spec: bool, overrides: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from aggdec import checkpoint
 from aggdec.decoding.options import OptionError
 from jobs.inputs import Shard, check_output_apart, inspect_inputs, list_input_files
-from jobs.lease import LeaseHeld, held_message, read_holder
+from jobs.lease import Lease, LeaseHeld, held_message, read_holder
 from jobs.spec import JobSpec, SpecError
 from jobs.storage import Location, is_uri, resolve
 
@@ -33,20 +33,24 @@ hold the source, the hypothesis and per-row statistics)."""
 
 
 def check_job(spec: JobSpec, *, warn: Callable[[str], None] = lambda msg: None,
-              take_over_lease: bool = False) -> list[Shard]:
+              take_over_lease: bool = False, lease: Lease | None = None,
+              shards: list[Shard] | None = None) -> list[Shard]:
     """The job's shards, after every check; raises SpecError naming the file, column or field, and
     LeaseHeld (a SpecError) naming the other job when another live job holds the output location
-    (jobs.lease; `take_over_lease` as in jobs.run.run_job)."""
-    shards = inspect_inputs(spec)
-    check_output_apart(spec, shards)
-    _check_output(spec, shards, warn, take_over_lease)
+    (jobs.lease; `take_over_lease` as in jobs.run.run_job; `lease`: this job's, already held, and
+    `shards` its inputs, already inspected and found apart from its output)."""
+    if shards is None:
+        shards = inspect_inputs(spec)
+        check_output_apart(spec, shards)
+    _check_output(spec, shards, warn, take_over_lease, lease)
     _check_models(spec)
     _check_ids(spec, shards, warn)
     _check_strays(spec, warn)
     return shards
 
 
-def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None], take_over: bool) -> None:
+def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None], take_over: bool,
+                  lease: Lease | None) -> None:
     loc_uri = spec.output.dir
     probe = f".aggdec-write-check.{uuid.uuid4().hex}"
     try:
@@ -54,6 +58,8 @@ def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None
         loc.makedirs()
         # the lease first: a live holder's start-up clean-up deletes temporary files, this probe's too
         holder = read_holder(loc)
+        if holder is not None and lease is not None and holder.token == lease.me.token:
+            holder = None  # this job's own
         if holder is not None and not (take_over or holder.stale()):
             raise LeaseHeld(held_message(loc, holder))
         loc.write_bytes(probe, b"")

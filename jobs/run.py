@@ -196,7 +196,7 @@ def _run_units(spec: JobSpec, out: OutputDir, lease: Lease, shards: list[Shard],
     signature = spec.decode.signature(model_sha)
     fp = fingerprint(spec, model_sha)
     stale = out.prepare()
-    units = plan_units(shards, spec.batching.rows_per_task)
+    units = plan_units(shards, spec.batching.rows_per_task, spec.batching.pack_rows)
     found = out.records()
     out.check_job(found, fp)
     t_hash = time.perf_counter()

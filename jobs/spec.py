@@ -74,6 +74,10 @@ class BatchingSpec:
     rows_per_task: int = 4096
     """Rows per commit unit: a file with more rows is cut into units of this many rows, each one task
     of an actor, committed on its own (jobs.units). Keep it several times decode.max_batch_size."""
+    pack_rows: int = 256
+    """Consecutive files of fewer rows than this each are packed into one commit unit of at most this
+    many rows (`<first stem>.pack-<files>`; jobs.units), so that thousands of small shards do not cost a
+    task and a commit each; 0: one unit per file."""
 
 
 @dataclass
@@ -283,6 +287,7 @@ def validate_fields(spec: JobSpec, *, check_model: bool = True) -> None:
 
     Decoding options were validated when [decode] was read (aggdec.decoding.options)."""
     _at_least("batching.rows_per_task", spec.batching.rows_per_task, 1)
+    _at_least("batching.pack_rows", spec.batching.pack_rows, 0)
     r = spec.resources
     _at_least("resources.actors", r.actors, 0)
     _at_least("resources.gpus_per_actor", r.gpus_per_actor, 0)

@@ -2,15 +2,20 @@
 
 A file of at most `rows_per_task` rows is one unit named after the file's stem (`part-00001` ->
 `OUT/part-00001.parquet`); a larger file is cut into ranges of `rows_per_task` rows named
-`<stem>.rows-<start>-<stop>` (zero-padded, so names sort in input order). Boundaries depend only on
-the file and `rows_per_task`, never on the cluster, so a rerun on another cluster finds the same
-units. Each unit is one task of a decode actor, which reads its own rows and writes its own output.
+`<stem>.rows-<start>-<stop>` (zero-padded, so names sort in input order). Consecutive whole files of
+fewer than `pack_rows` rows each are packed into one unit of at most `pack_rows` rows, named
+`<first stem>.pack-<files>` (`part-00000.pack-128.parquet`): its output holds their rows in input
+order, each row keeping its own id (`<file stem>:<row>` without an id column), and its commit record
+lists the files (`members`). Boundaries depend only on the files, `rows_per_task` and `pack_rows`,
+never on the cluster, so a rerun on another cluster finds the same units. Each unit is one task of a
+decode actor, which reads its own rows and writes its own output.
 
 A unit's input identity is its file's size and footer hash and its row range, planned from the
 footer, plus the content hash of its slice (CONTENT_HASH of the CONTENT_HASH of the bytes of every
 row group that holds its rows, all columns), which the actor computes as it reads the unit and
-records; a rerun reuses a committed unit only where the file's slice hashes the same again
-(`slice_contents`, each row group read once), so that any change of an input value is decoded again.
+records; a pack's is its files' identities, and the hash of their hashes. A rerun reuses a committed
+unit only where every slice hashes the same again (`slice_contents`, each row group read once), so
+that any change of an input value is decoded again (a pack's whole unit, where one of its files changed).
 """
 
 from __future__ import annotations
@@ -48,21 +53,31 @@ class Unit:
     stop: int
     name: str
     identity: dict
+    members: tuple[Unit, ...] = ()
+    """A pack's files, each a whole-file unit (the pack's path and stem are its first file's, its rows
+    0..the sum of theirs, its identity theirs); empty for a slice of one file."""
 
     @property
     def rows(self) -> int:
         return self.stop - self.start
 
+    @property
+    def slices(self) -> tuple[Unit, ...]:
+        """The single-file units this one reads, in order: a pack's files, else itself."""
+        return self.members or (self,)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Unit":
-        return cls(**json.loads(text))
+    def from_json(cls, text: str) -> Unit:
+        fields = json.loads(text)
+        return cls(**{**fields, "members": tuple(cls(**m) for m in fields.get("members", ()))})
 
 
-def plan_units(shards: list[Shard], rows_per_task: int) -> list[Unit]:
-    """The units of `shards`, in input order (empty files are one empty unit)."""
+def plan_units(shards: list[Shard], rows_per_task: int, pack_rows: int = 0) -> list[Unit]:
+    """The units of `shards`, in input order (empty files are one empty unit); consecutive files of
+    fewer than `pack_rows` rows each packed into units of at most `pack_rows` rows (0: none packed)."""
     units = []
     for s in shards:
         ranges = [(0, s.rows)] if s.rows <= rows_per_task else [
@@ -72,7 +87,33 @@ def plan_units(shards: list[Shard], rows_per_task: int) -> list[Unit]:
             name = s.stem if len(ranges) == 1 else f"{s.stem}.rows-{a:0{width}d}-{b:0{width}d}"
             units.append(Unit(path=s.path, stem=s.stem, start=a, stop=b, name=name,
                               identity={**dict(s.identity), "start": a, "stop": b}))
-    return units
+    return _packed(units, min(pack_rows, rows_per_task))
+
+
+def _packed(units: list[Unit], pack_rows: int) -> list[Unit]:
+    """`units` with each run of consecutive whole files of fewer than `pack_rows` rows cut into packs of
+    at most `pack_rows` rows (a pack of one file stays that file's unit)."""
+    packed: list[Unit] = []
+    run: list[Unit] = []
+
+    def close() -> None:
+        packed.append(run[0] if len(run) == 1 else Unit(
+            path=run[0].path, stem=run[0].stem, start=0, stop=sum(u.rows for u in run),
+            name=f"{run[0].name}.pack-{len(run)}", identity={"members": [u.identity for u in run]},
+            members=tuple(run)))
+        run.clear()
+
+    for unit in units:
+        small = unit.name == unit.stem and unit.rows < pack_rows
+        if run and (not small or sum(u.rows for u in run) + unit.rows > pack_rows):
+            close()
+        if small:
+            run.append(unit)
+        else:
+            packed.append(unit)
+    if run:
+        close()
+    return packed
 
 
 class UnreadableInput(Exception):
@@ -110,10 +151,25 @@ def open_slice(unit: Unit) -> Iterator[Slice]:
         raise UnreadableInput(f"{unit.path}: unit {unit.name}: cannot be read ({' '.join(str(e).split())})") from e
 
 
+def pack_content(contents: list[str]) -> str:
+    """The content hash of a pack: "<CONTENT_HASH>:<hex>" of its files' slices' hashes, in order."""
+    return f"{CONTENT_HASH}:{hashlib.new(CONTENT_HASH, chr(10).join(contents).encode()).hexdigest()}"
+
+
 def slice_contents(units: list[Unit]) -> list[str | None]:
-    """The content hash of each unit's slice as its file is now (as open_slice computes it), each row
-    group of each file read once, HASH_THREADS files at a time; None where the file cannot be read
-    or no longer matches the unit's plan."""
+    """The content hash of each unit's slices as their files are now (as open_slice computes it, and
+    `pack_content` for a pack), each row group of each file read once, HASH_THREADS files at a time;
+    None where a file cannot be read or no longer matches the unit's plan."""
+    found = iter(_slice_contents([part for unit in units for part in unit.slices]))
+    contents = []
+    for unit in units:
+        parts = [next(found) for _ in unit.slices]
+        contents.append(None if None in parts else pack_content(parts) if unit.members else parts[0])
+    return contents
+
+
+def _slice_contents(units: list[Unit]) -> list[str | None]:
+    """`slice_contents` of single-file units."""
     by_file: dict[str, list[int]] = {}
     for i, unit in enumerate(units):
         by_file.setdefault(unit.path, []).append(i)

@@ -24,7 +24,7 @@ from aggdec.distill import PairFilter, distill_table
 from aggdec.schema import decoded_columns, decoded_schema
 from jobs.commit import OutputDir, UnwritableOutput
 from jobs.output import build_output_table, shard_stats
-from jobs.units import Slice, Unit, UnreadableInput, open_slice
+from jobs.units import Slice, Unit, UnreadableInput, open_slice, pack_content
 
 RECORD_SCHEMA = pa.schema([("unit", pa.string()), ("record", pa.string())])
 
@@ -58,11 +58,13 @@ class UnitTask:
         t0 = time.perf_counter()
         if self._out is None:
             self._out = OutputDir(self.output)
+        columns = [self.text_column, *([self.id_column] if self.id_column else []), *self.passthrough]
         try:
-            source, sl = read_rows(unit, [self.text_column, *([self.id_column] if self.id_column else []),
-                                          *self.passthrough])
+            read = [read_rows(part, columns) for part in unit.slices]
         except UnreadableInput as e:
             return {"unit": unit.name, "rows": unit.rows, "failed": str(e)}
+        source = pa.concat_tables([part for part, _ in read], promote_options="default")
+        content = pack_content([sl.content for _, sl in read]) if unit.members else read[0][1].content
         texts, bad_utf8 = texts_of(source.column(self.text_column))
         backends, compiling, before = Counter(translator.backends), compile_seconds(), translator.drafting(options)
         results = translator.translate_batch(texts, options)
@@ -76,12 +78,18 @@ class UnitTask:
             translator.rescore(results, max_batch_size=options.max_batch_size, options=options)
         decoded = pa.table(decoded_columns(results, score=self.score, nbest=self.nbest),
                            schema=decoded_schema(score=self.score, nbest=self.nbest))
-        table = build_output_table(source, decoded, text_column=self.text_column, id_column=self.id_column,
-                                   passthrough=self.passthrough, method=self.method, stem=unit.stem,
-                                   start=unit.start)
+        tables, at = [], 0
+        for part, (rows, _) in zip(unit.slices, read):  # each file's rows keep their own ids
+            tables.append(build_output_table(rows, decoded.slice(at, rows.num_rows), text_column=self.text_column,
+                                             id_column=self.id_column, passthrough=self.passthrough,
+                                             method=self.method, stem=part.stem, start=part.start))
+            at += rows.num_rows
+        table = pa.concat_tables(tables)
         status, stats = shard_stats(decoded)
-        record = {"unit": unit.name, "input": {**unit.identity, "content": sl.content}, "path": unit.path,
-                  "rows": unit.rows, "hashed_bytes": sl.bytes, "hash_s": round(sl.seconds, 4),
+        record = {"unit": unit.name, "input": {**unit.identity, "content": content}, "path": unit.path,
+                  **({"members": [{"path": m.path, "rows": m.rows} for m in unit.members]} if unit.members else {}),
+                  "rows": unit.rows, "hashed_bytes": sum(sl.bytes for _, sl in read),
+                  "hash_s": round(sum(sl.seconds for _, sl in read), 4),
                   "output": self._out.loc.uri_of(f"{unit.name}.parquet"), "status": status,
                   "speedup": stats.to_dict(), "fingerprint": self.fingerprint, "backends": dict(backends),
                   "compile_s": round(compiling, 3), "drafting": drafting}

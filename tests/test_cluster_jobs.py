@@ -44,7 +44,8 @@ def three_nodes():
 
 
 def _spec(model, inp, out, *extra):
-    return load_spec(None, [f"model={model}", f"input.path={inp}", f"output.dir={out}", "decode.method=greedy", *extra])
+    return load_spec(None, [f"model={model}", f"input.path={inp}", f"output.dir={out}", "decode.method=greedy",
+                            "batching.pack_rows=0", *extra])  # one unit per file: these tests name them
 
 
 def _exactly_once(out: Path, rows: int) -> pa.Table:

@@ -51,8 +51,10 @@ def write_corpus(root: Path, shards: int = SHARDS, rows: int = ROWS, seed: int =
 
 
 def write_spec(path: Path, model: Path, inp: Path, out: Path, **sections) -> Path:
-    """A spec file; `sections` maps section name -> {key: TOML literal}."""
+    """A spec file; `sections` maps section name -> {key: TOML literal}. One unit per file unless
+    `batching` says otherwise (these corpora's files are small enough to pack)."""
     lines = ['kind = "correct"', f'model = "{model}"', "[input]", f'path = "{inp}"', "[output]", f'dir = "{out}"']
+    sections = {"batching": {"pack_rows": "0"}, **sections}
     for name, fields in sections.items():
         lines.append(f"[{name}]")
         lines += [f"{k} = {v}" for k, v in fields.items()]
@@ -364,6 +366,49 @@ def test_units_cut_large_files_at_fixed_rows(tmp_path):
     assert slice_contents(units)[:3] == contents[:3] and slice_contents(units)[3:] == [None] * 3
 
 
+def test_small_files_are_packed_into_units_committed_once_and_recomputed_where_one_changed(ray_local, tiny_model_dir,
+                                                                                         tmp_path):
+    """300 files of 2 rows, packed by `batching.pack_rows` 64 into 10 units of 32 files (the last of 12):
+    10 outputs, every row once with its own file's id; a run stopped midway (a pack's record lost, another's
+    output gone) reruns those packs only; a changed file recomputes its pack and nothing else."""
+    from jobs.units import plan_units
+
+    inp = write_corpus(tmp_path / "in", shards=300, rows=2, seed=6)
+    out = tmp_path / "out"
+    spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}", "input.id_column=none",
+                            "decode.method=greedy", "batching.pack_rows=64"])
+    units = plan_units(inspect_inputs(spec), 4096, 64)
+    assert [len(u.members) for u in units] == [32] * 9 + [12] and units[1].name == "part-00032.pack-32"
+    assert [u.name for u in plan_units(inspect_inputs(spec), 4096, 0)][:2] == ["part-00000", "part-00001"]
+
+    result = run_job(spec)
+    table = read_outputs(out)
+    ids = [f"part-{k:05d}:{i}" for k in range(300) for i in range(2)]
+    assert result.rows == table.num_rows == 600 and table.column("id").to_pylist() == ids
+    assert table.column("n").to_pylist() == list(range(600))  # passthrough, in input order
+    assert len(list(out.glob("*.parquet"))) == len(list(out.glob("_SUCCESS.*"))) == 10
+    record = json.loads((out / "_SUCCESS.part-00032.pack-32").read_text())
+    assert [m["path"] for m in record["members"]] == [str(inp / f"part-{k:05d}.parquet") for k in range(32, 64)]
+    ref = in_process(tiny_model_dir, table.column("src").to_pylist(), spec)
+    assert table.column("hyp").to_pylist() == [r.text for r in ref]
+
+    (out / "_SUCCESS.part-00064.pack-32").unlink()  # stopped after the output, before the record
+    (out / "part-00096.pack-32.parquet").unlink()  # and before another pack's output
+    rerun = run_job(spec)
+    assert sorted(rerun.committed) == ["part-00064.pack-32", "part-00096.pack-32"] and rerun.decoded_rows == 128
+    again = read_outputs(out)
+    assert again.column("id").to_pylist() == ids and again.column("hyp").to_pylist() == table.column("hyp").to_pylist()
+
+    changed = pq.read_table(inp / "part-00200.parquet")
+    pq.write_table(changed.set_column(0, "src", pa.array(["the cat sat on the mat .", "a dog ran ."])),
+                   inp / "part-00200.parquet")
+    third = run_job(spec)
+    assert third.committed == ["part-00192.pack-32"] and third.decoded_rows == 64
+    final = read_outputs(out)
+    assert final.column("id").to_pylist() == ids and final.column("src").to_pylist()[400:402] == [
+        "the cat sat on the mat .", "a dog ran ."]
+
+
 def test_cli_run(ray_local, tiny_model_dir, tmp_path):
     from click.testing import CliRunner
 
@@ -560,7 +605,7 @@ def test_hidden_input_files_are_named_or_decoded_under_visible_names(ray_local, 
     # a glob that matches them decodes them under names readers see
     out = tmp_path / "out"
     spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}/*.parquet", f"output.dir={out}",
-                            "decode.method=greedy"])
+                            "decode.method=greedy", "batching.pack_rows=0"])
     result = run_job(spec)
     assert result.rows == rows
     assert sorted(p.name for p in out.glob("*.parquet")) == [
@@ -598,7 +643,7 @@ def test_one_job_per_output_location(ray_local, tiny_model_dir, tmp_path, monkey
     inp = write_corpus(tmp_path / "in", shards=2, rows=3, seed=18)
     out = tmp_path / "out"
     spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
-                            "decode.method=greedy", "resources.actors=1"])
+                            "decode.method=greedy", "resources.actors=1", "batching.pack_rows=0"])
     release = tmp_path / "release"
     monkeypatch.setattr("cluster.actors.DecodeWorker", _waiting_worker(release))
     first: dict = {}
@@ -693,7 +738,7 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     inp = write_corpus(tmp_path / "in", shards=4, rows=3, seed=21)
     out = tmp_path / "out"
     spec = load_spec(None, [f"model={tiny_model_dir}", f"input.path={inp}", f"output.dir={out}",
-                            "decode.method=greedy", "resources.actors=1"])
+                            "decode.method=greedy", "resources.actors=1", "batching.pack_rows=0"])
 
     warned: list[str] = []
 
@@ -721,7 +766,7 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     out = tmp_path / "out2"
     (out / "part-00001.parquet").mkdir(parents=True)
     res = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
-                                    "--method", "greedy", "--set", "input.id_column=n"])
+                                    "--method", "greedy", "--set", "input.id_column=n", "--set", "batching.pack_rows=0"])
     assert res.exit_code == 2, res.output
     assert "lost a" not in res.output and "ERROR" not in res.output, res.output
     last = res.output.strip().splitlines()[-1]
