@@ -114,18 +114,6 @@ def test_jobs_commands_give_one_line_errors():
     assert code == 2 and out.count("\n") == 1
 
 
-def test_the_default_job_prints_a_handful_of_lines(tiny_model_dir, tmp_path):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.run([*AGGDEC, "run", "--output", str(tmp_path / "out"), "--model", str(tiny_model_dir)],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    assert len(lines) <= 4, lines
-    assert proc.stderr.startswith("3 input file(s), 300 rows; method iad") and "300 rows (" in proc.stdout
-    assert re.search(r"; drafted on \d+% of \d+ verifier calls \(draft_length auto: [^)]+\)", proc.stdout), proc.stdout
-    assert not any("INFO" in line or "core_worker" in line or "Dataset" in line for line in lines), lines
-
-
 def _foreground() -> None:
     """In the child: SIGINT as a terminal's foreground job has it, also where the suite itself runs as a
     shell's background job (which starts its commands with SIGINT ignored)."""
