@@ -490,7 +490,6 @@ def _run_checked(job, address: str | None, num_cpus: int | None, verbose: bool, 
     from jobs.spec import SpecError
     from jobs.storage import Location
 
-    say = _echo_err
     try:  # first: where no cluster answers, that is the one line (connect checks again)
         if address or os.environ.get("RAY_ADDRESS"):
             check_reachable(address or os.environ["RAY_ADDRESS"])
