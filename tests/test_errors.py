@@ -120,19 +120,25 @@ def _foreground() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
-def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir, tmp_path, signum):
-    psutil = pytest.importorskip("psutil")
-    inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=3)
+def _job_under_way(model: Path, tmp_path: Path, seed: int, **popen) -> tuple[subprocess.Popen, Path]:
+    """`aggdec run` of 2,000 rows in units of 10 on an embedded Ray, once its first unit committed ->
+    (its process, its output location)."""
+    inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=seed)
     out = tmp_path / "out"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
+    proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(model), "--input", str(inp),
                              "--set", "batching.rows_per_task=10", "--set", "input.id_column=none",
-                             "--method", "greedy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO, preexec_fn=_foreground)
+                             "--method", "greedy"], env=dict(os.environ, RAY_AUTH_MODE="disabled"), cwd=REPO, **popen)
     deadline = time.time() + 120
     while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
+    return proc, out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_stops_a_job_cleanly_with_the_shells_exit_status(tiny_model_dir, tmp_path, signum):
+    psutil = pytest.importorskip("psutil")
+    proc, out = _job_under_way(tiny_model_dir, tmp_path, 3, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_foreground)
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
@@ -151,16 +157,7 @@ def test_a_killed_job_leaves_no_process_behind(tiny_model_dir, tmp_path):
     (Ray's agents outlived it by about a minute, reporting the raylet's death to a GCS that was gone;
     `cluster.reaper` ends them)."""
     psutil = pytest.importorskip("psutil")
-    inp = write_corpus(tmp_path / "in", shards=1, rows=2000, seed=5)
-    out = tmp_path / "out"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([*AGGDEC, "run", "--output", str(out), "--model", str(tiny_model_dir), "--input", str(inp),
-                             "--set", "batching.rows_per_task=10", "--set", "input.id_column=none",
-                             "--method", "greedy"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            cwd=REPO)
-    deadline = time.time() + 120
-    while not list(out.glob("_SUCCESS.*")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
+    proc, _ = _job_under_way(tiny_model_dir, tmp_path, 5, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("DashboardAgent" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
     proc.kill()
