@@ -189,7 +189,8 @@ def _fig_calls_vs_edit_ratio(rows: dict[str, np.ndarray], methods: list[str]) ->
     left.set(xlabel="edit ratio (token edits src -> hyp / src tokens)", ylabel="verifier calls per sentence",
              title="Verifier calls vs edit ratio")
     right.axhline(1.0, color="0.3", ls="--", lw=1, label="greedy (1 token per call)")
-    right.set(xlabel="edit ratio", ylabel="calls saved: (hyp_len + 1) / calls", title="Calls saved vs greedy (not time)")
+    right.set(xlabel="edit ratio", ylabel="calls saved: (hyp_len + 1) / calls",
+              title="Calls saved vs greedy (not time)")
     if ((rows["hyp_len"] + 1) / np.maximum(rows["iterations"], 1)).max() >= 4:  # a log axis only for wide ranges
         right.set_yscale("log", base=2)
         right.yaxis.set_major_formatter(FormatStrFormatter("%g"))

@@ -26,12 +26,13 @@ def clean_text(text: object) -> str:
 def lost_characters(text: str, round_trip: str) -> list[str]:
     """The characters of `text` that `round_trip` (its tokens decoded again) lacks, in order of first
     appearance: what a tokenizer drops or turns into an unknown piece, so that the model never sees
-    it (U+FFFD aside: bytes that were not text, said where they are read). Both sides are compared in NFKC, so a tokenizer's own normalization (full-width letters,
-    ligatures) and whitespace are not losses; format characters (category Cf: bidirectional marks,
-    zero-width joiners) are, where the tokenizer drops them."""
+    it (U+FFFD aside: bytes that were not text, said where they are read). Both sides are compared in
+    NFKC, so a tokenizer's own normalization (full-width letters, ligatures) and whitespace are not
+    losses; format characters (category Cf: bidirectional marks, zero-width joiners) are, where the
+    tokenizer drops them."""
     kept = set(unicodedata.normalize("NFKC", round_trip))
     lost = dict.fromkeys(c for c in unicodedata.normalize("NFKC", text)
-                         if not c.isspace() and c != "\ufffd" and c not in kept)  # U+FFFD: bytes that were no text
+                         if not c.isspace() and c != "\ufffd" and c not in kept)
     return list(lost)
 
 

@@ -53,9 +53,9 @@ def answered(address: str, what: str, fn, /, *args, seconds: float = ANSWER_S, *
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        raise ConnectionError(f"{address}: something accepts connections there but did not answer {what} within {seconds:.0f} s; "
-                              "check that the head node is up and not overloaded, and that any proxy or port-forward "
-                              "to it still reaches it")
+        raise ConnectionError(f"{address}: something accepts connections there but did not answer {what} within "
+                              f"{seconds:.0f} s; check that the head node is up and not overloaded, and that any "
+                              "proxy or port-forward to it still reaches it")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -136,7 +136,8 @@ def entrypoint(spec: str, run_args: list[str] | tuple[str, ...] = (), python: st
 
 
 def submit(address: str, spec: str, run_args: list[str] | tuple[str, ...] = (), *, pip: list[str] | None = None,
-           submission_id: str | None = None, working_dir: Path = REPO_ROOT, python: str | None = None) -> tuple[str, str]:
+           submission_id: str | None = None, working_dir: Path = REPO_ROOT,
+           python: str | None = None) -> tuple[str, str]:
     """Submit `aggdec run SPEC` to the Ray dashboard at `address` (http://HEAD:8265). -> (job id, the
     interpreter the job runs with).
 

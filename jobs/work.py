@@ -68,7 +68,8 @@ class UnitTask:
         texts, bad_utf8 = texts_of(source.column(self.text_column))
         backends, compiling, before = Counter(translator.backends), compile_seconds(), translator.drafting(options)
         results = translator.translate_batch(texts, options)
-        backends, compiling, after = translator.backends - backends, compile_seconds() - compiling, translator.drafting(options)
+        backends, compiling = translator.backends - backends, compile_seconds() - compiling
+        after = translator.drafting(options)
         drafting = {"calls": after["calls"] - before["calls"],
                     "drafting_calls": after["drafting_calls"] - before["drafting_calls"], "budget": after["budget"]}
         for i in bad_utf8:

@@ -30,7 +30,8 @@ def test_bad_rows_get_statuses(tiny_model_dir):
     assert cjk.status == "unknown_tokens" and cjk.text  # flagged, still decoded
     [lenient] = tr.translate_batch(["日本語の文 ☃☃ 中文"], method="greedy", max_unknown_share=1.0)
     assert lenient.status == "lost_characters" and lenient.text  # decoded, with what the model never saw named
-    assert lenient.error.startswith("the tokenizer drops 7 character(s) of the source: U+65E5 ") and "and 2 more" in lenient.error
+    assert lenient.error.startswith("the tokenizer drops 7 character(s) of the source: U+65E5 ")
+    assert "and 2 more" in lenient.error
 
 
 def test_statuses_name_what_tokenizers_lose_and_outputs_that_are_not_utf8():
@@ -39,8 +40,8 @@ def test_statuses_name_what_tokenizers_lose_and_outputs_that_are_not_utf8():
     is status invalid_output; both are counted. `models/gec-base` has byte pieces: its tokenizer keeps
     U+202E and U+202C (as bytes) and drops U+200F."""
     tr = Translator.load("models/gec-base")
-    src = ["She \u200fgo to \u202eschool\u202c yesterday .", "She go to \u202eschool\u202c .", "Ｆｕｌｌ width ﬁne café .",
-           "She go to school ."]
+    src = ["She \u200fgo to \u202eschool\u202c yesterday .", "She go to \u202eschool\u202c .",
+           "Ｆｕｌｌ width ﬁne café .", "She go to school ."]
     res = tr.translate_batch(src, method="iad")
     assert "U+200F RIGHT-TO-LEFT MARK" in res[0].error and "U+202E" not in res[0].error
     for r in res:

@@ -766,7 +766,8 @@ def test_io_errors_mid_job_fail_their_unit_by_name_and_the_others_commit(ray_loc
     out = tmp_path / "out2"
     (out / "part-00001.parquet").mkdir(parents=True)
     res = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--input", str(inp), "--output", str(out),
-                                    "--method", "greedy", "--set", "input.id_column=n", "--set", "batching.pack_rows=0"])
+                                    "--method", "greedy", "--set", "input.id_column=n",
+                                    "--set", "batching.pack_rows=0"])
     assert res.exit_code == 2, res.output
     assert "lost a" not in res.output and "ERROR" not in res.output, res.output
     last = res.output.strip().splitlines()[-1]
