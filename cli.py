@@ -520,13 +520,13 @@ def _run_leased(job, lease, shards, address: str | None, num_cpus: int | None, v
     from aggdec.model.precision import cpu_isa, cpu_warning
     from cluster.connection import connect, disconnect
     from jobs.preflight import check_job
+    from jobs.lease import takeover_note
     from jobs.run import run_job
     from jobs.spec import SpecError
 
     say = _echo_err
     if lease.taken_over is not None:
-        say(f"note: output.dir: taking over the lease of {'another' if lease.take_over else 'a stale'} job "
-            f"({lease.taken_over.describe()})")
+        say(takeover_note(lease.taken_over, lease.take_over))
     try:
         shards = check_job(job, warn=say, lease=lease, shards=shards)  # output, model, ids: before Ray starts
     except SpecError as e:

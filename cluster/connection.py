@@ -127,13 +127,13 @@ def check_reachable(address: str) -> None:
         raise ConnectionError(f"{address}: no Ray cluster answers there ({e.strerror or e}); start it, or check "
                               "the address (HOST:PORT of the head's GCS, port 6379 by default)") from None
     other = None if address.startswith("ray://") else _not_a_gcs(host, int(port))
-    if other == "gRPC DEADLINE_EXCEEDED":
+    if other == "DEADLINE_EXCEEDED":
         raise ConnectionError(f"{address}: something accepts connections there but did not answer a request for the "
                               f"cluster's id within {PROBE_TIMEOUT_S:.0f} s; check that the head node is up and not "
                               "overloaded, that any proxy or port-forward to it still reaches it, and the address "
                               "(HOST:PORT of the head's GCS, port 6379 by default)")
     if other:
-        raise ConnectionError(f"{address}: something answers there, but not a Ray cluster's GCS ({other}); check "
+        raise ConnectionError(f"{address}: something answers there, but not a Ray cluster's GCS (gRPC {other}); check "
                               "the address (HOST:PORT of the head's GCS, port 6379 by default)")
 
 
@@ -156,7 +156,8 @@ def check_dashboard(address: str) -> None:
 
 def _not_a_gcs(host: str, port: int) -> str | None:
     """None where a Ray GCS answers at host:port within PROBE_TIMEOUT_S (an authentication error is
-    its answer too), else the gRPC status that came instead. Not checked (None) where Ray uses TLS."""
+    its answer too), else the name of the gRPC status that came instead (DEADLINE_EXCEEDED: nothing
+    answered). Not checked (None) where Ray uses TLS."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     import grpc
@@ -169,7 +170,7 @@ def _not_a_gcs(host: str, port: int) -> str | None:
                 gcs_service_pb2.GetClusterIdRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                return f"gRPC {e.code().name}"
+                return e.code().name
     return None
 
 

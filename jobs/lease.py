@@ -96,6 +96,11 @@ def held_message(loc: Location, holder: Holder) -> str:
             f"its heartbeat is {STALE_AFTER_S:.0f} s old, or now with --take-over-lease")
 
 
+def takeover_note(holder: Holder, forced: bool) -> str:
+    """The note that this job takes over `holder`'s lease (`forced`: with --take-over-lease, else a stale one)."""
+    return f"note: output.dir: taking over the lease of {'another' if forced else 'a stale'} job ({holder.describe()})"
+
+
 class Lease:
     """This job's lease on `loc`: `acquire()` (or `with`) takes it, a heartbeat thread keeps it,
     `release()` deletes the record if it is still this job's."""

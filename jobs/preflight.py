@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from aggdec import checkpoint
 from aggdec.decoding.options import OptionError
 from jobs.inputs import Shard, check_output_apart, inspect_inputs, list_input_files
-from jobs.lease import Lease, LeaseHeld, held_message, read_holder
+from jobs.lease import Lease, LeaseHeld, held_message, read_holder, takeover_note
 from jobs.spec import JobSpec, SpecError
 from jobs.storage import Location, is_uri, resolve
 
@@ -56,10 +56,9 @@ def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None
     try:
         loc = Location(loc_uri)
         loc.makedirs()
-        # the lease first: a live holder's start-up clean-up deletes temporary files, this probe's too
-        holder = read_holder(loc)
-        if holder is not None and lease is not None and holder.token == lease.me.token:
-            holder = None  # this job's own
+        # the lease first (unless this job holds it): a live holder's start-up clean-up deletes temporary
+        # files, this probe's too
+        holder = read_holder(loc) if lease is None else None
         if holder is not None and not (take_over or holder.stale()):
             raise LeaseHeld(held_message(loc, holder))
         loc.write_bytes(probe, b"")
@@ -69,8 +68,7 @@ def _check_output(spec: JobSpec, shards: list[Shard], warn: Callable[[str], None
     except (OSError, ValueError) as e:
         raise SpecError(f"output.dir: {loc_uri}: cannot be written ({_first_line(e)})") from e
     if holder is not None:
-        warn(f"note: output.dir: taking over the lease of {'another' if take_over else 'a stale'} job "
-             f"({holder.describe()})")
+        warn(takeover_note(holder, take_over))
     if loc.local:
         need = OUTPUT_BYTES_PER_INPUT_BYTE * sum(dict(s.identity).get("size", 0) for s in shards)
         free = shutil.disk_usage(loc.root).free

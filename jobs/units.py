@@ -103,12 +103,15 @@ def _packed(units: list[Unit], pack_rows: int) -> list[Unit]:
             members=tuple(run)))
         run.clear()
 
+    rows = 0  # of `run`
     for unit in units:
         small = unit.name == unit.stem and unit.rows < pack_rows
-        if run and (not small or sum(u.rows for u in run) + unit.rows > pack_rows):
+        if run and (not small or rows + unit.rows > pack_rows):
             close()
+            rows = 0
         if small:
             run.append(unit)
+            rows += unit.rows
         else:
             packed.append(unit)
     if run:
@@ -153,7 +156,8 @@ def open_slice(unit: Unit) -> Iterator[Slice]:
 
 def pack_content(contents: list[str]) -> str:
     """The content hash of a pack: "<CONTENT_HASH>:<hex>" of its files' slices' hashes, in order."""
-    return f"{CONTENT_HASH}:{hashlib.new(CONTENT_HASH, chr(10).join(contents).encode()).hexdigest()}"
+    joined = "\n".join(contents).encode()
+    return f"{CONTENT_HASH}:{hashlib.new(CONTENT_HASH, joined).hexdigest()}"
 
 
 def slice_contents(units: list[Unit]) -> list[str | None]:
