@@ -40,7 +40,7 @@ def usable() -> bool:
         _usable = loaded and hasattr(torch.ops.aggdec, OP)
         if loaded and not _usable:
             warnings.warn(f"aggdec: the CPU kernels' library was built from another version of {SOURCE.name}; "
-                          f"int8 products run as compiled kernels; rebuild it by reinstalling aggdec "
+                          f"int8 products run op by op, slowly; rebuild it by reinstalling aggdec "
                           f"(`{decode_attention.REBUILD}` in its checkout)", stacklevel=2)
     return _usable
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from aggdec import step_store
 from aggdec.model import int8_product
 from aggdec.model.config import PRECISIONS
 from aggdec.model.linear import Linear
@@ -86,15 +84,8 @@ class Int8Weight:
 
 
 def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """`kernel(name, x.dtype)` on x (N, D) and the weight tensors; x goes in detached, and to a compiled
-    kernel with at least 2 rows (zero rows added, their results dropped: docs/design.md, "Fused int8
-    products")."""
-    if _operator(x.dtype):  # any number of rows
-        return _OPERATORS[name](x.detach(), *weights)
-    n = x.shape[0]
-    if n >= 2:
-        return compiled(name)(x.detach(), *weights)
-    return compiled(name)(torch.cat([x.detach(), x.new_zeros(2 - n, x.shape[1])]), *weights)[:n]
+    """`kernel(name, x.dtype)` on x (N, D), detached, and the weight tensors."""
+    return kernel(name, x.dtype)(x.detach(), *weights)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +94,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / s).to(torch.int8), s
 
 
+def _int_product(xq: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
+    """xq (N, D) int8 @ qweight_t (D, M) int8, summed exactly in int32 (as the C++ operator sums)."""
+    return xq.to(torch.int32) @ qweight_t.to(torch.int32)
+
+
 def _product(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     xq, s = quantize_rows(x)
-    return torch._int_mm(xq, qweight_t).to(x.dtype) * scale * s
+    return _int_product(xq, qweight_t).to(x.dtype) * scale * s
 
 
 def _ranking(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch._int_mm(quantize_rows(x)[0], qweight_t).to(x.dtype) * scale
+    return _int_product(quantize_rows(x)[0], qweight_t).to(x.dtype) * scale
 
 
 _VARIANTS = {
@@ -119,7 +115,6 @@ _VARIANTS = {
     "bias_relu": lambda x, w, s, b: (_product(x, w, s) + b).relu(),
     "ranking": _ranking,
 }
-_KERNELS: dict[str, Callable] = {}
 
 
 _OPERATORS = {name: functools.partial(int8_product.product, relu=relu, ranking=ranking)
@@ -135,30 +130,9 @@ def _operator(dtype: torch.dtype) -> bool:
 
 def kernel(name: str, dtype: torch.dtype = torch.float32) -> Callable:
     """The W8A8 product `name` of `_VARIANTS` for inputs of `dtype`: for fp32, aggdec's C++ operator
-    (aggdec.model.int8_product, the variants' arithmetic bit for bit), else `compiled(name)`. Chosen once
-    per process, so that every product of a run rounds alike (docs/design.md, "Fused int8 products")."""
-    return _OPERATORS[name] if _operator(dtype) else compiled(name)
-
-
-def compiled(name: str) -> Callable:
-    """The W8A8 product `name` of `_VARIANTS`, compiled by TorchInductor with dynamic shapes, or op by
-    op where it cannot compile (chosen once per process)."""
-    if not _KERNELS:
-        _KERNELS.update(_compiled() or _VARIANTS)
-    return _KERNELS[name]
-
-
-def _compiled() -> dict[str, Callable] | None:
-    """The compiled variants, or None (with a warning) where TorchInductor cannot build the probe."""
-    step_store.inductor_cache()  # a cache per vector ISA
-    compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _VARIANTS.items()}
-    try:
-        compiled["plain"](torch.ones(2, 16), torch.ones(16, 16, dtype=torch.int8), torch.ones(16))
-    except Exception as err:  # no C++ compiler, an unsupported platform: the same products op by op
-        warnings.warn(f"int8: TorchInductor unavailable ({type(err).__name__}: {err}); products run op by op",
-                      stacklevel=3)
-        return None
-    return compiled
+    (aggdec.model.int8_product, the variants' arithmetic bit for bit); else (float64 models, a library
+    without the operator) the variants op by op, exact integer sums on ATen's generic kernels (slow)."""
+    return _OPERATORS[name] if _operator(dtype) else _VARIANTS[name]
 
 
 class Int8Linear(nn.Module):
