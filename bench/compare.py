@@ -35,13 +35,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bench.record import REPO, Results, shown
+from bench.shapes import SHAPES, resolve
 from bench.systems import START_ENV, Process, System
 
-OPUS_MT_SHAPED = "opus-mt-shaped"  # the model name that builds a Marian model of opus-mt-en-de's shape
-OPUS_MT = dict(vocab_size=58101, decoder_vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6,
-               encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
-               max_position_embeddings=512, activation_function="swish", scale_embedding=True, pad_token_id=58100,
-               eos_token_id=0, decoder_start_token_id=58100, forced_eos_token_id=0)
 COMPETITOR = """import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 a = torch.randn(1024, 1024)
@@ -55,7 +51,8 @@ while True:
 def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     """The options `compare` and `contention` share."""
     ap.add_argument("--model", default="models/gec-base",
-                    help=f"default model of the systems: a model directory, or {OPUS_MT_SHAPED} (random weights)")
+                    help="default model of the systems: a model directory, or a shape built with random weights: "
+                         + ", ".join(SHAPES) + " (bench/shapes.py)")
     ap.add_argument("--data", type=Path, required=True, help="a TSV file with a header line")
     ap.add_argument("--column", default="noisy", help="the source column")
     ap.add_argument("--ref-column", default=None, help="the reference column: BLEU and chrF of every run")
@@ -90,45 +87,16 @@ def sha(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def opus_mt_shaped(out: Path, texts: list[str]) -> Path:
-    """A Marian model of opus-mt-en-de's shape (6+6 layers, d512, 8 heads, FFN 2048, swish, 58,101-token
-    vocabulary) with random weights (init std 0.1: every output runs to the length limit), and a
-    sentencepiece tokenizer of up to 8,000 pieces trained on `texts`, padded with unused tokens."""
-    import sentencepiece as spm
-    import torch
-    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
-
-    if (out / "config.json").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "spm"), vocab_size=8000,
-                                   hard_vocab_limit=False, model_type="unigram", character_coverage=1.0,
-                                   minloglevel=2, num_threads=2)
-    sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
-    pieces = [p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in ("<unk>", "<s>", "</s>")]
-    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
-    for i in range(len(vocab), OPUS_MT["vocab_size"] - 1):
-        vocab[f"<unused{i}>"] = i
-    vocab["<pad>"] = OPUS_MT["vocab_size"] - 1
-    for name in ("source.spm", "target.spm"):
-        (out / name).write_bytes((out / "spm.model").read_bytes())
-    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    torch.manual_seed(0)
-    MarianMTModel(MarianConfig(**OPUS_MT, init_std=0.1)).save_pretrained(out)
-    MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json")).save_pretrained(out)
-    return out
-
-
 class Model:
     """One model as the systems need it: aggdec's framing of the sources and their length limits, text
-    from token ids, and each peer's form of the model and its input, made once under `work`."""
+    from token ids, and each peer's form of the model and its input, made once under `work`; `name`: the
+    model's name in the results (a shape's, or the directory's)."""
 
-    def __init__(self, path: str, sources: list[str], work: Path, max_new: int | None):
+    def __init__(self, path: Path, sources: list[str], work: Path, max_new: int | None, name: str):
         from aggdec.api import Translator, decode_options
         from aggdec.decoding.limits import max_len_for
 
-        self.path, self.work = Path(path), work
-        self.name = self.path.name
+        self.path, self.work, self.name = path, work, name
         self.tr = Translator.load(self.path)
         self.hf = "model_type" in json.loads((self.path / "config.json").read_text())
         ids = [self.tr.prepare(s)[0] for s in sources]
@@ -148,6 +116,13 @@ class Model:
         else:
             sp = self.tr.bundle.src_tok.sp  # aggdec's models: sentencepiece ids, the eos added by the peer
             self.pieces = [sp.id_to_piece(i[:-1]) for i in ids]
+        self.target_prefix = self.pieces_of(list(self.tr.framing().forced))  # CTranslate2's: M2M100's language
+
+    def pieces_of(self, ids: list[int]) -> list[str]:
+        """Token ids of the model as a peer's pieces."""
+        if self.hf:
+            return self.hf_tok.convert_ids_to_tokens(ids)
+        return [self.tr.bundle.tgt_tok.sp.id_to_piece(i) for i in ids]
 
     def ids(self, pieces: list[str]) -> list[int]:
         """A peer's output pieces as the model's token ids."""
@@ -252,15 +227,8 @@ class Matrix:
     def model(self, system: System) -> Model:
         path = system.model or self.a.model
         if path not in self.models:
-            if path == OPUS_MT_SHAPED:
-                from aggdec.train.ar import read_tsv
-
-                texts = read_tsv(self.a.data, self.a.column, self.a.column)[0][:5000]
-                built = opus_mt_shaped(self.work / f"{OPUS_MT_SHAPED}-{len(texts)}", texts)
-                self.models[path] = Model(str(built), self.sources, self.work, self.a.max_new)
-                self.models[path].name = OPUS_MT_SHAPED
-            else:
-                self.models[path] = Model(path, self.sources, self.work, self.a.max_new)
+            built = resolve(path, self.a.data, self.a.column, self.work)
+            self.models[path] = Model(built, self.sources, self.work, self.a.max_new, Path(path).name)
         return self.models[path]
 
     def job(self, system: System) -> dict[str, Any]:
@@ -277,7 +245,7 @@ class Matrix:
             return {**job, "options": options, "inputs": self.sources}
         if system.kind == "ct2":
             return {**job, "ct2_model": str(m.ct2_model()), "compute": system.precision, "inputs": m.pieces,
-                    "max_len": max(m.limits)}
+                    "target_prefix": m.target_prefix, "max_len": max(m.limits)}
         if system.kind == "transformers":
             if not m.hf:
                 raise ValueError(f"{system.name}: transformers runs Hugging Face model directories, not {m.path}")

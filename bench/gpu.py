@@ -140,7 +140,7 @@ def transformers_section(results: Results, a: argparse.Namespace, sizes: list[in
     ap = argparse.ArgumentParser()
     compare.add_arguments(ap, "greedy,transformers")
     limit, bs1, new = (4, 2, 8) if a.quick else (512, 32, 32)
-    ns = ap.parse_args(["--model", compare.OPUS_MT_SHAPED, "--data", str(a.ende_data), "--column", "en",
+    ns = ap.parse_args(["--model", "opus-mt-shaped", "--data", str(a.ende_data), "--column", "en",
                         "--systems", "greedy,transformers", "--reference", "transformers", "--max-new", str(new),
                         "--batch-sizes", ",".join(str(b) for b in sizes if b <= 64), "--limit", str(limit),
                         "--bs1-limit", str(bs1), "--repeat", "1", "--device", a.device])

@@ -13,7 +13,8 @@ attention operator of a run timed alone at its own inputs (median of reruns, les
 calling an operator that does nothing), summed per call; host work is wall time less that floor.
 
 `roofline`: the most sentences/s batch-1 greedy decoding of a model can reach in fp32 on this CPU, and
-how close the systems of a `compare` run came to it.
+how close the systems of a `compare` run came to it; a model directory or a shape (bench/shapes.py),
+whose outputs run to `--max-new` as in `compare`.
 
 At batch 1 a decoder step multiplies one vector by every weight of the decoder's step: each layer's
 self-attention products (query, key, value, output), its cross-attention's query and output (the keys
@@ -36,11 +37,13 @@ import csv
 import multiprocessing
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.record import Results, load
+from bench.shapes import SHAPES, resolve
 from bench.systems import layouts
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu"}
@@ -187,10 +190,15 @@ def main(a: argparse.Namespace) -> int:
 
 
 def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="an aggdec model directory")
+    p.add_argument("--model", required=True,
+                   help="a model directory, or a shape built with random weights: " + ", ".join(SHAPES)
+                        + " (bench/shapes.py: its tokenizer trained on --data's --column)")
     p.add_argument("--data", type=Path, required=True, help="a TSV with a header line")
     p.add_argument("--column", required=True, help="the source column")
     p.add_argument("--limit", type=int, default=100, help="sentences greedy decodes to count steps a sentence")
+    p.add_argument("--max-new", type=int, default=None,
+                   help="every output at most N tokens, as `compare --max-new`: for random-weight models")
+    p.add_argument("--work", type=Path, default=None, help="a shape's model (default: a temporary folder)")
     p.add_argument("--threads", type=int, default=2, help="cores: every layout P x T with P * T <= this")
     p.add_argument("--seconds", type=float, default=3.0, help="how long each process streams, a repeat")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repeats; a figure is their median")
@@ -249,9 +257,11 @@ def steps_per_second(weights: list, workers: int, threads: int, seconds: float) 
     return sum(rates)
 
 
-def steps_per_sentence(translator, sources: list[str]) -> float:
-    """Decoder steps a sentence of eager greedy at batch 1 (verifier calls, the end of sentence's included)."""
-    res = translator.translate_batch(sources, method="greedy", max_batch_size=1, compile=False)
+def steps_per_sentence(translator, sources: list[str], max_new: int | None) -> float:
+    """Decoder steps a sentence of eager greedy at batch 1 (verifier calls, the end of sentence's included),
+    each output at most `max_new` tokens where given (else the decode options' length rule)."""
+    limit = {"max_len_a": 0, "max_len_b": max_new} if max_new else {}
+    res = translator.translate_batch(sources, method="greedy", max_batch_size=1, compile=False, **limit)
     return sum(r.stats.iterations for r in res) / len(res)
 
 
@@ -262,10 +272,11 @@ def roofline(a: argparse.Namespace) -> int:
 
     with a.data.open(encoding="utf-8", newline="") as f:
         sources = [row[a.column] for _, row in zip(range(a.limit), csv.DictReader(f, delimiter="\t"))]
-    translator = Translator.load(a.model)
     torch.set_num_threads(a.threads)
-    steps = steps_per_sentence(translator, sources)
-    weights = step_weights(translator.model)
+    with tempfile.TemporaryDirectory() as temporary:
+        translator = Translator.load(resolve(a.model, a.data, a.column, a.work or Path(temporary)))
+        steps = steps_per_sentence(translator, sources, a.max_new)
+        weights = step_weights(translator.model)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     settings = {k: [str(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
                 for k, v in vars(a).items() if k not in ("out", "func", "command")}

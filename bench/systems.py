@@ -279,7 +279,8 @@ def aggdec_runner(job: dict) -> Decode:
 
 
 def ct2_runner(job: dict) -> Decode:
-    """CTranslate2 on token pieces, `job["workers"]` batches at a time: outputs are pieces.
+    """CTranslate2 on token pieces, `job["workers"]` batches at a time: outputs are pieces, beginning with
+    `job["target_prefix"]` where it has pieces (the tokens the model forces first: M2M100's target language).
 
     Each request's inputs go to `translate_batch` at once with `max_batch_size` = the batch size:
     CTranslate2 sorts them by length, cuts them into batches and queues each as a job of its own
@@ -289,12 +290,13 @@ def ct2_runner(job: dict) -> Decode:
 
     tr = ctranslate2.Translator(job["ct2_model"], device=job["device"], compute_type=job["compute"],
                                 inter_threads=job["workers"], intra_threads=job["threads"])
-    pieces = job["inputs"]
+    pieces, prefix = job["inputs"], job.get("target_prefix")
     warmed: set[int] = set()
 
     def run(xs: list, bs: int):
-        return tr.translate_batch(xs, beam_size=job["beam"], max_batch_size=bs, batch_type="examples",
-                                  max_decoding_length=job["max_len"], min_decoding_length=1)
+        return tr.translate_batch(xs, target_prefix=[prefix] * len(xs) if prefix else None, beam_size=job["beam"],
+                                  max_batch_size=bs, batch_type="examples", max_decoding_length=job["max_len"],
+                                  min_decoding_length=1)
 
     def decode(bs: int, n: int):
         if bs not in warmed:

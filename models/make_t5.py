@@ -13,7 +13,8 @@ tokenizer_config.json, as Hugging Face hub T5 directories do; `aggdec decode -m 
 `transformers.AutoModelForSeq2SeqLM.from_pretrained(DIR)` both read it. The tokenizer is T5's
 layout (pad 0, </s> 1, <unk> 2, 100 sentinels <extra_id_i> after the pieces), a unigram
 sentencepiece model trained on both columns of the data (`--vocab` pieces where the data has that
-many, fewer where it does not: the summary says how many).
+many, fewer where it does not: the summary says how many). The benchmark's `t5-base-shaped`
+(bench/shapes.py) is made with this file's `tokenizer`, `config` and `random_t5`.
 
 The GEC recipe (`build`, `neighbour_heads`, `train`), for a model that copies after minutes of one
 CPU core: a T5 v1.1 block (gated GELU) of d_model 256, 4 heads of 64, FFN 768, 2 + 2 layers, 4,000
@@ -40,6 +41,10 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import transformers
 
 TASK_PREFIX = "Fix grammatical errors in this sentence: "
 EXTRA_IDS = 100
@@ -61,13 +66,14 @@ def read_pairs(path: Path) -> list[tuple[str, str]]:
         return [(r["noisy"], r["clean"]) for r in rows]
 
 
-def tokenizer(pairs: list[tuple[str, str]], out: Path, vocab: int):
-    """Train T5's sentencepiece model into out/spiece.model and save T5's tokenizer files beside it."""
+def tokenizer(texts: list[str], out: Path, vocab: int):
+    """Train T5's sentencepiece model on `texts` into out/spiece.model (pad 0, </s> 1, <unk> 2, then up to
+    `vocab` pieces) and save T5's tokenizer files beside it, EXTRA_IDS sentinels after the pieces;
+    -> the transformers tokenizer."""
     import sentencepiece as spm
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    texts = [t for pair in pairs for t in pair] + [TASK_PREFIX.strip()] * 100
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_prefix=str(out / "spiece"), vocab_size=vocab, model_type="unigram",
         character_coverage=0.9999, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False,
@@ -78,24 +84,40 @@ def tokenizer(pairs: list[tuple[str, str]], out: Path, vocab: int):
     return tok
 
 
-def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: int):
+def config(fields: dict) -> transformers.T5Config:
+    """The T5Config of `fields` (T5Config's own names) as this script's models take it: no dropout, the
+    decoder started from pad (id 0)."""
+    import transformers
+
+    return transformers.T5Config(**fields, dropout_rate=0.0, decoder_start_token_id=0)
+
+
+def random_t5(cfg: transformers.T5Config, seed: int, tied: bool) -> transformers.T5ForConditionalGeneration:
+    """A T5ForConditionalGeneration of `cfg` with seeded random weights: transformers' initialization, and
+    unless `tied` an lm_head of its own (as Flan-T5's; transformers 5's T5Config says tied whatever it is
+    given) drawn with std d_model ** -0.5, so that logits are of about unit scale from the start (random:
+    not flat, not one-hot)."""
     import torch
     import transformers
     from torch import nn
 
-    tok = tokenizer(pairs, out, vocab)
     torch.manual_seed(seed)
-    fields = dict(SHAPES[kind])
+    model = transformers.T5ForConditionalGeneration(cfg)
+    if not tied:
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, cfg.d_model ** -0.5)
+    return model
+
+
+def build(kind: str, pairs: list[tuple[str, str]], out: Path, vocab: int, seed: int):
+    tok = tokenizer([t for pair in pairs for t in pair] + [TASK_PREFIX.strip()] * 100, out, vocab)
+    tied = kind == "gec"
+    fields = dict(SHAPES[kind], tie_word_embeddings=tied)
     fields.setdefault("vocab_size", len(tok) + (-len(tok)) % 128)  # padded as T5's 32,128 rows
     if fields["vocab_size"] < len(tok):
         raise SystemExit(f"the tokenizer has {len(tok)} entries, more than the model's {fields['vocab_size']} rows")
-    tied = kind == "gec"
-    cfg = transformers.T5Config(**fields, dropout_rate=0.0, decoder_start_token_id=0, tie_word_embeddings=tied)
-    model = transformers.T5ForConditionalGeneration(cfg)
-    if not tied:
-        model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))  # untied, as Flan-T5's
-        with torch.no_grad():  # logits of about unit scale from the start (random: not flat, not one-hot)
-            model.lm_head.weight.normal_(0, cfg.d_model ** -0.5)
+    model = random_t5(config(fields), seed, tied)
     if kind == "gec":
         neighbour_heads(model)
     return tok, model

@@ -1,6 +1,7 @@
 """The benchmark harness's guarantees (bench/): a peer's process is clean, the names of systems parse or
 fail with a reason, a layout search expands and picks its fastest layout, several processes' replies
-make one, and the documents' tables are regenerated from results files."""
+make one, the documents' tables are regenerated from results files, and a model shape (bench/shapes.py)
+has the size of the model it stands for."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.compare import best_of, identical_share  # noqa: E402
+from bench.shapes import SHAPES  # noqa: E402
 from bench.systems import Process, System, check_clean, layouts, merged, share  # noqa: E402
 
 
@@ -98,6 +100,19 @@ def test_identity_is_taken_under_each_sentences_length_limit():
     assert identical_share(aggdec, peer, [3, 3, 3, 4]) == 0.5
     assert identical_share(aggdec, peer, [2, 3, 2, 4]) == 0.75  # a shorter limit: [5, 6] == [5, 6] in row 3
     assert identical_share(aggdec[:1], peer[:1], [3, 3]) == 1.0  # the first n of the limits
+
+
+@pytest.mark.parametrize("name, parameters", [("opus-mt-shaped", 74_410_496), ("t5-base-shaped", 222_903_552),
+                                              ("m2m100-shaped", 483_905_536)])
+def test_a_shape_has_the_parameters_of_the_model_it_stands_for(name, parameters):
+    """opus-mt-en-de's, t5-base's and m2m100_418M's parameter counts, of the model each shape's config
+    makes on the meta device (no weights)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForSeq2SeqLM.from_config(SHAPES[name].config())
+    assert sum(p.numel() for p in model.parameters()) == parameters
 
 
 def test_a_peer_that_loaded_torch_or_aggdec_is_refused():
