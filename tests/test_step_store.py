@@ -62,57 +62,46 @@ def _env(store: Path) -> dict:
     return env
 
 
-def _decode(store: Path, seed: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", DECODE, str(seed)], env=_env(store), cwd=store, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["compiled"] and result["equal"], (result, done.stderr[-3000:])
-    return result
+def _decode_at_once(store: Path, seed: int, count: int) -> list[dict]:
+    """`count` `DECODE` processes of `seed` started together on `store`: their results."""
+    runs = [subprocess.Popen([sys.executable, "-c", DECODE, str(seed)], env=_env(store), cwd=store,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.splitlines()[-1]))
+        assert results[-1]["compiled"] and results[-1]["equal"], (results[-1], err[-3000:])
+    return results
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> tuple[Path, dict]:
-    """A store where a first process built model 5's step, and that process's result."""
+def store(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A store on which two processes started together decoded with model 5's step, and their results."""
     path = tmp_path_factory.mktemp("store")
-    first = _decode(path, 5)
-    assert first["built"] == 1 and first["exports"] == 1, first
-    return path, first
+    return path, _decode_at_once(path, 5, 2)
 
 
 @compiles
-def test_a_second_process_loads_the_program_and_compiles_nothing(store):
-    """The second process loads the first one's package: nothing exported, nothing built."""
-    path, first = store
-    second = _decode(path, 5)
-    assert second["built"] == 0 and second["loaded"] == 1 and second["exports"] == 0, second
-    assert second["eager"] == first["eager"]
+def test_two_processes_compiling_at_once_build_the_program_once(store):
+    """Two processes started together on an empty store: one exports and builds the package, under its
+    key's lock; the other waits, then loads it, exporting and building nothing; both decode as the eager
+    loop does."""
+    _, (a, b) = store
+    builder, loader = (a, b) if a["built"] else (b, a)
+    assert builder["built"] == 1 and builder["exports"] == 1 and builder["loaded"] == 0, (a, b)
+    assert loader["built"] == 0 and loader["exports"] == 0 and loader["loaded"] == 1, (a, b)
+    assert a["eager"] == b["eager"]
 
 
 @compiles
 def test_a_model_of_the_same_shapes_gets_a_program_of_its_own(store):
     """Model 6 after model 5, same shapes, same store: a program of its own (loading 5's would decode with
     5's weights, frozen into it), which gives its own eager tokens."""
-    path, first = store
-    other = _decode(path, 6)
+    path, (first, _) = store
+    (other,) = _decode_at_once(path, 6, 1)
     assert other["eager"] != first["eager"]
     assert other["built"] == 1, other
-
-
-@compiles
-def test_two_processes_compiling_at_once_build_each_program_once(tmp_path):
-    """Two processes started together on an empty store: the package is built by one of them, under its
-    key's lock (the other waits, then loads it), and both decode as the eager loop does."""
-    runs = [subprocess.Popen([sys.executable, "-c", DECODE, "5"], env=_env(tmp_path), cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = []
-    for run in runs:
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, err[-3000:]
-        results.append(json.loads(out.splitlines()[-1]))
-    a, b = results
-    assert a["compiled"] and a["equal"] and b["compiled"] and b["equal"] and a["eager"] == b["eager"], results
-    assert a["built"] + b["built"] == 1 and a["loaded"] + b["loaded"] == 1, results
 
 
 def test_the_store_names_torch_and_the_cpu_and_keeps_its_bound(monkeypatch, tmp_path):
