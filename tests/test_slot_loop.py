@@ -581,8 +581,8 @@ def test_the_registry_puts_every_acceptance_rule_on_compiled_slots():
 @pytest.mark.slow  # compiles of greedy and drafting steps: about a minute each on 2 busy cores
 def test_compiled_double_token_steps_equal_greedy():
     """A compiled step on a double-token verifier (greedy, IAD by whole pairs) gives the model's greedy
-    output, run after run; in float64 and in fp32 (whose greedy step
-    takes ATen's products: the C++ template has none for its pair's products)."""
+    output, run after run; in float64 and in fp32 (whose greedy step takes TorchInductor's C++ GEMM
+    template, its drafting step ATen's products)."""
     for model in (tiny_model("double-token", seed=1, vocab=9), tiny_model("double-token", seed=1, vocab=9).float()):
         reqs = _requests(random.Random(4), 10, model.cfg.src_vocab, model.cfg.eos, repeat=True)
         ref = {i: h.tokens for i, h in _decode(model, NoDraft(), reqs, max_batch_size=3).items()}

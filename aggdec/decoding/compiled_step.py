@@ -35,8 +35,8 @@ def inductor_options(dtype: torch.dtype, slots: int, drafts: bool) -> dict[str, 
     """TorchInductor's options for the package of a step over `slots` slots: a C++ wrapper; the weights frozen
     into the program as constants (a batch-1 `ende-base` step took 0.63 ms frozen, 2.3 ms with the weights
     supplied by the model); products by Inductor's C++ template for fp32 steps of at most `CPP_GEMM_SLOTS`
-    slots (0.2 ms), else by ATen's, as in a step that verifies `drafts` or several tokens a position (a
-    double-token model's: the C++ template offered no choice for their products)."""
+    slots (0.2 ms), else by ATen's, as in a step that verifies `drafts` (many rows a slot). A double-token
+    model's pairs (two rows a slot) take the template too."""
     gemm = "CPP" if dtype == torch.float32 and slots <= CPP_GEMM_SLOTS and not drafts else "ATEN"
     return {"cpp_wrapper": True, "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
 
@@ -107,7 +107,7 @@ class CompiledStep:
         self.built = self.loaded = 0
         self.seconds = 0.0
         self._key = _loop_key(loop)
-        drafts = loop.drafter.max_draft != 0 or loop.stride > 1
+        drafts = loop.drafter.max_draft != 0
         slots = 1 << (loop.max_batch_size - 1).bit_length()  # (slot_loop.slot_count)
         self.options = inductor_options(loop.dtype, slots, drafts)
 
