@@ -186,9 +186,14 @@ class Process:
         return merged(self._round(batch_size, n))
 
     def _round(self, batch_size: int, n: int) -> list[dict]:
+        """Each child's reply to one request; an error reply from a child that has exited (killed for
+        memory, say), before or while it was asked."""
         for child in self.children:
-            child.stdin.write(json.dumps({"batch_size": batch_size, "n": n}) + "\n")
-            child.stdin.flush()
+            try:
+                child.stdin.write(json.dumps({"batch_size": batch_size, "n": n}) + "\n")
+                child.stdin.flush()
+            except BrokenPipeError:
+                pass  # it exited: its empty reply below says so
         replies = []
         for child in self.children:
             line = child.stdout.readline()
@@ -201,7 +206,10 @@ class Process:
 
     def close(self) -> None:
         for child in self.children:
-            child.stdin.close()
+            try:
+                child.stdin.close()
+            except BrokenPipeError:
+                pass  # it exited already
         for child in self.children:
             try:
                 child.wait(timeout=30)
