@@ -23,12 +23,14 @@ projection. A matrix-vector product reads each weight once and does one multiply
 these sizes it runs at the speed weights stream from the caches and memory, and a step can take no
 less than reading those weights takes. Measured here with the model's own weights, the faster of their
 products on one row (`F.linear`) and plain reads (a sum over each: where a product kernel streams slower
-than memory, as ATen's one-row product does on large models), at each layout P x T on `--threads` cores: P processes started together, T threads each, each with its
-own copy of the weights (as CTranslate2's `inter_threads` workers and aggdec's processes hold them);
-a layout's rate is the sum of its processes'. The ceiling: that rate of steps / the decoder steps a
-sentence takes (greedy on `--limit` sentences of the data, end of sentence included). It leaves out the
-encoder, attention and everything else a step does, so no system reaches it; one at a share s of it
-can gain at most 1/s without reading fewer bytes a step (lower precision, or more sentences a step).
+than memory, as ATen's one-row product does on large models), at each layout P x T on `--threads`
+cores: P processes started together, T threads each, each with its own copy of the weights (as
+CTranslate2's `inter_threads` workers and aggdec's processes hold them); a layout's rate is the sum of
+its processes'. The ceiling: that rate of steps / the decoder steps a sentence takes (greedy on `--limit`
+sentences of the data, end of sentence included). It leaves out the encoder, attention and everything
+else a step does; one at a share s of it can gain at most 1/s without reading fewer bytes a step (lower
+precision, or more sentences a step). A system above it shows that these reads fell short of the
+memory's peak (a 484M model's compiled step, docs/benchmarks.md).
 """
 
 from __future__ import annotations
