@@ -13,8 +13,8 @@ attention operator of a run timed alone at its own inputs (median of reruns, les
 calling an operator that does nothing), summed per call; host work is wall time less that floor.
 
 `roofline`: the most sentences/s batch-1 greedy decoding of a model can reach in fp32 on this CPU, and
-how close the systems of a `compare` run came to it; a model directory or a shape (bench/shapes.py),
-whose outputs run to `--max-new` as in `compare`.
+how close the systems of a `compare` run came to it; a model directory or a shape (bench/compare.py,
+`SHAPES`), whose outputs run to `--max-new` as in `compare`.
 
 At batch 1 a decoder step multiplies one vector by every weight of the decoder's step: each layer's
 self-attention products (query, key, value, output), its cross-attention's query and output (the keys
@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.compare import SHAPES, recorded, resolve
 from bench.record import Results, load
-from bench.shapes import SHAPES, resolve
 from bench.systems import layouts
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu"}
@@ -195,7 +195,7 @@ def main(a: argparse.Namespace) -> int:
 def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="a model directory, or a shape built with random weights: " + ", ".join(SHAPES)
-                        + " (bench/shapes.py: its tokenizer trained on --data's --column)")
+                        + " (bench/compare.py: its tokenizer trained on --data's --column)")
     p.add_argument("--data", type=Path, required=True, help="a TSV with a header line")
     p.add_argument("--column", required=True, help="the source column")
     p.add_argument("--limit", type=int, default=100, help="sentences greedy decodes to count steps a sentence")
@@ -288,9 +288,7 @@ def roofline(a: argparse.Namespace) -> int:
         steps = steps_per_sentence(translator, sources, a.max_new)
         weights = step_weights(translator.model)
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    settings = {k: [str(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
-                for k, v in vars(a).items() if k not in ("out", "func", "command")}
-    results = Results(a.out, "roofline", settings)
+    results = Results(a.out, "roofline", recorded(a))
     grid = layouts(a.threads)
     rates: dict[str, list[float]] = {f"{p}x{t}": [] for p, t in grid}
     for _ in range(a.repeat):  # interleaved

@@ -43,6 +43,16 @@ def shown(arg: str) -> str:
     return key + eq + value
 
 
+def without_work(argv: list[str]) -> list[str]:
+    """`argv` less `--work FOLDER` (a scratch folder of this machine, which changes no figure)."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--work" and not arg.startswith("--work="):
+            out.append(arg)
+        skip = arg == "--work"
+    return out
+
+
 def cpu_name() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
     try:
@@ -101,7 +111,7 @@ class Results:
     def __init__(self, path: Path | None, kind: str, settings: dict[str, Any], device: str = "cpu"):
         self.path = path
         self.head = {"format": FORMAT, "kind": kind,
-                     "command": "python -m bench " + shlex.join(shown(a) for a in sys.argv[1:]),
+                     "command": "python -m bench " + shlex.join(shown(a) for a in without_work(sys.argv[1:])),
                      "machine": machine(device), "versions": versions(), **commit(),
                      "date": datetime.date.today().isoformat(), "settings": settings}
         self.runs: list[dict[str, Any]] = []

@@ -14,7 +14,7 @@ tokenizer_config.json, as Hugging Face hub T5 directories do; `aggdec decode -m 
 layout (pad 0, </s> 1, <unk> 2, 100 sentinels <extra_id_i> after the pieces), a unigram
 sentencepiece model trained on both columns of the data (`--vocab` pieces where the data has that
 many, fewer where it does not: the summary says how many). The benchmark's `t5-base-shaped`
-(bench/shapes.py) is made with this file's `tokenizer`, `config` and `random_t5`.
+(bench/compare.py, `SHAPES`) is made with this file's `tokenizer`, `config` and `random_t5`.
 
 The GEC recipe (`build`, `neighbour_heads`, `train`), for a model that copies after minutes of one
 CPU core: a T5 v1.1 block (gated GELU) of d_model 256, 4 heads of 64, FFN 768, 2 + 2 layers, 4,000

@@ -1,6 +1,6 @@
 """The benchmark harness's guarantees (bench/): a peer's process is clean, the names of systems parse or
 fail with a reason, a layout search expands and picks its fastest layout, several processes' replies
-make one, the documents' tables are regenerated from results files, and a model shape (bench/shapes.py)
+make one, the documents' tables are regenerated from results files, and a model shape (bench/compare.py)
 has the size of the model it stands for."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.compare import best_of, identical_share  # noqa: E402
-from bench.shapes import SHAPES  # noqa: E402
+from bench.compare import SHAPES  # noqa: E402
 from bench.systems import Process, System, check_clean, layouts, merged, share  # noqa: E402
 
 
