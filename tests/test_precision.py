@@ -93,6 +93,54 @@ for d, m in ((96, 300), (1024, 40), (7, 5)):
     assert torch.equal(q(x), precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b))
 print("ok", torch.backends.cpu.get_cpu_capability())
 """
+    _at_every_capability(script)
+
+
+def test_the_prepacked_operator_gives_the_op_by_op_products_bit_for_bit_past_2_24():
+    """The C++ operator on a weight prepacked for oneDNN (Int8Weight.packed, int8_product.prepack) gives
+    every variant's op-by-op result exactly where integer sums pass 2^24 and fp32 must round them (in =
+    2048, values near +-127), at 1, 2, 3 and 33 rows, strided and none, at every capability; the
+    prepacked weight is made again for a copy and a pickle."""
+    script = """
+import copy, pickle
+import torch
+from aggdec.model import int8_product, precision
+from aggdec.model.precision import Int8Weight
+assert int8_product.usable(), "the operator did not load"
+torch.manual_seed(3)
+d, m = 2048, int8_product.PACK_MIN // 2048
+w = torch.where(torch.rand(m, d) < 0.5, 1.0, -1.0) * torch.where(torch.rand(m, d) < 0.9, 1.0, 0.99)  # +-127, +-126
+b = torch.randn(m)
+q = Int8Weight(w, b)
+assert q.packed is not None and Int8Weight(w[:-1], b[:-1]).packed is None
+for clone in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
+    assert torch.equal(clone.packed.to_dense(), q.packed.to_dense()) and torch.equal(clone(w[:3]), q(w[:3]))
+rounded = 0
+for n in (1, 2, 3, 33):
+    x = w[:n] * torch.rand(n, 1) * 5  # row i near weight row i: sums near +-127 * 127 * 2047
+    x[:, -1] = 0
+    x[n // 2:] *= -1
+    sums = precision._int_product(precision.quantize_rows(x)[0], q.qweight_t)
+    assert (sums.abs() > 2**24).sum() >= n
+    rounded += int(((sums.abs() > 2**24) & (sums.float().double() != sums.double())).sum())
+    wide = torch.randn(n, 2 * d)
+    wide[:, ::2] = x
+    for name, bias in (("plain", ()), ("relu", ()), ("ranking", ()), ("bias", (b,)), ("bias_relu", (b,))):
+        want = precision._VARIANTS[name](x, q.qweight_t, q.scale, *bias)
+        for rows in (x, wide[:, ::2]):
+            got = precision._OPERATORS[name](rows, q.qweight_t, q.scale, *bias, packed=q.packed)
+            assert torch.equal(got, want), (name, n, (got - want).abs().max())
+        assert precision._OPERATORS[name](x[:0], q.qweight_t, q.scale, *bias, packed=q.packed).shape == (0, m)
+    assert torch.equal(q(x), precision._VARIANTS["bias"](x, q.qweight_t, q.scale, b))
+assert rounded > 10, rounded
+print("ok", torch.backends.cpu.get_cpu_capability())
+"""
+    _at_every_capability(script)
+
+
+def _at_every_capability(script: str) -> None:
+    """Run `script` in a process of each capability's library (this CPU's own, AVX2's, the portable one);
+    it prints "ok"."""
     for capability in (None, "avx2", "default"):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
         if capability:

@@ -1,12 +1,18 @@
 """The W8A8 product of an int8 verifier as one C++ operator on the CPU (`int8_product.cpp`).
 
-`product(x, qweight_t, scale, bias, relu, ranking)`: x (N, D) fp32, any strides, any N; qweight_t
-(D, M) int8; scale (M,) fp32, contiguous; bias (M,) fp32 or None. Each row of x is quantized with a scale
-of its own, s = max(max |x_row|, tiny) / 127, x_q = round(x / s) (ties to even); y = int32(x_q @
-qweight_t) * scale * s (ranking: without s), + bias, relu: (N, M) fp32. Every step is rounded as
-aggdec.model.precision's op-by-op variants round it (`_VARIANTS`), so the results are theirs bit for bit,
-and a row's never depends on the other rows of the call. It replaces a compiled product's three
-kernels and the Python around them (docs/design.md, "Fused int8 products").
+`product(x, qweight_t, scale, bias, relu, ranking, packed)`: x (N, D) fp32, any strides, any N;
+qweight_t (D, M) int8; scale (M,) fp32, contiguous; bias (M,) fp32 or None; packed None or
+`prepack(qweight_t)`. Each row of x is quantized with a scale of its own, s = max(max |x_row|, tiny) /
+127, x_q = round(x / s) (ties to even); y = float(int32(x_q @ qweight_t)) * scale * s (ranking: without
+s), + bias, relu: (N, M) fp32. Every step is rounded as aggdec.model.precision's op-by-op variants round
+it (`_VARIANTS`), so the results are theirs bit for bit, and a row's never depends on the other rows of
+the call. It replaces a compiled product's three kernels and the Python around them (docs/design.md,
+"Fused int8 products").
+
+The integer sums are exact either way: with `packed`, oneDNN's u8 x s8 product (x_q + 128, zero point
+128) on the prepacked weight, which gives each sum converted to fp32 as float(int32) rounds it (to
+nearest, ties to even, past 2^24 too: tests/test_precision.py); without, ATen's int8 x int8 -> int32
+`_int_mm`. `prepack` decides which weights are packed (`PACK_MIN`).
 
 The operator is built with decode attention's, into the same library per CPU capability (setup.py,
 aggdec.model.decode_attention), and loaded with it. Its name carries its source's digest (`OP`), so a
@@ -45,7 +51,21 @@ def usable() -> bool:
     return _usable
 
 
+PACK_MIN = 1 << 20
+"""Weights of at least this many elements are prepacked for oneDNN (`prepack`): its product was faster on
+512 x 2048 and 2048 x 512 weights and 2 to 4x faster on 512 x 58,101 ones, at 1 to 32 rows, but slower
+on 512 x 512 ones (about 5 µs more a call, 1 thread, an AVX-512 VNNI CPU)."""
+
+
+def prepack(qweight_t: torch.Tensor) -> torch.Tensor | None:
+    """qweight_t (D, M) int8 as oneDNN's product takes it (`product`'s `packed`: an mkldnn tensor, which
+    neither copies nor pickles), or None where `PACK_MIN` says it does not pay or torch has no oneDNN."""
+    if qweight_t.numel() < PACK_MIN or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.onednn.qlinear_prepack(qweight_t.t().contiguous(), None)  # (M, D), which must be contiguous
+
+
 def product(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-            relu: bool = False, ranking: bool = False) -> torch.Tensor:
+            relu: bool = False, ranking: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. Only where `usable()`."""
-    return getattr(torch.ops.aggdec, OP)(x, qweight_t, scale, bias, relu, ranking)
+    return getattr(torch.ops.aggdec, OP)(x, qweight_t, scale, bias, relu, ranking, packed)

@@ -61,7 +61,9 @@ def cpu_warning(precision: str, isa: str) -> str | None:
 
 
 class Int8Weight:
-    """A weight (out, in) quantized per output channel; `__call__` is the W8A8 product above."""
+    """A weight (out, in) quantized per output channel; `__call__` is the W8A8 product above. `packed`:
+    the weight as the C++ operator's oneDNN product takes it (`int8_product.prepack`), or None. Copies and
+    pickles prepack it again."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         qweight, scale = quantize_rows(weight.detach())  # a weight row quantizes as a token does
@@ -69,23 +71,35 @@ class Int8Weight:
         self.scale = scale[:, 0]  # (out,), in the model's float dtype
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach()
+        self.packed = self._prepack()
+
+    def _prepack(self) -> torch.Tensor | None:
+        return int8_product.prepack(self.qweight_t) if _operator(self.scale.dtype) else None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "packed"}  # an mkldnn tensor neither copies nor pickles
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.packed = self._prepack()
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x (..., in) float -> (..., out) in x's dtype: int8 x int8 -> int32, rescaled, + bias."""
         bias = () if self.bias is None else (self.bias,)
         name = ("bias_relu" if relu else "bias") if bias else ("relu" if relu else "plain")
-        y = _run(name, x.reshape(-1, x.shape[-1]), self.qweight_t, self.scale, *bias)
+        y = self._run(name, x.reshape(-1, x.shape[-1]), *bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def ranking_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, in) -> (N, out): each row's logits up to a positive factor of its own (no activation scale
         where there is no bias), so every row ranks tokens as `__call__` does. For the verifier's top-1."""
-        return self(x) if self.bias is not None else _run("ranking", x, self.qweight_t, self.scale)
+        return self(x) if self.bias is not None else self._run("ranking", x)
 
-
-def _run(name: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """`kernel(name, x.dtype)` on x (N, D), detached, and the weight tensors."""
-    return kernel(name, x.dtype)(x.detach(), *weights)
+    def _run(self, name: str, x: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
+        """`kernel(name, x.dtype)` on x (N, D), detached, and this weight (prepacked, where it is)."""
+        if _operator(x.dtype):
+            return _OPERATORS[name](x.detach(), self.qweight_t, self.scale, *bias, packed=self.packed)
+        return _VARIANTS[name](x.detach(), self.qweight_t, self.scale, *bias)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
