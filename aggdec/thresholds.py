@@ -139,10 +139,21 @@ times the seconds it lost (its block's time less that of its tokens at the choic
 cost at most about 1/DRAFT_EXPLORE of a run: on a wide batch one call drafting the longest length costs
 tens of greedy calls, and trials of it at a fixed interval would cost a large share of a long run."""
 
-DRAFT_COLD_TOKENS = 4096
-"""A cold draft budget's first drafting challenger drafts at most this many tokens over the rows of its
-widest call so far (64 a row up to 64 rows, 16 at 256): its first call at a new shape costs the most
-(product shapes oneDNN has not built kernels for yet)."""
+DRAFT_RAMP = 4
+"""How fast drafting grows where drafts land (at least `DRAFT_LANDED` of their tokens accepted; `DraftBudget`):
+a longer length that took over is challenged next by this many times it (1, 4, 16, 64 tokens a row), and
+a trial from none that landed but lost narrowly (a cost a drafting call pays once, which longer drafts
+share) is tried next this many times as long. A cold budget drafts one token a row first: its calls verify
+at most twice a greedy call's positions, where a first trial at the longest draft had cost up to 57
+greedy calls at batch 32 on a 74M model (2,080 positions a call) that never copies."""
+
+DRAFT_LANDED = 0.5
+"""The share of a block's drafted tokens accepted from which its drafts count as landing (`DRAFT_RAMP`)."""
+
+DRAFT_EVIDENCE = 4
+"""Draft tokens a drafting challenger of none verifies, none accepted, before it is judged lost without the
+rest of its block: four calls at batch 1, where a copying model's one rejected draft (an edit) does not end
+its trial; one call on four rows or more."""
 
 DRAFT_WARM = 2
 """The draft budget's blocks are a quarter as long until this many comparisons were judged: a cold start

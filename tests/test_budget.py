@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from aggdec.decoding.budget import DraftBudget
-from aggdec.thresholds import DRAFT_COLD_TOKENS
+from aggdec.thresholds import DRAFT_EVIDENCE
 
 
 def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> list[int]:
@@ -14,7 +14,8 @@ def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> li
     for _ in range(calls):
         nd = torch.full((rows,), length)
         acc = torch.minimum(nd, accept(length, rows))
-        budget.record(length, int((acc + 1).sum()), cost(rows, int(nd.sum())))
+        budget.record(length, int((acc + 1).sum()), cost(rows, int(nd.sum())), drafted=int(nd.sum()),
+                      accepted=int(acc.sum()))
         length = budget.next_length(rows, budget.max_length)
         chosen.append(budget.choice)
     return chosen
@@ -56,10 +57,9 @@ def test_a_budget_counts_the_calls_that_drafted_and_says_why():
 
 
 def test_a_cold_budget_starts_on_the_plain_path_and_retries_a_dropped_comparison():
-    """A cold budget's first block is greedy; its first challenger the longest draft. A batch that
+    """A cold budget's first block is greedy; its first challenger one token a row. A batch that
     shrinks right after that challenger's block drops the comparison (a kept budget's warm-up run
-    drains so): the same challenger is tried again next, not a shorter draft, and where drafting
-    loses greedy stays chosen."""
+    drains so): the same challenger is tried again next, and where drafting loses greedy stays chosen."""
     budget = DraftBudget(4, row_calls=16 * 64)  # blocks of 16 calls (4 while warm) at 64 rows
     gen = torch.Generator().manual_seed(0)
     lengths, length = [], budget.next_length(64, 4)
@@ -69,10 +69,10 @@ def test_a_cold_budget_starts_on_the_plain_path_and_retries_a_dropped_comparison
         acc = (torch.rand(rows, length, generator=gen) < 0.3).long().cumprod(1).sum(1) if length else torch.zeros(rows)
         budget.record(length, int((acc + 1).sum()), 1e-4 * rows * (1 + length), rows)
         length = budget.next_length(rows, 4)
-    assert lengths[:4] == [0] * 4 and lengths[4:8] == [4] * 4  # greedy, then the longest draft
+    assert lengths[:4] == [0] * 4 and lengths[4:8] == [1] * 4  # greedy, then one token a row
     assert lengths[8:16] == [0] * 8  # the comparison dropped by the shrink
-    assert lengths[16:20] == [4] * 4  # the longest draft again, not the shorter 3
-    assert budget.choice == 0 and 3 not in budget.score
+    assert lengths[16:20] == [1] * 4  # the same challenger again
+    assert budget.choice == 0 and set(budget.score) == {1}
 
 
 def test_lengths_that_draft_alike_do_not_keep_none_from_being_tried():
@@ -85,7 +85,8 @@ def test_lengths_that_draft_alike_do_not_keep_none_from_being_tried():
     for call in range(3000):
         drafted = min(length, 20)
         per_token = 5e-5 if call < 400 else 2e-3
-        budget.record(length, drafted + 1, 1e-3 + per_token * drafted, 1, offered=20)
+        budget.record(length, drafted + 1, 1e-3 + per_token * drafted, 1, offered=20, drafted=drafted,
+                      accepted=drafted)
         length = budget.next_length(1, 64)
         chosen.append(budget.choice)
     assert 64 in chosen[300:400]  # long drafts paid first
@@ -129,26 +130,29 @@ def test_a_translator_keeps_the_budgets_of_its_recent_options(tiny_model_dir):
 def test_lengths_that_draft_alike_are_not_compared_on_noise():
     """IAD-like: drafts end with the source (at most 20 tokens offered) and are all accepted, under
     noisy timing. Lengths from 20 up draft the same tokens: they are never judged against each other
-    (noise would decide), so the length never walks down to where drafts are cut."""
+    (noise would decide), so once chosen the length never walks down to where drafts are cut."""
     gen = torch.Generator().manual_seed(1)
 
-    def run(informed: bool) -> tuple[DraftBudget, list[int]]:
+    def run(informed: bool) -> tuple[DraftBudget, list[int], list[int]]:
         budget = DraftBudget(64)
-        lengths, length = [], budget.next_length(1, 64)
+        lengths, chosen, length = [], [], budget.next_length(1, 64)
         for _ in range(3000):
             offered = int(torch.randint(4, 21, (1,), generator=gen))
             drafted = min(length, offered)
             noise = float(torch.empty(1).uniform_(0.5, 1.5, generator=gen))
             seconds = noise * (1e-3 + 5e-5 * drafted)
-            budget.record(length, drafted + 1, seconds, 1, offered=offered if informed else None)
+            budget.record(length, drafted + 1, seconds, 1, offered=offered if informed else None,
+                          drafted=drafted, accepted=drafted)
             lengths.append(length)
+            chosen.append(budget.choice)
             length = budget.next_length(1, 64)
-        return budget, lengths
+        return budget, lengths, chosen
 
-    budget, lengths = run(informed=True)
-    assert all(c < 20 for c in budget.score)  # only greedy (0) was judged against 64
-    assert min(n for n in lengths if n) >= 20  # no draft was ever cut
-    blind, _ = run(informed=False)
+    budget, lengths, chosen = run(informed=True)
+    assert all(c < 20 for c in budget.score)  # only shorter lengths were judged against the choice
+    long = next(i for i, n in enumerate(chosen) if n >= 20)
+    assert min(n for n in lengths[long + 1:] if n) >= 20  # once chosen long, no draft was cut again
+    blind, _, _ = run(informed=False)
     assert any(c >= 20 for c in blind.score)  # without what was offered, equal lengths were judged
 
 
@@ -167,24 +171,38 @@ def test_from_none_the_last_drafting_length_is_tried_again():
     length, chosen = budget.next_length(16, 8), []
     for calls in range(4000):
         accepted = torch.full((16,), length)
-        budget.record(length, int((accepted + 1).sum()), cost(16, 16 * length), 16)
+        budget.record(length, int((accepted + 1).sum()), cost(16, 16 * length), 16, drafted=16 * length,
+                      accepted=16 * length)
         length = budget.next_length(16, 8)
         chosen.append(budget.choice)
     assert 0 in chosen[:60] and chosen[-50:] == [8] * 50
 
 
-def test_a_cold_first_drafting_challenger_is_sized_by_the_rows():
-    """From a cold start on none the first drafting challenger is the longest draft up to
-    COLD_TOKENS over the batch: 64 at 1 row, 16 at 256 rows."""
-    for rows, first in ((1, 64), (256, DRAFT_COLD_TOKENS // 256)):
+def test_a_cold_budget_drafts_one_token_first_and_ramps_where_drafts_land():
+    """From a cold start on none the first drafting challenger drafts one token a row, at any width.
+    Where every draft lands and pays (a fixed cost per call), each length that takes over is challenged
+    by four times it: 1, 4, 16, 64 tokens a row within a few blocks. Where none lands, the trial ends after
+    DRAFT_EVIDENCE drafted tokens, and none stays chosen."""
+    for rows in (1, 256):
         budget = DraftBudget(64)
         lengths, length = [], budget.next_length(rows, 64)
-        for _ in range(12):
+        for _ in range(60):
             lengths.append(length)
-            budget.record(length, rows, 1e-3 * rows, rows)  # greedy-like: every length commits one token a row
+            budget.record(length, rows * (1 + length), 1e-3 * (1 + 0.01 * length), rows, offered=100,
+                          drafted=rows * length, accepted=rows * length)
             length = budget.next_length(rows, 64)
-        assert lengths[0] == 0 and first in lengths
-        assert all(n in (0, first) for n in lengths[: lengths.index(first) + 1])  # nothing else drafted before it
+        assert list(dict.fromkeys(lengths))[:5] == [0, 1, 4, 16, 64] and budget.choice == 64, lengths
+        assert lengths.index(64) <= 40
+        budget, lengths = DraftBudget(64), []
+        length = budget.next_length(rows, 64)
+        for _ in range(40):
+            lengths.append(length)
+            budget.record(length, rows, 1e-3 * (1 + 0.5 * length), rows, offered=100, drafted=rows * length,
+                          accepted=0)
+            length = budget.next_length(rows, 64)
+        assert set(lengths) == {0, 1} and budget.choice == 0
+        first, calls = lengths.index(1), -(-DRAFT_EVIDENCE // rows)  # the trial: the calls that draft EVIDENCE tokens
+        assert lengths[first: first + calls + 1] == [1] * calls + [0]
 
 
 def test_trials_that_lose_cost_a_small_share_of_a_run():

@@ -299,27 +299,33 @@ def test_one_host_read_per_iteration(monkeypatch):
 
 
 class OfferLog(RandomBudget):
-    """RandomBudget that keeps what each call reports: (draft length, tokens committed, offered)."""
+    """RandomBudget that keeps what each call reports: (draft length, tokens committed, offered, drafted,
+    accepted)."""
 
     def __init__(self, seed: int, max_length: int):
         super().__init__(seed, max_length)
-        self.log: list[tuple[int, int, int | None]] = []
+        self.log: list[tuple[int, int, int | None, int | None, int | None]] = []
 
-    def record(self, length, tokens, seconds, rows=1, offered=None):
-        self.log.append((length, tokens, offered))
-        super().record(length, tokens, seconds, rows, offered)
+    def record(self, length, tokens, seconds, rows=1, offered=None, drafted=None, accepted=None):
+        self.log.append((length, tokens, offered, drafted, accepted))
+        super().record(length, tokens, seconds, rows, offered, drafted, accepted)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_is_told_the_drafts_offered(seed):
     """The loop reports the longest draft offered before its width's cut, from its one read per
-    iteration, at every call."""
+    iteration, at every call, and the draft tokens it verified and accepted: in all, the rows' own counts
+    (accepted: less the drafted eos a row ends on, counted in its statistics, not as a token after the
+    row's last one)."""
     model = tiny_model(KINDS[seed % len(KINDS)], seed=seed, vocab=9)
-    reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos)
+    reqs = _requests(random.Random(seed), 14, model.cfg.src_vocab, model.cfg.eos, repeat=True)
     budget = OfferLog(seed, DRAFT_LONGEST)
-    list(SlotLoop(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))
-    assert all(offered is not None for _, _, offered in budget.log)
-    assert any(0 < length < offered for length, _, offered in budget.log)  # some drafts were cut
+    hyps = list(SlotLoop(model, InputCopy(), max_batch_size=2**seed, budget=budget).run(reqs))
+    assert all(offered is not None for _, _, offered, _, _ in budget.log)
+    assert any(0 < length < offered for length, _, offered, _, _ in budget.log)  # some drafts were cut
+    assert sum(d for *_, d, _ in budget.log) == sum(h.stats.drafted for h in hyps) > 0
+    accepted = sum(h.stats.accepted for h in hyps)
+    assert accepted - len(hyps) <= sum(a for *_, a in budget.log) <= accepted
 
 
 def test_slot_count():

@@ -572,7 +572,9 @@ class SlotLoop:
             self.counters.padded += n * (width + self.stride)
             if self.budget is not None and self.max_draft:
                 if not built:  # a program's build (seconds, once) is no cost of the length that met it
-                    self.budget.record(length, tokens, seconds, len(live), offered=offered)
+                    plain = len(live) * self.stride  # what a call without drafts commits and verifies
+                    self.budget.record(length, tokens, seconds, len(live), offered=offered,
+                                       drafted=max(fed - plain, 0), accepted=max(tokens - plain, 0))
                 length = self.budget.next_length(len(live), self.max_draft)
             observed = 0.0
             if self._after and length:  # the next call drafts: from this call's states
