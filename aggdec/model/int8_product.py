@@ -52,9 +52,10 @@ def usable() -> bool:
 
 
 PACK_MIN = 1 << 20
-"""Weights of at least this many elements are prepacked for oneDNN (`prepack`): its product was faster on
-512 x 2048 and 2048 x 512 weights and 2 to 4x faster on 512 x 58,101 ones, at 1 to 32 rows, but slower
-on 512 x 512 ones (about 5 µs more a call, 1 thread, an AVX-512 VNNI CPU)."""
+"""Weights of at least this many elements are prepacked for oneDNN (`prepack`). Measured against `_int_mm`
+(1 and 2 threads, 1 to 32 rows, an AVX-512 VNNI CPU): 2 to 4x faster on a 512 x 58,101 weight, 5 to 40%
+faster on 512 x 2048 and 2048 x 512 ones, but up to 1.5x slower on 512 x 512 ones at 1 to 8 rows (its
+fixed cost a call, 5 to 10 µs)."""
 
 
 def prepack(qweight_t: torch.Tensor) -> torch.Tensor | None:
