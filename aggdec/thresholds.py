@@ -139,21 +139,26 @@ times the seconds it lost (its block's time less that of its tokens at the choic
 cost at most about 1/DRAFT_EXPLORE of a run: on a wide batch one call drafting the longest length costs
 tens of greedy calls, and trials of it at a fixed interval would cost a large share of a long run."""
 
+DRAFT_PROBE = 64
+"""Draft tokens a cold draft budget's first trial verifies a call at most, over the rows of its widest call so
+far (64 a row at batch 1, 2 at 32, 1 from 64 rows): its call verifies at most 64 positions more than a greedy
+call. A first trial of 4,096 tokens a call (64 a row up to 64 rows) had cost 57 greedy calls at batch 32 on a
+74M model (2,080 positions a call) whose drafts never land."""
+
 DRAFT_RAMP = 4
 """How fast drafting grows where drafts land (at least `DRAFT_LANDED` of their tokens accepted; `DraftBudget`):
-a longer length that took over is challenged next by this many times it (1, 4, 16, 64 tokens a row), and
-a trial from none that landed but lost narrowly (a cost a drafting call pays once, which longer drafts
-share) is tried next this many times as long. A cold budget drafts one token a row first: its calls verify
-at most twice a greedy call's positions, where a first trial at the longest draft had cost up to 57
-greedy calls at batch 32 on a 74M model (2,080 positions a call) that never copies."""
+a longer length that took over is challenged next by this many times it (2, 8, 32, 64 tokens a row at batch 32),
+and a trial from none that landed but lost narrowly (a cost a drafting call pays once, which longer drafts
+share) is tried next this many times as long."""
 
 DRAFT_LANDED = 0.5
 """The share of a block's drafted tokens accepted from which its drafts count as landing (`DRAFT_RAMP`)."""
 
 DRAFT_EVIDENCE = 4
-"""Draft tokens a drafting challenger of none verifies, none accepted, before it is judged lost without the
-rest of its block: four calls at batch 1, where a copying model's one rejected draft (an edit) does not end
-its trial; one call on four rows or more."""
+"""Rows a drafting challenger of none drafts over (the rows of its calls that drafted), none of its tokens
+accepted, before it is judged lost without the rest of its block: four calls at batch 1, where one
+rejected draft (a copying model's edit at the draft's first token) does not end its trial; one call on
+four rows or more."""
 
 DRAFT_WARM = 2
 """The draft budget's blocks are a quarter as long until this many comparisons were judged: a cold start

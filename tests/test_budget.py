@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from aggdec.decoding.budget import DraftBudget
-from aggdec.thresholds import DRAFT_EVIDENCE
+from aggdec.thresholds import DRAFT_EVIDENCE, DRAFT_PROBE
 
 
 def _drive(budget: DraftBudget, rows: int, accept, cost, calls: int = 200) -> list[int]:
@@ -178,12 +178,12 @@ def test_from_none_the_last_drafting_length_is_tried_again():
     assert 0 in chosen[:60] and chosen[-50:] == [8] * 50
 
 
-def test_a_cold_budget_drafts_one_token_first_and_ramps_where_drafts_land():
-    """From a cold start on none the first drafting challenger drafts one token a row, at any width.
-    Where every draft lands and pays (a fixed cost per call), each length that takes over is challenged
-    by four times it: 1, 4, 16, 64 tokens a row within a few blocks. Where none lands, the trial ends after
-    DRAFT_EVIDENCE drafted tokens, and none stays chosen."""
-    for rows in (1, 256):
+def test_a_cold_budget_probes_few_positions_and_ramps_where_drafts_land():
+    """From a cold start on none the first drafting challenger drafts DRAFT_PROBE tokens over the rows: 64 a
+    row at 1 row, 1 at 256. Where every draft lands and pays (a fixed cost per call), each length that takes
+    over is challenged by four times it: 1, 4, 16, 64 tokens a row within a few blocks. Where none lands, the
+    trial ends once it drafted over DRAFT_EVIDENCE rows, and none stays chosen."""
+    for rows, ramp in ((1, [64]), (256, [1, 4, 16, 64])):
         budget = DraftBudget(64)
         lengths, length = [], budget.next_length(rows, 64)
         for _ in range(60):
@@ -191,8 +191,9 @@ def test_a_cold_budget_drafts_one_token_first_and_ramps_where_drafts_land():
             budget.record(length, rows * (1 + length), 1e-3 * (1 + 0.01 * length), rows, offered=100,
                           drafted=rows * length, accepted=rows * length)
             length = budget.next_length(rows, 64)
-        assert list(dict.fromkeys(lengths))[:5] == [0, 1, 4, 16, 64] and budget.choice == 64, lengths
-        assert lengths.index(64) <= 40
+        assert ramp[0] == max(1, DRAFT_PROBE // rows)
+        assert list(dict.fromkeys(lengths))[:len(ramp) + 1] == [0, *ramp] and budget.choice == 64, lengths
+        assert lengths.index(64) <= 16
         budget, lengths = DraftBudget(64), []
         length = budget.next_length(rows, 64)
         for _ in range(40):
@@ -200,9 +201,10 @@ def test_a_cold_budget_drafts_one_token_first_and_ramps_where_drafts_land():
             budget.record(length, rows, 1e-3 * (1 + 0.5 * length), rows, offered=100, drafted=rows * length,
                           accepted=0)
             length = budget.next_length(rows, 64)
-        assert set(lengths) == {0, 1} and budget.choice == 0
-        first, calls = lengths.index(1), -(-DRAFT_EVIDENCE // rows)  # the trial: the calls that draft EVIDENCE tokens
-        assert lengths[first: first + calls + 1] == [1] * calls + [0]
+        assert set(lengths) == {0, ramp[0]} and budget.choice == 0
+        first = lengths.index(ramp[0])  # the trial: the calls that draft over EVIDENCE rows
+        calls = -(-DRAFT_EVIDENCE // rows)
+        assert lengths[first: first + calls + 1] == [ramp[0]] * calls + [0]
 
 
 def test_trials_that_lose_cost_a_small_share_of_a_run():

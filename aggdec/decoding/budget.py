@@ -2,8 +2,9 @@
 (docs/design.md, "Drafting that pays or turns itself off"). `DraftBudget` measures output tokens per
 second of loop iterations (not the encoding of refills) in blocks of calls and picks the draft length
 with the most, 0 (plain greedy) included; a challenger length's block is compared with the best-length
-blocks just before and after it. Drafting starts from one token a row and grows fourfold while drafts
-land and longer ones win at this model's measured cost; a trial from none whose drafts never land ends
+blocks just before and after it. A cold budget's first drafting trial adds at most `DRAFT_PROBE` positions
+to a call (64 tokens a row at batch 1, one at 64 rows); drafting grows fourfold from there while drafts
+land and longer ones win at this model's measured rates; a trial from none whose drafts never land ends
 after a few drafted tokens.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from aggdec.thresholds import DRAFT_EVIDENCE, DRAFT_EXPLORE, DRAFT_LANDED, DRAFT_LONGEST, DRAFT_RAMP, DRAFT_WARM
+from aggdec.thresholds import (DRAFT_EVIDENCE, DRAFT_EXPLORE, DRAFT_LANDED, DRAFT_LONGEST, DRAFT_PROBE, DRAFT_RAMP,
+                               DRAFT_WARM)
 
 UNKNOWN_OFFER = 1 << 30
 """`Block.longest` where the drafts offered are unknown: as if every draft had been cut."""
@@ -41,7 +43,7 @@ class DraftBudget:
         self.max_length = max_length
         self.block, self.row_calls, self.max_gap = block, row_calls, max_gap
         self.choice = 0  # the best length so far: a cold budget starts on the plain path
-        self._drafting = 1  # a challenger of none: the last choice that drafted (at first one token a row)
+        self._drafting = max_length  # a challenger of none: the last choice that drafted (a cold one: `_close`)
         self._ramp = False  # the choice took over from a shorter length, its drafts landing: its longer
         # challenger is DRAFT_RAMP times it
         self.score: dict[int, float] = {}  # challenger -> running log(rate / rate of choice)
@@ -51,6 +53,7 @@ class DraftBudget:
         self._tokens = self._seconds = 0.0
         self._count = self._judged = 0
         self._drafted = self._accepted = 0  # draft tokens the block's calls verified, and of them accepted
+        self._evidence = 0  # rows of the block's calls that drafted
         self._rows = (0, 0)  # fewest and most rows of the block's calls
         self._longest = 0  # the longest draft offered to the block's calls
         self._widest = 0  # the most rows of any call so far
@@ -68,8 +71,8 @@ class DraftBudget:
         """A call at draft length `length` over `rows` rows committed `tokens` output tokens in
         `seconds`; `offered`: the longest draft proposed for it before the length cap; `drafted`, `accepted`:
         the draft tokens it verified and accepted (None: unknown). Calls at another length than the current
-        block's are not measured (they are counted). A drafting challenger of none that verified
-        `DRAFT_EVIDENCE` draft tokens and accepted none has lost (its calls commit what none's do, at more
+        block's are not measured (they are counted). A drafting challenger of none that drafted over
+        `DRAFT_EVIDENCE` rows (rows of its calls that drafted) and accepted none has lost (its calls commit what none's do, at more
         cost): its block ends there."""
         self.calls += 1
         self.drafting_calls += length > 0
@@ -84,12 +87,13 @@ class DraftBudget:
         self._count += 1
         if drafted is not None and accepted is not None:
             self._drafted, self._accepted = self._drafted + drafted, self._accepted + accepted
-        lost = self.choice == 0 < self._current and self._drafted >= DRAFT_EVIDENCE and not self._accepted
+            self._evidence += rows if drafted else 0
+        lost = self.choice == 0 < self._current and self._evidence >= DRAFT_EVIDENCE and not self._accepted
         if lost or self._count >= self._block_length():
             block = Block(self._tokens / max(self._seconds, 1e-9), *self._rows, self._longest, self._seconds,
                           self._accepted / max(self._drafted, 1))
             self._tokens, self._seconds, self._count = 0.0, 0.0, 0
-            self._drafted = self._accepted = 0
+            self._drafted = self._accepted = self._evidence = 0
             self._current = self._lost(self._current, block) if lost else self._close(self._current, block)
 
     def describe(self) -> str:
@@ -135,6 +139,8 @@ class DraftBudget:
         self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
         if (self._since >= self._gap and self._owed <= 0
                 and 1.25 * block.fewest >= self._widest):  # not while a batch drains
+            if self.choice == 0 and not self._judged:  # cold: the first drafting trial's tokens a row
+                self._drafting = min(self._drafting, max(1, DRAFT_PROBE // max(self._widest, 1)))
             challengers = self._challengers()
             if challengers:
                 self._since = 0
@@ -183,8 +189,9 @@ class DraftBudget:
 
     def _challengers(self) -> list[int]:
         """None, a step less and a step more (a quarter of the current length, at least one token; `DRAFT_RAMP`
-        times it first while the choice ramps); from none, first the last length that drafted (at first one
-        token a row; `_judge` sets it after each loss). Not those set aside as drafting alike."""
+        times it first while the choice ramps); from none, first the last length that drafted (a cold budget's:
+        `DRAFT_PROBE` tokens over the rows; `_judge` sets it after each loss). Not those set aside as drafting
+        alike."""
         c = self.choice
         step = max(1, c // 4)
         lengths = (self._drafting, 0, c + step) if c == 0 else (
