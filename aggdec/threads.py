@@ -50,16 +50,31 @@ def run_queue_seconds() -> float | None:
         return None
 
 
+def _own_running() -> int:
+    """This process's threads that are runnable now, the calling one included (`/proc/self/task`): an
+    OpenMP worker of ours spins runnable for a while after each parallel region."""
+    running = 0
+    for task in os.scandir("/proc/self/task"):
+        try:
+            with open(f"{task.path}/stat") as f:
+                running += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return running
+
+
 def others_running() -> int | None:
-    """Runnable threads on the machine besides the calling one (the fewest of PROBES reads); None
-    where the kernel does not say."""
+    """Runnable threads of other processes on the machine (the fewest of PROBES reads; not this process's
+    own, whose OpenMP workers spin for a while after a torch operator); None where the kernel does not
+    say."""
     counts = []
     for k in range(PROBES):
         if k:
             time.sleep(0.001)
         try:
             with open("/proc/stat") as f:
-                counts.extend(int(line.split()[1]) - 1 for line in f if line.startswith("procs_running"))
+                running = [int(line.split()[1]) for line in f if line.startswith("procs_running")]
+            counts.extend(max(0, n - _own_running()) for n in running)
         except (OSError, ValueError, IndexError):
             return None
     return min(counts) if counts else None

@@ -92,3 +92,37 @@ def test_decoding_while_the_thread_count_changes_gives_the_same_outputs():
             p.kill()
             p.wait()
         torch.set_num_threads(before)
+
+
+def test_the_process_own_spinning_threads_are_not_other_processes():
+    """A thread of this process that keeps running (as an OpenMP worker spins after a parallel region) is
+    not counted as another process's: a call right after a torch operator does not take the cores as busy.
+    A process that spins is counted."""
+    import threading
+
+    def spinning(count) -> list[int]:  # three reads
+        return [count() for _ in range(3)]
+
+    stop = threading.Event()
+    a = torch.randn(512, 512)
+
+    def spin():  # products outside the GIL: a thread of ours that keeps running
+        while not stop.is_set():
+            a @ a
+
+    spinner = threading.Thread(target=spin)
+    before = spinning(threads.others_running)
+    spinner.start()
+    try:
+        during = spinning(threads.others_running)
+    finally:
+        stop.set()
+        spinner.join()
+    assert min(during) <= max(before)
+    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        time.sleep(0.3)
+        assert max(spinning(threads.others_running)) >= 1
+    finally:
+        proc.kill()
+        proc.wait()
