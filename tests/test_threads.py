@@ -100,7 +100,7 @@ def test_the_process_own_spinning_threads_are_not_other_processes():
     A process that spins is counted."""
     import threading
 
-    def spinning(count) -> list[int]:  # three reads
+    def reads(count) -> list[int]:
         return [count() for _ in range(3)]
 
     stop = threading.Event()
@@ -111,10 +111,10 @@ def test_the_process_own_spinning_threads_are_not_other_processes():
             a @ a
 
     spinner = threading.Thread(target=spin)
-    before = spinning(threads.others_running)
+    before = reads(threads.others_running)
     spinner.start()
     try:
-        during = spinning(threads.others_running)
+        during = reads(threads.others_running)
     finally:
         stop.set()
         spinner.join()
@@ -122,7 +122,7 @@ def test_the_process_own_spinning_threads_are_not_other_processes():
     proc = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
         time.sleep(0.3)
-        assert max(spinning(threads.others_running)) >= 1
+        assert max(reads(threads.others_running)) >= 1
     finally:
         proc.kill()
         proc.wait()
