@@ -129,6 +129,8 @@ class DraftBudget:
             # none offered at all) or the batch changed size (a drain changes the rate)
             if challenger and c.longest <= min(challenger, self.choice):
                 self._alike.add(challenger)
+                if self.choice == 0:  # offered nothing: its drafter's work was for nothing, tried later
+                    self._gap = min(2 * self._gap, self.max_gap)
             elif max(b.most for b in [c, *pair]) <= 1.25 * min(b.fewest for b in [c, *pair]):
                 rate = sum(b.rate for b in pair) / len(pair)
                 if self._judge(challenger, math.log(c.rate / rate), c.landed):
