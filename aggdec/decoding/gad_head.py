@@ -24,7 +24,7 @@ holding the verifier and output weight keeps their ids theirs."""
 
 def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor | None):
     """(the head's draft-vocabulary output weight, its oneDNN packing, the verifier's output bias on it
-    or None, the fused token table on `verifier`), built once per head, verifier and output weight."""
+    or None), built once per head, verifier and output weight."""
     key = (id(verifier), None if out_weight is None else id(out_weight))
     cache = _PREPARED.setdefault(head, {})
     if key not in cache:
@@ -33,10 +33,7 @@ def _prepared(verifier: Transformer, head: DraftHead, out_weight: torch.Tensor |
         rows = head.vocab if head.cfg.draft_vocab else slice(None)
         weight = weight[rows].detach().to(dtype).contiguous()
         bias = None if bias is None else bias[rows].detach().to(dtype)
-        dec = verifier.decoder
-        with torch.no_grad():
-            table = head.token_context((dec.embed_scale * dec.embed_tokens.weight).to(dtype)).contiguous()
-        cache[key] = (verifier, out_weight, (weight, prepack(weight), bias, table))
+        cache[key] = (verifier, out_weight, (weight, prepack(weight), bias))
     return cache[key][2]
 
 
@@ -51,7 +48,8 @@ class DraftHeadDrafter(StateDrafter):
                  out_weight: torch.Tensor | None = None):
         super().__init__(head.cfg.block_size if block_size is None else min(block_size, head.cfg.block_size))
         self.head = head
-        self.weight, self.packed, self.bias, self.token_table = _prepared(verifier, head, out_weight)
+        self.weight, self.packed, self.bias = _prepared(verifier, head, out_weight)
+        self.decoder = verifier.decoder  # its token embeddings: the head's token half of each context
         self.last_layer = len(verifier.decoder.layers) - 1
         self.vocab = head.vocab if head.cfg.draft_vocab else None
 
@@ -70,7 +68,9 @@ class DraftHeadDrafter(StateDrafter):
         layer's self- and cross-attention keys/values (`Verified`)."""
         pk, pv, lengths, ck, cv, src_pad = verified.keys(self.last_layer)
         dtype = self.weight.dtype
-        ctx = self.head.context(verified.hidden.to(dtype), self.token_table, state.last_tokens())
+        dec = self.decoder
+        emb = (dec.embed_scale * dec.embed_tokens.weight[state.last_tokens()]).to(dtype)
+        ctx = self.head.context(verified.hidden.to(dtype), emb)
         keep = torch.arange(pk.shape[1], device=pk.device)[None] < lengths[:, None]
         states = self.head.from_context(ctx, pk.to(dtype), pv.to(dtype), keep, ck.to(dtype), cv.to(dtype), src_pad, k)
         logits = linear(states, self.weight, self.bias, packed=self.packed)  # (B, k, V_draft)

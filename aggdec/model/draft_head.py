@@ -84,14 +84,11 @@ class DraftHead(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.register_buffer("vocab", torch.arange(cfg.draft_vocab, dtype=torch.long))
 
-    def token_context(self, embed: torch.Tensor) -> torch.Tensor:
-        """(V,D): the token half of `fuse` for every token of `embed` (V,D), bias included, so that
-        the context of (h, t) is h @ W_h.T + table[t] (one product and a gather)."""
-        return embed @ self.fuse.weight[:, self.cfg.d_model:].T + self.fuse.bias
-
-    def context(self, h: torch.Tensor, token_table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The fused context (N,D) of states h (N,D) and tokens (N,) through `token_context`'s table."""
-        return F.linear(h, self.fuse.weight[:, : self.cfg.d_model]) + token_table[tokens]
+    def context(self, h: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """The fused context (N,D) of states h (N,D) and the embeddings (N,D) of the tokens they produced:
+        `fuse` on the two halves of its input apart, h @ W_h.T + (token_emb @ W_t.T + bias)."""
+        d = self.cfg.d_model
+        return F.linear(h, self.fuse.weight[:, :d]) + F.linear(token_emb, self.fuse.weight[:, d:], self.fuse.bias)
 
     def states(self, h: torch.Tensor, token_emb: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
                prefix_keep: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, src_pad: torch.Tensor,
