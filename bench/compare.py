@@ -248,6 +248,9 @@ def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N sentences (default: all)")
     ap.add_argument("--bs1-limit", type=int, default=200, help="first N sentences at batch size 1")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold", action="store_true",
+                    help="aggdec systems time their first call at each batch size too (no warm-up decode): the first "
+                         "repeat is a fresh process's first call, later ones follow on its Translator")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--drafter", default="models/ende-base-draft-head", help="gad and gad++: the draft head")
@@ -425,7 +428,7 @@ class Matrix:
                 if item.partition("=")[0] in ("max_len_a", "max_len_b"):
                     raise ValueError(f"--set {item.partition('=')[0]}: the peers would not follow it; give --max-new")
             options = aggdec_options(a, system) | {"max_len_a": m.max_len_a, "max_len_b": m.max_len_b}
-            return {**job, "options": options, "inputs": self.sources}
+            return {**job, "options": options, "inputs": self.sources, "cold": a.cold}
         if system.kind == "ct2":
             return {**job, "ct2_model": str(m.ct2_model()), "compute": system.precision, "inputs": m.pieces,
                     "target_prefix": m.target_prefix, "max_len": max(m.limits)}

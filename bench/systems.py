@@ -269,7 +269,7 @@ def aggdec_runner(job: dict) -> Decode:
 
     def decode(bs: int, n: int):
         opts = decode_options(max_batch_size=bs, **job["options"])
-        if bs not in warmed:  # conversion, compilation, captures, the draft budget's first estimates
+        if bs not in warmed and not job.get("cold"):  # conversion, compilation, captures, the budget's first estimates
             tr.translate_batch(sources[: warm_count(bs, len(sources))], opts)
             warmed.add(bs)
         sync()
