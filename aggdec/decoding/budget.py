@@ -5,7 +5,7 @@ with the most, 0 (plain greedy) included; a challenger length's block is compare
 blocks just before and after it. A cold budget's first drafting trial adds at most `DRAFT_PROBE` positions
 to a call (64 tokens a row at batch 1, one at 64 rows); drafting grows fourfold from there while drafts
 land and longer ones win at this model's measured rates; a trial from none whose drafts never land ends
-after a few drafted tokens.
+once it drafted over a few rows.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class DraftBudget:
         `seconds`; `offered`: the longest draft proposed for it before the length cap; `drafted`, `accepted`:
         the draft tokens it verified and accepted (None: unknown). Calls at another length than the current
         block's are not measured (they are counted). A drafting challenger of none that drafted over
-        `DRAFT_EVIDENCE` rows (rows of its calls that drafted) and accepted none has lost (its calls commit what none's do, at more
-        cost): its block ends there."""
+        `DRAFT_EVIDENCE` rows (the rows of its calls that drafted) and accepted none has lost (its calls
+        commit what none's do, at more cost): its block ends there."""
         self.calls += 1
         self.drafting_calls += length > 0
         if min(length, self.max_length) != self._current:
