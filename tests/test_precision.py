@@ -100,9 +100,10 @@ def test_the_prepacked_operator_gives_the_op_by_op_products_bit_for_bit_past_2_2
     """The C++ operator on a weight prepacked for oneDNN (Int8Weight.packed, int8_product.prepack) gives
     every variant's op-by-op result exactly where integer sums pass 2^24 and fp32 must round them (in =
     2048, values near +-127), at 1, 2, 3 and 33 rows, strided and none, at every capability; the
-    prepacked weight is made again for a copy and a pickle."""
+    prepacked weight is made again for a copy and a pickle. Where oneDNN's sums are not exact (no VNNI)
+    nothing is packed and the results are still exact (`_int_mm`)."""
     script = """
-import copy, pickle
+import copy, os, pickle
 import torch
 from aggdec.model import int8_product, precision
 from aggdec.model.precision import Int8Weight
@@ -112,9 +113,11 @@ d, m = 2048, int8_product.PACK_MIN // 2048
 w = torch.where(torch.rand(m, d) < 0.5, 1.0, -1.0) * torch.where(torch.rand(m, d) < 0.9, 1.0, 0.99)  # +-127, +-126
 b = torch.randn(m)
 q = Int8Weight(w, b)
-assert q.packed is not None and Int8Weight(w[:-1], b[:-1]).packed is None
+exact = int8_product.onednn_exact()  # oneDNN without VNNI saturates: the operator then runs _int_mm
+assert (q.packed is not None) == exact and Int8Weight(w[:-1], b[:-1]).packed is None
 for clone in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
-    assert torch.equal(clone.packed.to_dense(), q.packed.to_dense()) and torch.equal(clone(w[:3]), q(w[:3]))
+    assert not exact or torch.equal(clone.packed.to_dense(), q.packed.to_dense())
+    assert torch.equal(clone(w[:3]), q(w[:3]))
 rounded = 0
 for n in (1, 2, 3, 33):
     x = w[:n] * torch.rand(n, 1) * 5  # row i near weight row i: sums near +-127 * 127 * 2047
@@ -136,6 +139,23 @@ assert rounded > 10, rounded
 print("ok", torch.backends.cpu.get_cpu_capability())
 """
     _at_every_capability(script)
+
+
+def test_nothing_is_prepacked_where_onednn_sums_in_saturating_pairs():
+    """oneDNN's kernels as on a CPU without VNNI (its ISA capped at AVX2: u8 x s8 products added in int16
+    pairs, which saturate) give other sums than exact ones: `onednn_exact` says so and no weight is
+    prepacked for them."""
+    script = """
+import torch
+from aggdec.model import int8_product
+from aggdec.model.precision import Int8Weight
+assert not int8_product.onednn_exact()
+assert Int8Weight(torch.randn(int8_product.PACK_MIN // 512, 512)).packed is None
+print("ok")
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
 def _at_every_capability(script: str) -> None:

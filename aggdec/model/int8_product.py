@@ -12,7 +12,8 @@ the call. It replaces a compiled product's three kernels and the Python around t
 The integer sums are exact either way: with `packed`, oneDNN's u8 x s8 product (x_q + 128, zero point
 128) on the prepacked weight, which gives each sum converted to fp32 as float(int32) rounds it (to
 nearest, ties to even, past 2^24 too: tests/test_precision.py); without, ATen's int8 x int8 -> int32
-`_int_mm`. `prepack` decides which weights are packed (`PACK_MIN`).
+`_int_mm`. `prepack` decides which weights are packed (`PACK_MIN`, and only where oneDNN's sums are exact:
+`onednn_exact`, CPUs with VNNI or AMX).
 
 The operator is built with decode attention's, into the same library per CPU capability (setup.py,
 aggdec.model.decode_attention), and loaded with it. Its name carries its source's digest (`OP`), so a
@@ -58,10 +59,31 @@ faster on 512 x 2048 and 2048 x 512 ones, but up to 1.5x slower on 512 x 512 one
 fixed cost a call, 5 to 10 µs)."""
 
 
+_exact: bool | None = None  # None: not asked yet
+
+
+def onednn_exact() -> bool:
+    """Whether oneDNN's u8 x s8 product sums exactly here. With VNNI or AMX it does; without (AVX2, AVX-512
+    without VNNI, or `ONEDNN_MAX_CPU_ISA` below them) it adds pairs of products in int16 with saturation
+    (255 x 127 x 2 > 32,767) and gives other sums. Checked once a process, on those extreme values."""
+    global _exact
+    if _exact is None:
+        _exact = False
+        if torch.backends.mkldnn.is_available():
+            w = torch.full((8, 64), 127, dtype=torch.int8)
+            x = torch.full((2, 64), 255, dtype=torch.uint8)  # x_q = 127 at zero point 128
+            y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None),
+                                                   torch.ones(8), torch.zeros(8, dtype=torch.int32), None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+            _exact = bool((y == 127 * 127 * 64).all())
+    return _exact
+
+
 def prepack(qweight_t: torch.Tensor) -> torch.Tensor | None:
     """qweight_t (D, M) int8 as oneDNN's product takes it (`product`'s `packed`: an mkldnn tensor, which
-    neither copies nor pickles), or None where `PACK_MIN` says it does not pay or torch has no oneDNN."""
-    if qweight_t.numel() < PACK_MIN or not torch.backends.mkldnn.is_available():
+    neither copies nor pickles), or None where `PACK_MIN` says it does not pay or oneDNN's product is not
+    exact here (`onednn_exact`)."""
+    if qweight_t.numel() < PACK_MIN or not onednn_exact():
         return None
     return torch.ops.onednn.qlinear_prepack(qweight_t.t().contiguous(), None)  # (M, D), which must be contiguous
 
