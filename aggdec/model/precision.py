@@ -96,10 +96,10 @@ class Int8Weight:
         return self(x) if self.bias is not None else self._run("ranking", x)
 
     def _run(self, name: str, x: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
-        """`kernel(name, x.dtype)` on x (N, D), detached, and this weight (prepacked, where it is)."""
-        if _operator(x.dtype):
-            return _OPERATORS[name](x.detach(), self.qweight_t, self.scale, *bias, packed=self.packed)
-        return _VARIANTS[name](x.detach(), self.qweight_t, self.scale, *bias)
+        """`kernel(name, x.dtype)` on x (N, D), detached, and this weight (prepacked, where it is: then the
+        kernel is the operator, as the packing asked `_operator` of the same dtype)."""
+        packed = {} if self.packed is None else {"packed": self.packed}
+        return kernel(name, x.dtype)(x.detach(), self.qweight_t, self.scale, *bias, **packed)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
