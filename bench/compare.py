@@ -1,8 +1,10 @@
 """`compare`: systems x models x batch sizes on one device, and `contention`: the same systems beside
 competing processes.
 
-Each system runs in a process of its own (bench/systems.py) kept for the whole run; the repeats go
-round every batch size and system in turn, and each figure is the median of a system's repeats.
+Each system runs in a process of its own (bench/systems.py) kept for the whole run, or for each of
+`--processes` rounds (fresh processes each, the systems' interleaved); the repeats go round every batch
+size and system in turn, and each figure is the median of a system's repeats (of every process). With
+`--cold`, `first_sentences_per_s` lists each process's first call at each batch size.
 A `/best` system stands for its layouts (bench/systems.py), timed as systems of their own; after
 them, `compare` records per batch size a run under the `/best` name: the fastest layout's figures,
 with `best` (its system), `layout` and `layouts` (every layout's sentences/s).
@@ -251,6 +253,9 @@ def add_arguments(ap: argparse.ArgumentParser, systems: str) -> None:
     ap.add_argument("--cold", action="store_true",
                     help="aggdec systems time their first call at each batch size too (no warm-up decode): the first "
                          "repeat is a fresh process's first call, later ones follow on its Translator")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="rounds of fresh processes: every system's process is started anew for each, and runs "
+                         "--repeat repeats")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--drafter", default="models/ende-base-draft-head", help="gad and gad++: the draft head")
@@ -453,37 +458,46 @@ class Matrix:
             self.processes[system.name] = Process(system, self.work / f"job-{i}.json", system.threads or self.a.threads,
                                                   REPO)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Close the systems' processes."""
         for p in self.processes.values():
             p.close()
+        self.processes.clear()
+
+    def close(self) -> None:
+        self.stop()
         if self.a.work is None:
             shutil.rmtree(self.work, ignore_errors=True)
 
-    def rounds(self, conditions: dict[str, Callable[[], Any] | None]) -> Iterator[tuple[System, int, str, dict]]:
-        """Start the systems' processes and go round them: every repeat, batch size, system and
-        condition (a name, and a context manager factory to decode under, or None) in turn;
-        -> (system, batch size, condition, reply) of each reply without an error. A system that
-        answers with an error at a batch size is not asked there again (`errors`). The processes
-        are closed at the end."""
+    def rounds(self, conditions: dict[str, Callable[[], Any] | None]
+               ) -> Iterator[tuple[System, int, str, dict, bool]]:
+        """For each of `--processes` rounds, start the systems' processes and go round them: every repeat,
+        batch size, system and condition (a name, and a context manager factory to decode under, or
+        None) in turn; -> (system, batch size, condition, reply, whether it is the process's first reply
+        at that batch size and condition) of each reply without an error. A system that answers with an
+        error at a batch size is not asked there again (`errors`). A round's processes are closed at its
+        end."""
         try:
-            self.start()
-            for rep in range(self.a.repeat):
-                for bs in self.sizes:
-                    n = self.count(bs)
-                    for system in self.systems:
-                        for name, condition in conditions.items():
-                            if (system.name, bs) in self.errors:
-                                continue
-                            with condition() if condition else nullcontext():
-                                reply = self.processes[system.name].request(bs, n)
-                            label = f"rep {rep} bs {bs} {system.name}{' ' + name if name else ''}"
-                            if "error" in reply:
-                                self.errors[(system.name, bs)] = reply["error"]
-                                print(f"{label}: {reply['error']}", file=sys.stderr, flush=True)
-                                continue
-                            print(f"{label}: {n / reply['seconds']:.1f} sentences/s", flush=True)
-                            yield system, bs, name, reply
-                            time.sleep(0.5)  # let the last process's threads go idle before the next one starts
+            for proc in range(self.a.processes):
+                self.start()
+                for rep in range(self.a.repeat):
+                    for bs in self.sizes:
+                        n = self.count(bs)
+                        for system in self.systems:
+                            for name, condition in conditions.items():
+                                if (system.name, bs) in self.errors:
+                                    continue
+                                with condition() if condition else nullcontext():
+                                    reply = self.processes[system.name].request(bs, n)
+                                label = f"process {proc} rep {rep} bs {bs} {system.name}{' ' + name if name else ''}"
+                                if "error" in reply:
+                                    self.errors[(system.name, bs)] = reply["error"]
+                                    print(f"{label}: {reply['error']}", file=sys.stderr, flush=True)
+                                    continue
+                                print(f"{label}: {n / reply['seconds']:.1f} sentences/s", flush=True)
+                                yield system, bs, name, reply, rep == 0
+                                time.sleep(0.5)  # let the last process's threads go idle before the next one starts
+                self.stop()
         finally:
             self.close()
 
@@ -522,9 +536,12 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     extra: dict[tuple[str, int], dict] = {}
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    for system, bs, _, reply in matrix.rounds({"": None}):
+    first: dict[tuple[str, int], list[float]] = {}  # each process's first call (`--cold`)
+    for system, bs, _, reply, fresh in matrix.rounds({"": None}):
         key = (system.name, bs)
         seconds.setdefault(key, []).append(reply["seconds"])
+        if fresh and a.cold and system.kind == "aggdec":
+            first.setdefault(key, []).append(reply["seconds"])
         outputs[key] = matrix.ids(system, reply["outputs"])
         extra[key] = {k: v for k, v in reply.items() if k not in ("seconds", "outputs", "modules")}
     scores: dict[tuple, dict] = {}
@@ -545,6 +562,8 @@ def measure(a: argparse.Namespace) -> Iterator[dict[str, Any]]:
             run.update(sentences_per_s=round(median_rate(seconds[key], n), 2),
                        all_sentences_per_s=[round(n / s, 2) for s in seconds[key]],
                        tokens_per_s=round(toks / statistics.median(seconds[key]), 1), **extra[key])
+            if key in first:
+                run["first_sentences_per_s"] = [round(n / s, 2) for s in first[key]]
             ref = outputs.get((reference.name, bs)) if reference and matrix.model(reference) is model else None
             if ref is not None:
                 run["identical"] = identical_share(outs, ref, model.limits)
@@ -627,7 +646,7 @@ def contention(a: argparse.Namespace) -> int:
     results = Results(a.out, "contention", settings, a.device)
     seconds: dict[tuple[str, int, str], list[float]] = {}
     busy = {"quiet": None, "contended": lambda: competitors(a.competitors, a.competitor_threads)}
-    for system, bs, condition, reply in matrix.rounds(busy):
+    for system, bs, condition, reply, _ in matrix.rounds(busy):
         seconds.setdefault((system.name, bs, condition), []).append(reply["seconds"])
     for system in matrix.systems:
         for bs in matrix.sizes:
