@@ -135,7 +135,7 @@ class DraftBudget:
                 rate = sum(b.rate for b in pair) / len(pair)
                 if self._judge(challenger, math.log(c.rate / rate), c.landed):
                     return self.choice
-                self._owed = DRAFT_EXPLORE * c.seconds * max(0.0, 1.0 - c.rate / rate)  # the time it lost
+                self._owe(c, rate)
         self._owed -= block.seconds
         self._before = block
         self._alike = {x for x in self._alike if block.longest < min(x, self.choice)}
@@ -156,12 +156,17 @@ class DraftBudget:
 
     def _lost(self, challenger: int, c: Block) -> int:
         """A challenger of none drafted and accepted nothing in block `c`: judged now, as losing by far (its
-        measured ratio to the last best-length block, at most 0.8), and the time it lost owed as `_close`
-        owes it (a fifth of its block at least); the next block is none's."""
+        measured ratio to the last best-length block, at most 0.8), and the time it lost owed (`_owe`, a
+        fifth of its block at least); the next block is none's."""
         rate = c.rate if self._before is None else self._before.rate
         self._judge(challenger, min(math.log(c.rate / rate), math.log(0.8)), 0.0)
-        self._owed = DRAFT_EXPLORE * c.seconds * max(0.2, 1.0 - c.rate / rate)
+        self._owe(c, rate, least=0.2)
         return self.choice
+
+    def _owe(self, c: Block, rate: float, least: float = 0.0) -> None:
+        """A challenger's block `c` lost against `rate`: the best length runs `DRAFT_EXPLORE` times the time
+        it lost (at least a `least` share of its block) before the next challenger."""
+        self._owed = DRAFT_EXPLORE * c.seconds * max(least, 1.0 - c.rate / rate)
 
     def _judge(self, challenger: int, log_ratio: float, landed: float) -> bool:
         """Update the challenger's score (`landed`: the share of its block's drafted tokens accepted); True if
