@@ -2,9 +2,10 @@
 competing processes.
 
 Each system runs in a process of its own (bench/systems.py) kept for the whole run, or for each of
-`--processes` rounds (fresh processes each, the systems' interleaved); the repeats go round every batch
-size and system in turn, and each figure is the median of a system's repeats (of every process). With
-`--cold`, `first_sentences_per_s` lists each process's first call at each batch size.
+`--processes` rounds (fresh processes each, the systems interleaved, each round from the next one on); the
+repeats go round every batch size and system in turn, and each figure is the median of a system's repeats
+(of every process). With `--cold`, `first_sentences_per_s` lists each process's first call at each batch
+size.
 A `/best` system stands for its layouts (bench/systems.py), timed as systems of their own; after
 them, `compare` records per batch size a run under the `/best` name: the fastest layout's figures,
 with `best` (its system), `layout` and `layouts` (every layout's sentences/s).
@@ -472,18 +473,19 @@ class Matrix:
     def rounds(self, conditions: dict[str, Callable[[], Any] | None]
                ) -> Iterator[tuple[System, int, str, dict, bool]]:
         """For each of `--processes` rounds, start the systems' processes and go round them: every repeat,
-        batch size, system and condition (a name, and a context manager factory to decode under, or
-        None) in turn; -> (system, batch size, condition, reply, whether it is the process's first reply
-        at that batch size and condition) of each reply without an error. A system that answers with an
-        error at a batch size is not asked there again (`errors`). A round's processes are closed at its
-        end."""
+        batch size, system (each round from the next system on) and condition (a name, and a context manager
+        factory to decode under, or None) in turn; -> (system, batch size, condition, reply, whether it is the
+        process's first reply at that batch size and condition) of each reply without an error. A system that
+        answers with an error at a batch size is not asked there again (`errors`). A round's processes are
+        closed at its end."""
         try:
             for proc in range(self.a.processes):
                 self.start()
+                turn = proc % len(self.systems)  # each round from another system on (the last asked reads slowest)
                 for rep in range(self.a.repeat):
                     for bs in self.sizes:
                         n = self.count(bs)
-                        for system in self.systems:
+                        for system in self.systems[turn:] + self.systems[:turn]:
                             for name, condition in conditions.items():
                                 if (system.name, bs) in self.errors:
                                     continue
