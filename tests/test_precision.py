@@ -103,7 +103,7 @@ def test_the_prepacked_operator_gives_the_op_by_op_products_bit_for_bit_past_2_2
     prepacked weight is made again for a copy and a pickle. Where oneDNN's sums are not exact (no VNNI)
     nothing is packed and the results are still exact (`_int_mm`)."""
     script = """
-import copy, os, pickle
+import copy, pickle
 import torch
 from aggdec.model import int8_product, precision
 from aggdec.model.precision import Int8Weight

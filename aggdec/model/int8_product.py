@@ -22,6 +22,7 @@ library built from another version of this source has no such operator: `usable`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 from pathlib import Path
@@ -59,24 +60,19 @@ faster on 512 x 2048 and 2048 x 512 ones, but up to 1.5x slower on 512 x 512 one
 fixed cost a call, 5 to 10 µs)."""
 
 
-_exact: bool | None = None  # None: not asked yet
-
-
+@functools.cache
 def onednn_exact() -> bool:
     """Whether oneDNN's u8 x s8 product sums exactly here. With VNNI or AMX it does; without (AVX2, AVX-512
     without VNNI, or `ONEDNN_MAX_CPU_ISA` below them) it adds pairs of products in int16 with saturation
     (255 x 127 x 2 > 32,767) and gives other sums. Checked once a process, on those extreme values."""
-    global _exact
-    if _exact is None:
-        _exact = False
-        if torch.backends.mkldnn.is_available():
-            w = torch.full((8, 64), 127, dtype=torch.int8)
-            x = torch.full((2, 64), 255, dtype=torch.uint8)  # x_q = 127 at zero point 128
-            y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None),
-                                                   torch.ones(8), torch.zeros(8, dtype=torch.int32), None, 1.0, 0,
-                                                   torch.float32, "none", [], "")
-            _exact = bool((y == 127 * 127 * 64).all())
-    return _exact
+    if not torch.backends.mkldnn.is_available():
+        return False
+    w = torch.full((8, 64), 127, dtype=torch.int8)
+    x = torch.full((2, 64), 255, dtype=torch.uint8)  # x_q = 127 at zero point 128
+    y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None), torch.ones(8),
+                                           torch.zeros(8, dtype=torch.int32), None, 1.0, 0, torch.float32, "none",
+                                           [], "")
+    return bool((y == 127 * 127 * 64).all())
 
 
 def prepack(qweight_t: torch.Tensor) -> torch.Tensor | None:
